@@ -1,0 +1,146 @@
+"""Every default of mtplm, as dataclasses, and the one way to override them (key=value strings).
+
+Nothing else in the package declares a default: the CLI and files only override these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .errors import UserError
+
+TRAINABLE = ("gated-lora", "lora", "full")
+OBJECTIVES = ("hard", "soft", "ground-truth")
+MODES = ("ntp", "static", "confadapt")
+CONFIDENCES = ("top1", "entropy")
+
+
+@dataclass
+class DecodeConfig:
+    mode: str = "confadapt"  # ntp | static | confadapt
+    k: int = 4  # static mode: tokens emitted per forward
+    k_max: int | None = None  # confadapt: block size; None -> the checkpoint's calibrated value
+    tau: float | None = None  # confadapt threshold; None -> the checkpoint's calibrated value
+    confidence: str = "top1"  # top1 | entropy
+    backoff: bool = False  # lower k_max after repeated single-token steps, raise it when confidence returns
+    backoff_patience: int = 3  # consecutive single-token steps before halving k_max
+    backoff_floor: int = 2
+    temperature: float = 0.0  # 0 = greedy; > 0 samples single-token steps
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    seed: int = 0
+
+    def validate(self) -> "DecodeConfig":
+        if self.mode not in MODES:
+            raise UserError(f"unknown decoding mode {self.mode!r}: choose one of {', '.join(MODES)}")
+        if self.k < 1:
+            raise UserError(f"k must be >= 1, got {self.k}")
+        if self.k_max is not None and self.k_max < 2:
+            raise UserError(f"k_max must be >= 2 (it counts the next token plus at least one mask slot), got {self.k_max}")
+        if self.tau is not None and not 0.0 < self.tau <= 1.0:
+            raise UserError(f"tau must lie in (0, 1], got {self.tau}")
+        if self.confidence not in CONFIDENCES:
+            raise UserError(f"unknown confidence measure {self.confidence!r}: choose one of {', '.join(CONFIDENCES)}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise UserError("temperature must be >= 0, top_p in (0, 1] and top_k >= 0")
+        if self.max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        return self
+
+
+@dataclass
+class TrainConfig:
+    model: str = "smollm2-135m"  # registry name, HF directory or .gguf file
+    out: str = "runs/mtp"
+    trainable: str = "gated-lora"  # gated-lora | lora | full
+    objective: str = "hard"  # hard (teacher argmax) | soft (teacher KL) | ground-truth (offline baseline)
+    warmup_ground_truth_steps: int = 0  # doc 000's stage 1: ground-truth CE before the distillation stage
+    ntp_weight: float = 0.0  # extra ground-truth NTP loss on prefix positions ("prefix loss")
+    entropy_weight: float = 0.0  # + weight * mean student entropy at supervised slots
+    k_max: int = 8  # k ~ U[2, k_max] each step
+    lora_rank: int = 32
+    lora_alpha: float = 64.0
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    schedule: str = "cosine"  # cosine | constant
+    weight_decay: float = 0.0
+    steps: int = 600
+    batch_size: int = 8
+    seq_len: int = 320
+    slots_per_seq: int = 96  # mask-slot budget per sequence and step (gated-lora layout)
+    region_width: int = 32  # packed layout (full / lora): tokens per region, ground truth + mask slots
+    dtype: str = "bf16"  # bf16 | fp32 compute (trainable weights stay float32)
+    data: str = "self:mixed"  # self:<prompt set> | jsonl:<path> | text:<path>
+    self_gen_prompts: int = 1200
+    self_gen_max_new_tokens: int = 256
+    self_gen_batch: int = 16
+    val_fraction: float = 0.05
+    val_every: int = 50
+    log_every: int = 10
+    save_every: int = 100
+    tau: float = 0.9  # threshold for the validation tokens/forward estimate
+    seed: int = 0
+    threads: int = 0  # torch threads; 0 = leave torch's default
+
+    def validate(self) -> "TrainConfig":
+        if self.trainable not in TRAINABLE:
+            raise UserError(f"unknown trainable {self.trainable!r}: choose one of {', '.join(TRAINABLE)}")
+        if self.objective not in OBJECTIVES:
+            raise UserError(f"unknown objective {self.objective!r}: choose one of {', '.join(OBJECTIVES)}")
+        if self.k_max < 2:
+            raise UserError(f"k_max must be >= 2 (the next token plus at least one mask slot), got {self.k_max}")
+        if self.region_width <= self.k_max:
+            raise UserError(f"region_width ({self.region_width}) must exceed k_max ({self.k_max})")
+        if not 0.0 < self.tau <= 1.0:
+            raise UserError(f"tau must lie in (0, 1], got {self.tau}")
+        if self.steps < 0 or self.batch_size < 1 or self.seq_len < 2 * self.k_max:
+            raise UserError("steps must be >= 0, batch_size >= 1 and seq_len >= 2 * k_max")
+        if self.dtype not in ("bf16", "fp32"):
+            raise UserError(f"dtype must be bf16 or fp32, got {self.dtype!r}")
+        return self
+
+
+def override(cfg, pairs: list[str]):
+    """Return a copy of dataclass `cfg` with `key=value` strings applied; unknown keys are errors."""
+    fields = {f.name: f for f in dataclasses.fields(cfg)}
+    updates = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in fields:
+            known = ", ".join(sorted(fields))
+            raise UserError(f"unknown setting {pair!r}: write key=value with key one of {known}")
+        updates[key] = _parse(raw.strip(), getattr(cfg, key), key)
+    return dataclasses.replace(cfg, **updates)
+
+
+def _parse(raw: str, current, key: str):
+    try:
+        if isinstance(current, bool):
+            if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError
+            return raw.lower() in ("true", "1", "yes")
+        if isinstance(current, int):
+            return int(raw)
+        if isinstance(current, float):
+            return float(raw)
+    except ValueError:
+        raise UserError(f"setting {key}={raw!r}: expected a {type(current).__name__}") from None
+    if current is None and raw.lower() == "none":
+        return None
+    if current is None:
+        for cast in (int, float):
+            try:
+                return cast(raw)
+            except ValueError:
+                pass
+    return raw
+
+
+def as_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+__all__ = ["DecodeConfig", "TrainConfig", "override", "as_dict", "field"]

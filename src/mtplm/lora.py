@@ -1,0 +1,80 @@
+"""Gated LoRA: low-rank adapters that act only on the rows of a forward pass that hold mask tokens.
+
+At every real-token position the adapted model computes exactly what the base model computes, so its
+next-token path (and everything verified against it) stays bit-identical to the original model, and
+the base model with the gate closed is the distillation teacher: no second copy in memory.
+(Samragh et al., arXiv 2507.11851.) Plain, ungated LoRA comes from `peft` (see model.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class Gate:
+    """Which rows of the current forward pass the adapters act on: a [B, S, 1] mask, or None (all off)."""
+
+    def __init__(self) -> None:
+        self.rows: torch.Tensor | None = None
+
+
+class GatedLoRALinear(nn.Module):
+    """y = W x + (B A x) * scale * gate, with the adapter kept in float32 whatever the base dtype."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, gate: Gate) -> None:
+        super().__init__()
+        self.base = base
+        self.gate = gate
+        self.scale = alpha / rank
+        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features))
+        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank))  # zero: starts as the base model
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        rows = self.gate.rows
+        if rows is None:
+            return y
+        delta = (x.to(self.lora_a.dtype) @ self.lora_a.T) @ self.lora_b.T  # [B, S, out]
+        return y + (delta * (rows * self.scale)).to(y.dtype)
+
+
+def attach_gated_lora(model: nn.Module, rank: int, alpha: float, targets=DEFAULT_TARGETS) -> Gate:
+    """Replace every target nn.Linear inside `model` by a GatedLoRALinear sharing one Gate."""
+    gate = Gate()
+    found = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets
+    ]
+    if not found:
+        raise ValueError(f"no linear layers named {targets} in {type(model).__name__}")
+    for name, module in found:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, GatedLoRALinear(module, rank, alpha, gate))
+    return gate
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters() if ".lora_" in name}
+
+
+def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for name, p in model.named_parameters() if ".lora_" in name]
+
+
+def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    params = dict(model.named_parameters())
+    missing = sorted(set(n for n in params if ".lora_" in n) - set(state))
+    unknown = sorted(set(state) - set(params))
+    if missing or unknown:
+        raise ValueError(f"adapter does not fit this model: missing {missing[:3]}, unknown {unknown[:3]}")
+    with torch.no_grad():
+        for name, value in state.items():
+            params[name].copy_(value)

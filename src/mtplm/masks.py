@@ -1,0 +1,112 @@
+"""The packed training layout: where mask slots go, their position ids, and the blocked 4D attention mask.
+
+A *region* predicts k tokens from a ground-truth prefix ending at index e: the logit at e (the ordinary
+next-token prediction) and the logits at k-1 mask slots, placed at positions e+1 .. e+k-1 (the positions
+the next real tokens will occupy at inference). Attention: ground truth attends causally to ground truth
+only, so its logits equal a plain forward; mask slot j of region r attends to ground truth up to e_r and
+to slots 0..j of its own region, so its logits equal those of the inference layout (prefix + masks).
+
+Two orders of the same tokens, same positions, same mask semantics:
+  interleaved  the paper's: each region's mask slots follow its prefix end inside the ground-truth stream;
+  appended     all ground truth first, then every region's slots. Its first L rows are a plain causal
+               forward, so the ground-truth part can run once, without gradients, as a KV cache that the
+               slot rows (and the teacher's student-forced rows) then attend to.
+
+Shapes: B batch, L ground-truth length, M regions, K = k-1 mask slots, S = L + M*K packed length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Regions:
+    prefix_end: torch.Tensor  # [B, M] index of each region's last ground-truth token
+    k: int  # tokens predicted per region: the next token + k-1 mask slots
+    valid: torch.Tensor  # [B, M, k] prediction j supervised: its target index e+1+j is a real token
+
+
+@dataclass(frozen=True)
+class Packed:
+    input_ids: torch.Tensor  # [B, S]
+    position_ids: torch.Tensor  # [B, S]
+    attention_mask: torch.Tensor  # [B, 1, S, S] additive (0 = attend, dtype-min = blocked)
+    pred_rows: torch.Tensor  # [B, M, k] packed row of each prediction: the prefix end, then its K slots
+    gt_rows: torch.Tensor  # [B, L] packed row of each ground-truth token
+
+
+def make_regions(prefix_end: torch.Tensor, k: int, lengths: torch.Tensor) -> Regions:
+    """Regions at the given prefix ends; a prediction is valid while its target lies inside the sequence."""
+    targets = prefix_end.unsqueeze(-1) + 1 + torch.arange(k)  # [B, M, k]
+    return Regions(prefix_end, k, targets < lengths.view(-1, 1, 1))
+
+
+def interleaved_regions(starts: torch.Tensor, lengths: torch.Tensor, k: int, width: int, offset: int,
+                        seq_len: int) -> Regions:
+    """The paper's geometry: regions of `width` = P ground-truth tokens + k-1 slots, shifted by `offset`.
+
+    Region b of row i ends its prefix at starts[i] + offset + (b+1)*P - 1; regions past a row's end are
+    clamped into the sequence and marked invalid.
+    """
+    stride = width - (k - 1)  # P
+    num = max(1, (seq_len - int(starts.min()) - offset) // stride)
+    ends = starts.view(-1, 1) + offset + stride * torch.arange(1, num + 1) - 1  # [B, M]
+    regions = make_regions(ends, k, lengths)
+    clamped = ends.clamp(max=seq_len - 1)
+    return Regions(clamped, k, regions.valid & (ends < seq_len).unsqueeze(-1))
+
+
+def random_regions(starts: torch.Tensor, lengths: torch.Tensor, k: int, num: int,
+                   generator: torch.Generator) -> Regions:
+    """`num` regions per row with prefix ends drawn uniformly from [starts, lengths-2] (sorted)."""
+    low = starts.clamp(min=0)
+    span = (lengths - 1 - low).clamp(min=1)  # [B]
+    draws = torch.rand(len(starts), num, generator=generator)
+    ends = (low.view(-1, 1) + (draws * span.view(-1, 1)).long()).sort(-1).values  # [B, M]
+    return make_regions(ends, k, lengths)
+
+
+def pack(gt_ids: torch.Tensor, regions: Regions, mask_id: int, interleave: bool,
+         dtype: torch.dtype = torch.float32) -> Packed:
+    """Lay out ground truth [B, L] and every region's k-1 mask slots in one sequence with its 4D mask."""
+    batch, length = gt_ids.shape
+    num_regions, num_slots = regions.prefix_end.shape[1], regions.k - 1
+    stride = num_regions * num_slots + 1
+    region_of_slot = torch.arange(num_regions).repeat_interleave(num_slots)  # [M*K]
+    slot_index = torch.arange(num_slots).repeat(num_regions)  # [M*K], 0-based slot j-1
+    slot_prefix_end = regions.prefix_end[:, region_of_slot]  # [B, M*K]
+
+    gt_key = (torch.arange(length) * stride).expand(batch, length)
+    slot_tail = 1 + region_of_slot * num_slots + slot_index
+    slot_key = (slot_prefix_end if interleave else torch.full_like(slot_prefix_end, length)) * stride + slot_tail
+    order = torch.cat([gt_key, slot_key], 1).argsort(1)  # [B, S] packed row -> source entry
+    where = order.argsort(1)  # source entry -> packed row
+
+    ids = torch.cat([gt_ids, torch.full_like(slot_prefix_end, mask_id)], 1)
+    pos = torch.cat([torch.arange(length).expand(batch, length), slot_prefix_end + 1 + slot_index], 1)
+    block = torch.cat([torch.full((batch, length), -1), region_of_slot.expand(batch, -1)], 1)
+    slot = torch.cat([torch.full((batch, length), -1), slot_index.expand(batch, -1)], 1)
+    limit = torch.cat([torch.arange(length).expand(batch, length), slot_prefix_end], 1)
+
+    take = lambda t: t.gather(1, order)  # noqa: E731  (source order -> packed order)
+    ids, pos, block, slot, limit = take(ids), take(pos), take(block), take(slot), take(limit)
+    mask = _blocked_mask(block, slot, limit, block, slot, pos, dtype)
+
+    pred_rows = torch.empty(batch, num_regions, regions.k, dtype=torch.long)
+    pred_rows[:, :, 0] = where.gather(1, regions.prefix_end)
+    pred_rows[:, :, 1:] = where[:, length:].view(batch, num_regions, num_slots)
+    return Packed(ids, pos, mask, pred_rows, where[:, :length])
+
+
+def _blocked_mask(q_block, q_slot, q_limit, k_block, k_slot, k_pos, dtype) -> torch.Tensor:
+    """Additive mask [B, 1, Q, T]: ground truth up to the query's limit, plus earlier slots of its own region."""
+    k_is_gt = (k_block == -1).unsqueeze(1)  # [B, 1, T]
+    sees_gt = k_is_gt & (k_pos.unsqueeze(1) <= q_limit.unsqueeze(2))
+    same_region = (k_block.unsqueeze(1) == q_block.unsqueeze(2)) & (q_block.unsqueeze(2) >= 0)
+    sees_slot = same_region & (k_slot.unsqueeze(1) <= q_slot.unsqueeze(2))
+    allowed = sees_gt | sees_slot  # [B, Q, T]
+    mask = torch.zeros(allowed.shape, dtype=dtype)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min).unsqueeze(1)

@@ -1,0 +1,54 @@
+"""Logits -> probabilities -> tokens, and confidence measures. Pure functions.
+
+Shapes: K rows (block slots), V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def warp(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Return probabilities [..., V] after temperature, top-k and top-p (nucleus) filtering."""
+    logits = logits.float() / max(temperature, 1e-6)
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw per row of probs [..., V] -> token ids [...]."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def top1_confidence(logits: torch.Tensor) -> torch.Tensor:
+    """Top-1 softmax probability per row: logits [K, V] -> [K] (the paper's measure)."""
+    return torch.softmax(logits.float(), dim=-1).amax(-1)
+
+
+def entropy_confidence(logits: torch.Tensor) -> torch.Tensor:
+    """1 - H(p)/log V per row: logits [K, V] -> [K] (doc 000's measure; 1 = certain, 0 = uniform)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return 1.0 - entropy / math.log(logits.shape[-1])
+
+
+CONFIDENCE_MEASURES = {"top1": top1_confidence, "entropy": entropy_confidence}
+
+
+def leading_run(passed: torch.Tensor) -> int:
+    """Length of the leading run of True in a 1-D bool tensor."""
+    failed = (~passed).nonzero()
+    return int(failed[0]) if len(failed) else int(passed.numel())

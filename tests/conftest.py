@@ -1,0 +1,57 @@
+"""Tiny random models built in-process (seeded, CPU, fp32, no network)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from mtplm.model import MTPModel
+
+VOCAB = 64
+
+
+def tiny_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over tokens t0..t{vocab-3} plus <eos>, <pad>."""
+    words = {f"t{i}": i for i in range(vocab - 2)}
+    words["<eos>"], words["<pad>"] = vocab - 2, vocab - 1
+    backend = Tokenizer(models.WordLevel(words, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    return tok
+
+
+def tiny_llama(seed: int = 0, vocab: int = VOCAB, layers: int = 2) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        eos_token_id=vocab - 2, pad_token_id=vocab - 1, tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    model.eval()
+    return model
+
+
+def tiny_mtp(seed: int = 0, gated: bool = False, k_max: int = 4) -> MTPModel:
+    model = MTPModel(tiny_llama(seed), tiny_tokenizer(), None)
+    model.add_mask_token(k_max=k_max, base_identity={"name": "tiny-llama", "seed": seed})
+    if gated:
+        model.attach_gated_lora(rank=4, alpha=8.0)
+        with torch.no_grad():  # non-zero adapters, so gating is actually exercised
+            for name, p in model.hf.named_parameters():
+                if ".lora_b" in name:
+                    p.normal_(0, 0.2, generator=torch.Generator().manual_seed(hash(name) % 1000))
+    return model
+
+
+@pytest.fixture
+def mtp() -> MTPModel:
+    return tiny_mtp()
+
+
+@pytest.fixture
+def gated_mtp() -> MTPModel:
+    return tiny_mtp(gated=True)
