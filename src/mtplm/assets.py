@@ -286,10 +286,11 @@ def resolve_model(spec: str) -> Path:
         if path.suffix != ".gguf":
             raise AssetError(f"{spec!r} is a file but not a .gguf; give a .gguf file or a model directory")
         digest = sha256_file(path)
-        target = cache_dir() / "models" / f"gguf-{digest[:16]}"
+        known = next((entry.name for entry in MODELS.values() if entry.sha256 == digest), None)
+        target = cache_dir() / "models" / (known or f"gguf-{digest[:16]}")
         if (target / SOURCE_FILE).is_file():
             return target
-        source = {"name": path.stem, "sha256": digest, "gguf": str(path.resolve())}
+        source = {"name": known or path.stem, "sha256": digest, "gguf": str(path.resolve())}
         return convert_gguf(path.resolve(), target, source, need_chat_template=False)
     close = difflib.get_close_matches(spec, list(MODELS), n=1)
     suggestion = f" (did you mean {close[0]!r}?)" if close else ""
