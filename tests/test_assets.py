@@ -46,6 +46,9 @@ def test_directory_without_config_and_non_gguf_file_are_rejected(tmp_path: Path)
         resolve_model(str(tmp_path))
     with pytest.raises(AssetError, match="not a .gguf"):
         resolve_model(str(tmp_path / "weights.bin"))
+    (tmp_path / "fake.gguf").write_text("not a model")
+    with pytest.raises(AssetError, match="not a GGUF file"):
+        resolve_model(str(tmp_path / "fake.gguf"))
 
 
 def test_local_hf_directory_resolves_to_itself(tmp_path: Path) -> None:

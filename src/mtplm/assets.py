@@ -2,11 +2,12 @@
 one-time GGUF -> Hugging Face conversion cache.
 
 Cache layout (`$MTPLM_HOME`, default `~/.cache/mtplm`):
-    gguf/<file>.gguf            GGUFs assembled from chunk packages (kept as a llama.cpp baseline input)
+    gguf/<name>.gguf            GGUFs assembled from chunk packages (kept as a llama.cpp baseline input)
     models/<name>/              converted HF directory of a registry model (float32 safetensors,
                                 tokenizer with chat template, config, mtplm_source.json)
-    models/gguf-<sha16>/        converted HF directory of a user-supplied .gguf, keyed by its sha256
-A model directory appears only by an atomic rename of a finished, reload-checked temp directory.
+    models/gguf-<sha16>/        converted HF directory of any other .gguf, keyed by its sha256
+A model directory appears only by renaming a finished, reload-checked `.<dir>.partial-<pid>` directory;
+partial directories of dead processes are removed by the next conversion.
 """
 
 from __future__ import annotations
@@ -17,15 +18,22 @@ import importlib.util
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mtplm.errors import UserError
 
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
 SOURCE_FILE = "mtplm_source.json"  # written into every converted directory: where it came from
+PROBE_TEXT = "The capital of France is Paris. 1 + 1 = 2"  # compared before and after saving
 
 
 class AssetError(UserError):
@@ -74,6 +82,7 @@ def cache_dir() -> Path:
 
 
 def say(message: str, progress: bool = True) -> None:
+    """A progress line on stderr (stdout is kept for results)."""
     if progress:
         print(f"[mtplm] {message}", file=sys.stderr, flush=True)
 
@@ -96,7 +105,8 @@ def package_file(package: str, relpath: str) -> Path | None:
         spec = importlib.util.find_spec(package)
     except (ImportError, ValueError):
         return None
-    for folder in (spec.submodule_search_locations or []) if spec else []:
+    folders = spec.submodule_search_locations if spec is not None else None
+    for folder in folders or []:
         if (Path(folder) / relpath).is_file():
             return Path(folder) / relpath
     return None
@@ -201,6 +211,7 @@ def _pid_alive(pid: int) -> bool:
 
 def convert_gguf(gguf: Path, target: Path, source: dict, need_chat_template: bool, progress: bool = True) -> Path:
     """Dequantize a GGUF once into a float32 HF directory at `target` (atomic; checked by reloading)."""
+    # Imported here so that datasets and resolution errors do not pay for loading torch/transformers.
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
@@ -211,18 +222,21 @@ def convert_gguf(gguf: Path, target: Path, source: dict, need_chat_template: boo
     started = time.perf_counter()
     try:
         say(f"converting {gguf.name} -> {target} (dequantizing to float32) ...", progress)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            # dequantize=True: a GGUF left in packed blocks cannot be saved or trained.
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                quantization_config=GgufConfig(dequantize=True))
+        except (KeyError, NotImplementedError, OSError, ValueError, struct.error) as error:
+            raise AssetError(f"transformers cannot load {gguf} ({type(error).__name__}: {error})") from error
         if not tokenizer.chat_template:
             tokenizer.chat_template = _gguf_chat_template(gguf)
         if need_chat_template and not tokenizer.chat_template:
             raise AssetError(f"{gguf} has no chat template in its tokenizer metadata")
-        # dequantize=True: a GGUF left in packed blocks cannot be saved or trained.
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-            quantization_config=GgufConfig(dequantize=True))
         if getattr(model, "hf_quantizer", None) is not None:
             raise AssetError(f"transformers kept {gguf.name} quantized; cannot save a float32 copy")
-        probe_ids = torch.tensor([tokenizer.encode("The capital of France is Paris. 1 + 1 = 2")])  # [1, S]
+        probe_ids = torch.tensor([tokenizer.encode(PROBE_TEXT)])  # [1, S]
         with torch.no_grad():
             reference_logits = model(probe_ids).logits  # [1, S, V]
         model.save_pretrained(partial)
@@ -242,12 +256,14 @@ def convert_gguf(gguf: Path, target: Path, source: dict, need_chat_template: boo
     return target
 
 
-def _check_reload(folder: Path, probe_ids, reference_logits, tokenizer, need_chat_template: bool) -> None:
+def _check_reload(folder: Path, probe_ids: torch.Tensor, reference_logits: torch.Tensor,
+                  tokenizer: PreTrainedTokenizerBase, need_chat_template: bool) -> None:
+    """The saved copy must reproduce the GGUF tokenizer, chat template and logits."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     reloaded_tokenizer = AutoTokenizer.from_pretrained(folder)
-    if reloaded_tokenizer.encode("The capital of France is Paris. 1 + 1 = 2") != probe_ids[0].tolist():
+    if reloaded_tokenizer.encode(PROBE_TEXT) != probe_ids[0].tolist():
         raise AssetError(f"the tokenizer saved in {folder} does not reproduce the GGUF tokenizer")
     if need_chat_template and reloaded_tokenizer.chat_template != tokenizer.chat_template:
         raise AssetError(f"the chat template was lost when saving the tokenizer to {folder}")
@@ -285,6 +301,9 @@ def resolve_model(spec: str) -> Path:
     if path.is_file():
         if path.suffix != ".gguf":
             raise AssetError(f"{spec!r} is a file but not a .gguf; give a .gguf file or a model directory")
+        with open(path, "rb") as stream:
+            if stream.read(4) != b"GGUF":
+                raise AssetError(f"{spec!r} is named .gguf but is not a GGUF file (bad magic bytes)")
         digest = sha256_file(path)
         known = next((entry.name for entry in MODELS.values() if entry.sha256 == digest), None)
         target = cache_dir() / "models" / (known or f"gguf-{digest[:16]}")

@@ -1,0 +1,50 @@
+"""A learnable synthetic language and a tiny model pretrained on it (for training tests)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from conftest import tiny_llama, tiny_tokenizer
+
+MODULUS = 60  # tokens t0..t59 carry the language; t60, t61 unused, <eos>=62, <pad>=63
+
+
+def arithmetic_rows(n: int, seed: int, length: int = 24) -> list[dict]:
+    """Prompt = 3 terms of an arithmetic progression mod 60, response = the next `length` terms."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        start, step = rng.randrange(MODULUS), rng.choice([1, 2, 3, 5])
+        terms = [f"t{(start + i * step) % MODULUS}" for i in range(length + 3)]
+        rows.append({"prompt": " ".join(terms[:3]), "response": " ".join(terms[3:])})
+    return rows
+
+
+def pretrained_tiny_model(directory: Path, steps: int = 250, seed: int = 0) -> Path:
+    """A tiny Llama taught the language by plain next-token training, saved as an HF directory."""
+    tokenizer = tiny_tokenizer()
+    model = tiny_llama(seed=seed, layers=2)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rows = arithmetic_rows(2000, seed)
+    for step in range(steps):
+        chunk = rows[(step * 32) % len(rows):][:32]
+        ids = torch.tensor([tokenizer(r["prompt"] + " " + r["response"] + " <eos>")["input_ids"] for r in chunk])
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
