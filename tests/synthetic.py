@@ -13,24 +13,33 @@ from conftest import tiny_llama, tiny_tokenizer
 MODULUS = 60  # tokens t0..t59 carry the language; t60, t61 unused, <eos>=62, <pad>=63
 
 
-def arithmetic_rows(n: int, seed: int, length: int = 24) -> list[dict]:
-    """Prompt = 3 terms of an arithmetic progression mod 60, response = the next `length` terms."""
+PERMUTATION = random.Random(1234).sample(range(MODULUS), MODULUS)
+
+
+def chain_rows(n: int, seed: int, length: int = 24) -> list[dict]:
+    """Walks of a fixed random permutation: each token determines every later one.
+
+    Prompt = 2 tokens, response = the next `length`. Next-token training learns the permutation; the
+    mask slots must learn its powers (slot j predicts perm^(j+1) of the last real token).
+    """
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        start, step = rng.randrange(MODULUS), rng.choice([1, 2, 3, 5])
-        terms = [f"t{(start + i * step) % MODULUS}" for i in range(length + 3)]
-        rows.append({"prompt": " ".join(terms[:3]), "response": " ".join(terms[3:])})
+        walk = [rng.randrange(MODULUS)]
+        for _ in range(length + 1):
+            walk.append(PERMUTATION[walk[-1]])
+        terms = [f"t{t}" for t in walk]
+        rows.append({"prompt": " ".join(terms[:2]), "response": " ".join(terms[2:])})
     return rows
 
 
-def pretrained_tiny_model(directory: Path, steps: int = 250, seed: int = 0) -> Path:
+def pretrained_tiny_model(directory: Path, steps: int = 150, seed: int = 0) -> Path:
     """A tiny Llama taught the language by plain next-token training, saved as an HF directory."""
     tokenizer = tiny_tokenizer()
-    model = tiny_llama(seed=seed, layers=2)
+    model = tiny_llama(seed=seed, layers=2, hidden=64)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    rows = arithmetic_rows(2000, seed)
+    rows = chain_rows(2000, seed)
     for step in range(steps):
         chunk = rows[(step * 32) % len(rows):][:32]
         ids = torch.tensor([tokenizer(r["prompt"] + " " + r["response"] + " <eos>")["input_ids"] for r in chunk])

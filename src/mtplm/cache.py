@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from transformers import DynamicCache
 
 
@@ -20,3 +21,15 @@ def crop_to(cache: DynamicCache, length: int) -> None:
         raise ValueError(f"cannot crop a cache of length {cache.get_seq_length()} up to {length}")
     if extra:
         cache.crop(-extra)
+
+
+def cache_layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (keys, values), each [B, H, S, d]."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def cache_from_layers(model, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    cache = new_cache(model)
+    for index, (keys, values) in enumerate(layers):
+        cache.update(keys, values, index)
+    return cache

@@ -70,6 +70,7 @@ class TrainConfig:
     batch_size: int = 8
     seq_len: int = 320
     slots_per_seq: int = 96  # mask-slot budget per sequence and step (gated-lora layout)
+    ground_truth_cache_gb: float = 8.0  # gated-lora: keep the texts' base KV in RAM up to this size
     region_width: int = 32  # packed layout (full / lora): tokens per region, ground truth + mask slots
     dtype: str = "bf16"  # bf16 | fp32 compute (trainable weights stay float32)
     data: str = "self:mixed"  # self:<prompt set> | jsonl:<path> | text:<path>

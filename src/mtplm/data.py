@@ -103,18 +103,26 @@ def batches(samples: list[Sample], batch_size: int, seq_len: int, pad_id: int, s
     while True:
         rng.shuffle(order)
         for i in range(0, len(order) - batch_size + 1, batch_size):
-            yield collate([samples[j] for j in order[i : i + batch_size]], seq_len, pad_id)
+            chosen = order[i : i + batch_size]
+            yield collate([samples[j] for j in chosen], seq_len, pad_id, chosen)
 
 
-def collate(samples: list[Sample], seq_len: int, pad_id: int) -> TokenBatch:
+def row_ids(sample: Sample, seq_len: int) -> tuple[list[int], int]:
+    """The token row a sample trains on (prompt tail + response, at most seq_len) and its prompt length."""
+    prompt = sample.prompt_ids[-(seq_len // 2):]  # keep room for the response
+    return (prompt + sample.response_ids)[:seq_len], len(prompt)
+
+
+def collate(samples: list[Sample], seq_len: int, pad_id: int, indices: list[int] | None = None) -> TokenBatch:
     rows, lengths, starts = [], [], []
     for s in samples:
-        prompt = s.prompt_ids[-(seq_len // 2):]  # keep room for the response
-        ids = (prompt + s.response_ids)[:seq_len]
+        ids, prompt_len = row_ids(s, seq_len)
         rows.append(ids + [pad_id] * (seq_len - len(ids)))
         lengths.append(len(ids))
-        starts.append(max(0, len(prompt) - 1))
-    return TokenBatch(torch.tensor(rows), torch.tensor(lengths), torch.tensor(starts))
+        starts.append(max(0, prompt_len - 1))
+    width = max(lengths)  # no all-padding columns
+    return TokenBatch(torch.tensor(rows)[:, :width], torch.tensor(lengths), torch.tensor(starts),
+                      None if indices is None else torch.tensor(indices))
 
 
 def _read_jsonl(path: Path) -> list[dict]:

