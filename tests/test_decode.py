@@ -86,3 +86,18 @@ def test_backoff_shrinks_the_block_after_single_token_steps():
     strategy = make_strategy(cfg, {})
     offered = [s.offered for s in stream(model, [1, 2, 3], strategy, 12, set())]
     assert offered[:6] == [8, 8, 4, 4, 2, 2]  # the floor holds; the last block is cut by the budget
+
+
+def test_pristine_base_gives_the_same_plain_tokens_and_restores_the_adapters():
+    model = tiny_mtp(seed=6, gated=True)
+    prompt, cfg = [4, 5, 6], DecodeConfig(mode="ntp", max_new_tokens=15)
+    wrapped = generate(model, prompt, cfg).tokens
+    with model.pristine():
+        assert not any("lora" in name for name, _ in model.hf.named_parameters())
+        assert generate(model, prompt, cfg).tokens == wrapped
+    masked = torch.tensor([[4, 5, 6, model.mask_id, model.mask_id]])
+    with torch.no_grad():
+        with_adapters = model.logits(masked)
+        with model.adapters_disabled():
+            without = model.logits(masked)
+    assert not torch.allclose(with_adapters[0, -2:], without[0, -2:])  # the adapters are back and act on masks

@@ -11,6 +11,7 @@ import platform
 import subprocess
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -130,7 +131,8 @@ def run_bench(args) -> dict:
     generate(model, prompts[0], DecodeConfig(mode="ntp", max_new_tokens=8))  # warm-up
     for ids in tqdm(prompts, desc="bench", unit="prompt"):
         for name, cfg in modes:
-            with PeakMemory() as mem:
+            baseline = model.pristine() if cfg.mode == "ntp" else nullcontext()
+            with baseline, PeakMemory() as mem:
                 out = generate(model, ids, DecodeConfig(**{**asdict(cfg), "max_new_tokens": args.max_new_tokens}))
             r = results[name]
             r.tokens += len(out.tokens)
@@ -141,7 +143,7 @@ def run_bench(args) -> dict:
             r.outputs.append(out.tokens)
             r.peak_rss_mb = max(r.peak_rss_mb, mem.peak / 2**20)
         if hf_result is not None:
-            with PeakMemory() as mem, torch.inference_mode():
+            with model.pristine(), PeakMemory() as mem, torch.inference_mode():
                 start = time.perf_counter()
                 seq = model.hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                         max_new_tokens=args.max_new_tokens, do_sample=False,

@@ -59,7 +59,7 @@ class TrainConfig:
     warmup_ground_truth_steps: int = 0  # doc 000's stage 1: ground-truth CE before the distillation stage
     ntp_weight: float = 0.0  # extra ground-truth NTP loss on prefix positions ("prefix loss")
     entropy_weight: float = 0.0  # + weight * mean student entropy at supervised slots
-    k_max: int = 8  # k ~ U[2, k_max] each step
+    k_max: int = 16  # k ~ U[2, k_max] each step (the paper's; the shipped SmolLM2 recipe uses 8)
     lora_rank: int = 32
     lora_alpha: float = 64.0
     lr: float = 1e-3

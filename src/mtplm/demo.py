@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 from .config import DecodeConfig
 from .data import chat_prompt_ids
 from .decode import generate
@@ -28,7 +30,8 @@ def run_demo(spec: str, dtype: str, max_new_tokens: int, tau: float | None) -> N
         ids = chat_prompt_ids(tok, prompt)
         print("=" * 100 + f"\nPROMPT: {prompt}\n")
         for name, cfg in (("plain", plain_cfg), ("confadapt", fast_cfg)):
-            out = generate(model, ids, DecodeConfig(**vars(cfg)))
+            with model.pristine() if name == "plain" else nullcontext():
+                out = generate(model, ids, DecodeConfig(**vars(cfg)))
             total = totals[name]
             total[0] += len(out.tokens)
             total[1] += out.elapsed_s

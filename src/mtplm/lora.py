@@ -9,6 +9,7 @@ the base model with the gate closed is the distillation teacher: no second copy 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -17,20 +18,29 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 
 
 class Gate:
-    """Which rows of the current forward pass the adapters act on: a [B, S, 1] mask, or None (all off)."""
+    """Which rows of the current forward pass the adapters act on: a [B, S, 1] mask, or None (all off).
 
-    def __init__(self) -> None:
+    The mask carries the adapters' alpha/rank scale, so each layer spends one multiply on both.
+    """
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+        self.dtype = torch.float32  # the adapters' dtype
         self.rows: torch.Tensor | None = None
+
+    def open(self, is_mask: torch.Tensor) -> None:
+        """Open the gate at the True entries of is_mask [B, S]."""
+        self.rows = (is_mask.unsqueeze(-1) * self.scale).to(self.dtype)
 
 
 class GatedLoRALinear(nn.Module):
-    """y = W x + (B A x) * scale * gate, with the adapter kept in float32 whatever the base dtype."""
+    """y = W x + (B A x) * scale * gate. Adapters train in float32 and may be cast to the base dtype
+    for inference (then no casts run in the forward pass)."""
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, gate: Gate) -> None:
+    def __init__(self, base: nn.Linear, rank: int, gate: Gate) -> None:
         super().__init__()
         self.base = base
         self.gate = gate
-        self.scale = alpha / rank
         self.lora_a = nn.Parameter(torch.empty(rank, base.in_features))
         self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank))  # zero: starts as the base model
         nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
@@ -41,12 +51,12 @@ class GatedLoRALinear(nn.Module):
         if rows is None:
             return y
         delta = (x.to(self.lora_a.dtype) @ self.lora_a.T) @ self.lora_b.T  # [B, S, out]
-        return y + (delta * (rows * self.scale)).to(y.dtype)
+        return y + (delta * rows).to(y.dtype)
 
 
 def attach_gated_lora(model: nn.Module, rank: int, alpha: float, targets=DEFAULT_TARGETS) -> Gate:
     """Replace every target nn.Linear inside `model` by a GatedLoRALinear sharing one Gate."""
-    gate = Gate()
+    gate = Gate(alpha / rank)
     found = [
         (name, module)
         for name, module in model.named_modules()
@@ -55,10 +65,26 @@ def attach_gated_lora(model: nn.Module, rank: int, alpha: float, targets=DEFAULT
     if not found:
         raise ValueError(f"no linear layers named {targets} in {type(model).__name__}")
     for name, module in found:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, GatedLoRALinear(module, rank, alpha, gate))
+        _replace(model, name, GatedLoRALinear(module, rank, gate))
     return gate
+
+
+@contextmanager
+def unwrapped(model: nn.Module):
+    """Temporarily put the original nn.Linear modules back: the pristine base model, for baselines."""
+    wrapped = [(name, module) for name, module in model.named_modules() if isinstance(module, GatedLoRALinear)]
+    for name, module in wrapped:
+        _replace(model, name, module.base)
+    try:
+        yield model
+    finally:
+        for name, module in wrapped:
+            _replace(model, name, module)
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:

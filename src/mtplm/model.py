@@ -82,6 +82,7 @@ class MTPModel:
             if meta.trainable == "gated-lora":
                 model._attach_gated(meta.lora_rank, meta.lora_alpha)
                 lora.load_adapter_state(hf, load_file(path / ADAPTER_FILE))
+                model._adapters_to(hf.dtype)
             return model
         hf, tokenizer = _load_hf(resolve_model(str(spec)), dtype)
         return cls(hf, tokenizer, None)
@@ -117,6 +118,12 @@ class MTPModel:
         for p in lora.adapter_parameters(self.hf):
             p.data = p.data.to(device=device, dtype=torch.float32)
 
+    def _adapters_to(self, dtype: torch.dtype) -> None:
+        """For inference: adapters in the base dtype, so the forward pass casts nothing."""
+        for p in lora.adapter_parameters(self.hf):
+            p.data = p.data.to(dtype)
+        self.gate.dtype = dtype
+
     def _apply_delta(self, path: Path, meta: MTPMeta) -> "MTPModel":
         delta = load_file(path / DELTA_FILE)
         self.add_mask_token(meta.k_max, meta.base_model)
@@ -129,6 +136,7 @@ class MTPModel:
         if meta.trainable == "gated-lora":
             self._attach_gated(meta.lora_rank, meta.lora_alpha)
             lora.load_adapter_state(self.hf, delta)
+            self._adapters_to(self.dtype)
         self.meta = meta
         return self
 
@@ -155,6 +163,19 @@ class MTPModel:
                 yield self
         finally:
             self._adapters_on = previous
+
+    @contextmanager
+    def pristine(self):
+        """The unmodified base module graph (no adapter wrappers): the honest plain-decoding baseline.
+
+        Gated adapters never act without mask tokens, so plain decoding gives the same tokens either way;
+        this only removes the wrappers' per-layer call overhead from the baseline's timing.
+        """
+        if self.gate is None:
+            yield self
+        else:
+            with lora.unwrapped(self.hf), self.adapters_disabled():
+                yield self
 
     def decoder_states(self, input_ids, position_ids=None, cache=None, attention_mask=None):
         """Final-norm hidden states [B, S, D] (the LM head is applied only where logits are needed)."""
@@ -188,12 +209,11 @@ class MTPModel:
         if self.gate is None:
             yield
             return
-        rows = None
+        self.gate.rows = None
         if self._adapters_on:
             is_mask = input_ids == self.meta.mask_id  # [B, S]
             if bool(is_mask.any()):
-                rows = is_mask.unsqueeze(-1).float()  # [B, S, 1]
-        self.gate.rows = rows
+                self.gate.open(is_mask)
         try:
             yield
         finally:

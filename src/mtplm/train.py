@@ -210,10 +210,31 @@ def train(cfg: TrainConfig, progress: bool = True) -> Path:
             tqdm.write(_describe(step + 1, val, cfg.tau))
         if (step + 1) % cfg.save_every == 0 and step != cfg.steps - 1:
             trainer.save(run_dir, final=False)
+    check = decode_check(model, val_samples[:8], cfg)
+    record({"step": cfg.steps, "decode_check": check})
+    tqdm.write(f"[decode check] ConfAdapt tau={cfg.tau}, k_max={cfg.k_max} on {check['prompts']} held-out prompts: "
+               f"{check['tokens_per_forward']:.2f} tokens/forward, {check['identical']:.0%} identical to plain greedy")
     model.meta.training = {"config": as_dict(cfg), "steps": cfg.steps, "samples": len(samples),
-                           "cpu_time_s": round(time.perf_counter() - started, 1), "final_val": val}
+                           "cpu_time_s": round(time.perf_counter() - started, 1), "final_val": val,
+                           "decode_check": check}
     log.close()
     return trainer.save(run_dir, final=True)
+
+
+def decode_check(model: MTPModel, samples: list, cfg: TrainConfig, max_new_tokens: int = 96) -> dict:
+    """Real ConfAdapt decoding on held-out prompts: tokens/forward and agreement with plain greedy."""
+    from .config import DecodeConfig
+    from .decode import generate
+
+    model.hf.eval()
+    tokens = forwards = identical = 0
+    for sample in samples:
+        fast = generate(model, sample.prompt_ids, DecodeConfig(mode="confadapt", k_max=cfg.k_max, tau=cfg.tau,
+                                                                max_new_tokens=max_new_tokens))
+        plain = generate(model, sample.prompt_ids, DecodeConfig(mode="ntp", max_new_tokens=max_new_tokens))
+        tokens, forwards, identical = tokens + len(fast.tokens), forwards + fast.forwards, identical + (fast.tokens == plain.tokens)
+    return {"prompts": len(samples), "tokens_per_forward": tokens / max(1, forwards),
+            "identical": identical / max(1, len(samples))}
 
 
 def _describe(step: int, val: dict, tau: float) -> str:
