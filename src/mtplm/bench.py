@@ -12,7 +12,7 @@ import subprocess
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psutil
@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from .config import DecodeConfig
 from .errors import UserError
+from .plots import bench_plot
 
 DEFAULT_MODES = "ntp,static:2,static:4,confadapt:0.99,confadapt:0.95,confadapt:0.9,confadapt:0.8"
 
@@ -39,32 +40,38 @@ def add_arguments(p) -> None:
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="report folder (JSON, Markdown, plots)")
 
 
-@dataclass
-class ModeResult:
-    name: str
-    tokens: int = 0
-    seconds: float = 0.0
-    forwards: int = 0
-    ttft: list[float] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
-    outputs: list[list[int]] = field(default_factory=list)
-    peak_rss_mb: float = 0.0
+@dataclass(frozen=True)
+class Record:
+    """One prompt decoded in one mode."""
 
-    def summary(self, plain: "ModeResult | None") -> dict:
-        row = {
-            "mode": self.name,
-            "tokens_per_s": self.tokens / max(self.seconds, 1e-9),
-            "tokens_per_forward": self.tokens / max(1, self.forwards) if self.forwards else None,
-            "ttft_ms": 1000 * sum(self.ttft) / max(1, len(self.ttft)),
-            "peak_rss_mb": self.peak_rss_mb,
-            "tokens": self.tokens,
-        }
-        if plain is not None:
-            row["speedup"] = row["tokens_per_s"] / (plain.tokens / max(plain.seconds, 1e-9))
-            row["identical_outputs"] = sum(a == b for a, b in zip(self.outputs, plain.outputs)) / len(plain.outputs)
-            row["prefix_agreement"] = sum(_common_prefix(a, b) / max(1, len(b))
-                                          for a, b in zip(self.outputs, plain.outputs)) / len(plain.outputs)
-        return row
+    source: str  # gsm8k | HumanEval | mtbench | sharegpt: structured vs open text
+    tokens: list[int]
+    seconds: float
+    accepted: list[int]  # tokens per forward pass (empty for HF generate: it does not say)
+    ttft_s: float | None
+    peak_rss_mb: float
+
+
+def summarize(mode: str, records: list[Record], plain: list[Record]) -> dict:
+    """Totals over records (tokens/s = all tokens / all seconds), compared prompt by prompt with plain."""
+    tokens = sum(len(r.tokens) for r in records)
+    seconds = sum(r.seconds for r in records)
+    forwards = sum(len(r.accepted) for r in records)
+    plain_rate = sum(len(r.tokens) for r in plain) / max(1e-9, sum(r.seconds for r in plain))
+    ttfts = [r.ttft_s for r in records if r.ttft_s is not None]
+    return {
+        "mode": mode,
+        "prompts": len(records),
+        "tokens": tokens,
+        "tokens_per_s": tokens / max(seconds, 1e-9),
+        "speedup": tokens / max(seconds, 1e-9) / max(plain_rate, 1e-9),
+        "tokens_per_forward": tokens / forwards if forwards else None,
+        "ttft_ms": 1000 * sum(ttfts) / len(ttfts) if ttfts else None,
+        "peak_rss_mb": max(r.peak_rss_mb for r in records),
+        "identical_outputs": sum(a.tokens == b.tokens for a, b in zip(records, plain)) / len(plain),
+        "prefix_agreement": sum(_common_prefix(a.tokens, b.tokens) / max(1, len(b.tokens))
+                                for a, b in zip(records, plain)) / len(plain),
+    }
 
 
 def parse_modes(spec: str, k_max: int | None, confidence: str) -> list[tuple[str, DecodeConfig]]:
@@ -124,45 +131,39 @@ def run_bench(args) -> dict:
         raise UserError(f"{args.model} is not a converted model: only plain decoding can be measured")
     examples = prompt_set(args.prompt_set, args.prompts, args.seed, split="eval")
     prompts = [chat_prompt_ids(model.tokenizer, e.prompt)[-768:] for e in examples]
-    results = {name: ModeResult(name) for name, _ in modes}
-    hf_result = None if args.no_hf else ModeResult("hf-generate")
+    records: dict[str, list[Record]] = {name: [] for name, _ in modes}
+    if not args.no_hf:
+        records["hf-generate"] = []
     stops = sorted(stop_ids(model))
 
     generate(model, prompts[0], DecodeConfig(mode="ntp", max_new_tokens=8))  # warm-up
-    for ids in tqdm(prompts, desc="bench", unit="prompt"):
+    for example, ids in tqdm(list(zip(examples, prompts)), desc="bench", unit="prompt"):
+        source = example.id.split("/")[0]
         for name, cfg in modes:
             baseline = model.pristine() if cfg.mode == "ntp" else nullcontext()
             with baseline, PeakMemory() as mem:
                 out = generate(model, ids, DecodeConfig(**{**asdict(cfg), "max_new_tokens": args.max_new_tokens}))
-            r = results[name]
-            r.tokens += len(out.tokens)
-            r.seconds += out.elapsed_s
-            r.forwards += out.forwards
-            r.ttft.append(out.ttft_s)
-            r.accepted += out.accepted
-            r.outputs.append(out.tokens)
-            r.peak_rss_mb = max(r.peak_rss_mb, mem.peak / 2**20)
-        if hf_result is not None:
+            records[name].append(Record(source, out.tokens, out.elapsed_s, out.accepted, out.ttft_s, mem.peak / 2**20))
+        if not args.no_hf:
             with model.pristine(), PeakMemory() as mem, torch.inference_mode():
                 start = time.perf_counter()
                 seq = model.hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                         max_new_tokens=args.max_new_tokens, do_sample=False,
                                         eos_token_id=stops, pad_token_id=stops[0])
-                hf_result.seconds += time.perf_counter() - start
-            new = seq[0, len(ids):].tolist()
-            hf_result.tokens += len(new)
-            hf_result.outputs.append(new)
-            hf_result.peak_rss_mb = max(hf_result.peak_rss_mb, mem.peak / 2**20)
+                elapsed = time.perf_counter() - start
+            records["hf-generate"].append(Record(source, seq[0, len(ids):].tolist(), elapsed, [], None, mem.peak / 2**20))
 
-    plain = results["ntp"]
-    rows = [r.summary(plain) for r in results.values()]
-    if hf_result is not None:
-        rows.append(hf_result.summary(plain))
+    plain = records["ntp"]
+    rows = [summarize(name, recs, plain) for name, recs in records.items()]
+    sources = sorted({r.source for r in plain})
+    by_source = {src: [summarize(name, [r for r in recs if r.source == src], [r for r in plain if r.source == src])
+                       for name, recs in records.items()] for src in sources}
     report = {
         "command": "mtplm bench " + " ".join(getattr(args, "argv", [])),
         "model": args.model, "dtype": args.dtype, "prompt_set": args.prompt_set, "prompts": len(prompts),
-        "max_new_tokens": args.max_new_tokens, "machine": machine(), "rows": rows,
-        "histograms": {name: _histogram(r.accepted) for name, r in results.items()},
+        "max_new_tokens": args.max_new_tokens, "machine": machine(), "rows": rows, "by_source": by_source,
+        "histograms": {name: _histogram([n for r in recs for n in r.accepted]) for name, recs in records.items()
+                       if name != "hf-generate"},
         "checkpoint": model.meta.training if model.meta else None,
     }
     write_report(report, args.out)
@@ -198,11 +199,11 @@ def markdown_table(rows: list[dict]) -> str:
     lines = ["| mode | tokens/s | speedup vs plain | tokens/forward | TTFT ms | peak RSS MB | identical to plain | prefix agreement |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        tpf = f"{r['tokens_per_forward']:.2f}" if r.get("tokens_per_forward") else "–"
-        ttft = f"{r['ttft_ms']:.0f}" if r["ttft_ms"] else "–"
-        lines.append(f"| {r['mode']} | {r['tokens_per_s']:.1f} | {r.get('speedup', 1):.2f}× | {tpf} | {ttft} | "
-                     f"{r['peak_rss_mb']:.0f} | {100 * r.get('identical_outputs', 1):.0f} % | "
-                     f"{100 * r.get('prefix_agreement', 1):.0f} % |")
+        tpf = f"{r['tokens_per_forward']:.2f}" if r["tokens_per_forward"] else "–"
+        ttft = f"{r['ttft_ms']:.0f}" if r["ttft_ms"] is not None else "–"
+        lines.append(f"| {r['mode']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× | {tpf} | {ttft} | "
+                     f"{r['peak_rss_mb']:.0f} | {100 * r['identical_outputs']:.0f} % | "
+                     f"{100 * r['prefix_agreement']:.0f} % |")
     return "\n".join(lines)
 
 
@@ -215,45 +216,14 @@ def write_report(report: dict, out: Path) -> None:
             f"{report['prompts']} held-out prompts from `{report['prompt_set']}` (eval split), up to "
             f"{report['max_new_tokens']} new tokens, greedy. Machine: {m['cpu']}, {m['cores']} cores "
             f"({m['threads']} torch threads), {m['ram_gb']} GB RAM; torch {m['torch']}, transformers "
-            f"{m['transformers']}, commit {m['commit']}.", "", markdown_table(report["rows"]), "",
-            "Tokens accepted per forward pass (share of steps):", ""]
+            f"{m['transformers']}, commit {m['commit']}.", "", markdown_table(report["rows"]), ""]
+    for source, rows in report["by_source"].items():
+        text += [f"### {source} ({rows[0]['prompts']} prompts)", "", markdown_table(rows), ""]
+    text += ["Tokens emitted per forward pass (share of steps):", ""]
     for name, hist in report["histograms"].items():
         text.append(f"- {name}: " + ", ".join(f"{k}: {v:.0%}" for k, v in hist.items()))
     (out / "report.md").write_text("\n".join(text) + "\n")
-    _plot(report, out)
-
-
-def _plot(report: dict, out: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed (pip install 'mtplm[plot]'): no plots written")
-        return
-    rows = [r for r in report["rows"] if r["mode"] != "hf-generate"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for family, marker in (("static", "s"), ("confadapt", "o"), ("ntp", "*")):
-        pts = [r for r in rows if r["mode"].startswith(family)]
-        left.plot([100 * r["prefix_agreement"] for r in pts], [r["speedup"] for r in pts], marker=marker,
-                  label=family)
-        for r in pts:
-            left.annotate(r["mode"].split(":")[-1], (100 * r["prefix_agreement"], r["speedup"]), fontsize=8)
-    left.set_xlabel("agreement with plain greedy output (% of tokens before first divergence)")
-    left.set_ylabel("wall-clock speedup over plain")
-    left.set_title("speed vs quality")
-    left.legend()
-    for name, hist in report["histograms"].items():
-        if name.startswith("confadapt"):
-            right.plot(list(hist), list(hist.values()), marker="o", label=name)
-    right.set_xlabel("tokens emitted per forward pass")
-    right.set_ylabel("share of steps")
-    right.set_title("tokens/forward histogram (ConfAdapt)")
-    right.legend()
-    fig.tight_layout()
-    fig.savefig(out / "bench.png", dpi=110)
-    plt.close(fig)
+    bench_plot(report, out)
 
 
 def _histogram(accepted: list[int]) -> dict[int, float]:

@@ -25,6 +25,7 @@ from .losses import entropy, hard_teacher_loss, slot_statistics, soft_teacher_lo
 from .masks import interleaved_regions, random_regions
 from .model import MTPModel
 from .data import row_ids
+from .plots import training_curves
 from .objective import GroundTruthStore, SlotOutputs, TokenBatch, cached_slots, packed_slots
 
 
@@ -218,6 +219,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> Path:
                            "cpu_time_s": round(time.perf_counter() - started, 1), "final_val": val,
                            "decode_check": check}
     log.close()
+    training_curves(run_dir)
     return trainer.save(run_dir, final=True)
 
 

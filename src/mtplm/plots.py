@@ -1,0 +1,76 @@
+"""PNG plots of training curves and benchmark results (matplotlib is the `plot` extra)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'mtplm[plot]'): no plot written")
+        return None
+    return plt
+
+
+def training_curves(run_dir: Path) -> Path | None:
+    """metrics.jsonl -> curves.png: loss, validation agreement per slot, estimated tokens/forward."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [r for r in rows if "loss" in r]
+    val = [r for r in rows if "val" in r]
+    fig, (ax_loss, ax_agree, ax_tpf) = plt.subplots(1, 3, figsize=(15, 4))
+    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train])
+    ax_loss.set(title="training loss", xlabel="step")
+    for slot in range(1, min(6, len(val[-1]["val"]["agreement"]) if val else 0)):
+        ax_agree.plot([r["step"] for r in val], [r["val"]["agreement"][slot] for r in val], marker="o",
+                      label=f"slot {slot + 1}")
+    ax_agree.set(title="held-out agreement with the teacher", xlabel="step", ylim=(0, 1))
+    ax_agree.legend()
+    ax_tpf.plot([r["step"] for r in val], [r["val"]["est_tokens_per_forward"] for r in val], marker="o",
+                label="ConfAdapt (confident run)")
+    ax_tpf.plot([r["step"] for r in val], [r["val"]["est_verified_per_forward"] for r in val], marker="s",
+                label="verified (agreeing run)")
+    ax_tpf.set(title="estimated tokens/forward (held out)", xlabel="step")
+    ax_tpf.legend()
+    fig.tight_layout()
+    path = run_dir / "curves.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def bench_plot(report: dict, out: Path) -> Path | None:
+    """Speed vs agreement per mode (static k vs ConfAdapt), and the ConfAdapt tokens/forward histograms."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    rows = [r for r in report["rows"] if r["mode"] != "hf-generate"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for family, marker in (("static", "s"), ("confadapt", "o"), ("ntp", "*")):
+        pts = [r for r in rows if r["mode"].startswith(family)]
+        left.plot([100 * r["prefix_agreement"] for r in pts], [r["speedup"] for r in pts], marker=marker,
+                  label=family)
+        for r in pts:
+            left.annotate(r["mode"].split(":")[-1], (100 * r["prefix_agreement"], r["speedup"]), fontsize=8)
+    left.set(xlabel="agreement with plain greedy (% of tokens before the first divergence)",
+             ylabel="wall-clock speedup over plain", title="speed vs quality")
+    left.legend()
+    for name, hist in report["histograms"].items():
+        if name.startswith("confadapt"):
+            right.plot([int(k) for k in hist], list(hist.values()), marker="o", label=name)
+    right.set(xlabel="tokens emitted per forward pass", ylabel="share of steps",
+              title="tokens/forward histogram (ConfAdapt)")
+    right.legend()
+    fig.tight_layout()
+    path = out / "bench.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,40 @@
+"""`mtplm bench` runs end to end on a tiny checkpoint and writes its report (it measures; it never asserts)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from mtplm.bench import add_arguments, run_bench
+from mtplm.datasets import data_file
+
+from conftest import tiny_mtp
+
+
+def _data_installed() -> bool:
+    try:
+        data_file("gsm8k")
+        return True
+    except Exception:  # noqa: BLE001  (any failure means: not installed here)
+        return False
+
+
+@pytest.mark.skipif(not _data_installed(), reason="data packages not installed (mtplm setup --data)")
+def test_bench_writes_json_markdown_and_plot(tmp_path):
+    checkpoint = tiny_mtp(seed=0, gated=True).save(tmp_path / "ckpt")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", str(checkpoint), "--prompts", "3", "--prompt-set", "gsm8k",
+                              "--max-new-tokens", "6", "--dtype", "fp32", "--modes", "static:2,confadapt:0.5",
+                              "--out", str(tmp_path / "bench")])
+    run_bench(args)
+    report = json.loads((tmp_path / "bench" / "report.json").read_text())
+    assert [r["mode"] for r in report["rows"]] == ["ntp", "static:2", "confadapt:0.5", "hf-generate"]
+    plain, static = report["rows"][0], report["rows"][1]
+    assert plain["identical_outputs"] == 1.0 and plain["tokens_per_forward"] == 1.0
+    assert static["tokens_per_forward"] > 1.0
+    assert "gsm8k" in report["by_source"]
+    assert (tmp_path / "bench" / "report.md").read_text().startswith("# mtplm bench")
+    assert (tmp_path / "bench" / "bench.png").stat().st_size > 0
