@@ -33,7 +33,7 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
-    p.add_argument("--modes", default=DEFAULT_MODES, help="comma list: ntp, static:K, confadapt:TAU (default: %(default)s)")
+    p.add_argument("--modes", default=DEFAULT_MODES, help="comma list: ntp, static:K, confadapt:TAU[:top1|entropy] (default: %(default)s)")
     p.add_argument("--k-max", type=int, default=None, help="ConfAdapt block size (default: the checkpoint's)")
     p.add_argument("--confidence", default="top1", help="top1 | entropy")
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
@@ -78,17 +78,18 @@ def parse_modes(spec: str, k_max: int | None, confidence: str) -> list[tuple[str
     modes = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         kind, _, value = item.partition(":")
+        value, _, measure = value.partition(":")
         try:
             if kind == "ntp":
                 cfg = DecodeConfig(mode="ntp")
             elif kind == "static":
                 cfg = DecodeConfig(mode="static", k=int(value))
             elif kind == "confadapt":
-                cfg = DecodeConfig(mode="confadapt", tau=float(value), k_max=k_max, confidence=confidence)
+                cfg = DecodeConfig(mode="confadapt", tau=float(value), k_max=k_max, confidence=measure or confidence)
             else:
                 raise ValueError
         except ValueError:
-            raise UserError(f"bad mode {item!r}: use ntp, static:K or confadapt:TAU") from None
+            raise UserError(f"bad mode {item!r}: use ntp, static:K or confadapt:TAU[:top1|entropy]") from None
         modes.append((item, cfg.validate()))
     if not modes or modes[0][0] != "ntp":
         modes = [("ntp", DecodeConfig(mode="ntp"))] + [m for m in modes if m[0] != "ntp"]

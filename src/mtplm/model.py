@@ -304,6 +304,7 @@ def _atomic_dir(target: Path, write) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint is an ordinary shared folder
         write(tmp)
         if target.exists():
             old = target.with_name(f".{target.name}.old")
