@@ -8,6 +8,7 @@ The loop in decode.py never asks which strategy it runs.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 import torch
@@ -108,9 +109,9 @@ def make_strategy(cfg: DecodeConfig, thresholds: dict | None = None) -> Strategy
         raise UserError(f"mode {cfg.mode!r} needs a converted model (one with an <mtp> token): run `mtplm train` first")
     thresholds = thresholds or {}
     if cfg.mode == "confadapt":
-        if cfg.k_max is None:
-            cfg.k_max = int(thresholds.get("k_max", 8))
-        if cfg.tau is None:
-            cfg.tau = float(thresholds.get("tau", 0.9))
-        cfg.validate()
+        cfg = dataclasses.replace(
+            cfg,
+            k_max=cfg.k_max if cfg.k_max is not None else int(thresholds.get("k_max", 8)),
+            tau=cfg.tau if cfg.tau is not None else float(thresholds.get("tau", 0.9)),
+        ).validate()
     return STRATEGIES[cfg.mode](cfg)
