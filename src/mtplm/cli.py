@@ -163,6 +163,7 @@ def _demo(args) -> None:
 def _bench(args) -> None:
     from .bench import run_bench
 
+    args.argv = sys.argv[2:]
     run_bench(args)
 
 
