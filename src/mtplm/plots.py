@@ -40,11 +40,7 @@ def training_curves(run_dir: Path) -> Path | None:
                 label="verified (agreeing run)")
     ax_tpf.set(title="estimated tokens/forward (held out)", xlabel="step")
     ax_tpf.legend()
-    fig.tight_layout()
-    path = run_dir / "curves.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, run_dir / "curves.png")
 
 
 def bench_plot(report: dict, out: Path) -> Path | None:
@@ -69,8 +65,11 @@ def bench_plot(report: dict, out: Path) -> Path | None:
     right.set(xlabel="tokens emitted per forward pass", ylabel="share of steps",
               title="tokens/forward histogram (ConfAdapt)")
     right.legend()
+    return _save(plt, fig, out / "bench.png")
+
+
+def _save(plt, fig, path: Path) -> Path:
     fig.tight_layout()
-    path = out / "bench.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
