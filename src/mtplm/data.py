@@ -69,7 +69,7 @@ def self_generate(hf_model, tokenizer, prompt_set_name: str, cfg, cache_file: Pa
 
     done = _read_jsonl(cache_file) if cache_file.exists() else []
     examples = prompt_set(prompt_set_name, cfg.self_gen_prompts, cfg.seed, split="train")
-    todo = [e for e in examples[len(done):]]
+    todo = examples[len(done):]
     if not todo:
         return done
     tokenizer.padding_side = "left"

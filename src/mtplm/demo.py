@@ -7,6 +7,7 @@ from contextlib import nullcontext
 from .config import DecodeConfig
 from .data import chat_prompt_ids
 from .decode import generate
+from .errors import UserError
 from .model import load_model
 
 PROMPTS = (
@@ -20,12 +21,15 @@ PROMPTS = (
 
 def run_demo(spec: str, dtype: str, max_new_tokens: int, tau: float | None) -> None:
     model = load_model(spec, dtype)
+    if model.meta is None:
+        raise UserError(f"{spec} is not a converted model: the demo compares plain and ConfAdapt decoding, "
+                        "so give a checkpoint made by `mtplm train`")
     tok = model.tokenizer
     plain_cfg = DecodeConfig(mode="ntp", max_new_tokens=max_new_tokens)
     fast_cfg = DecodeConfig(mode="confadapt", tau=tau, max_new_tokens=max_new_tokens)
     generate(model, chat_prompt_ids(tok, "Hi"), DecodeConfig(mode="ntp", max_new_tokens=4))  # warm-up
     totals = {"plain": [0, 0.0, 0], "confadapt": [0, 0.0, 0]}
-    print(f"model: {spec} ({dtype}); ConfAdapt threshold {fast_cfg.tau or model.meta.thresholds['tau']}\n")
+    print(f"model: {spec} ({dtype}); ConfAdapt threshold {tau if tau is not None else model.meta.thresholds['tau']}\n")
     for prompt in PROMPTS:
         ids = chat_prompt_ids(tok, prompt)
         print("=" * 100 + f"\nPROMPT: {prompt}\n")

@@ -99,7 +99,7 @@ class Trainer:
         if offset is None:
             offset = self.rng.randrange(cfg.region_width - (k - 1))
         regions = interleaved_regions(batch.starts, batch.lengths, k, cfg.region_width, offset, batch.ids.shape[1])
-        with _autocast(self.cfg, self.model):
+        with _autocast(self.cfg):
             return packed_slots(self.model, self.teacher, batch, regions, use_teacher, cfg.ntp_weight > 0)
 
     def loss(self, out: SlotOutputs, batch: TokenBatch, objective: str) -> torch.Tensor:
@@ -261,7 +261,7 @@ def _attach_peft_lora(model: MTPModel, cfg: TrainConfig) -> list[torch.nn.Parame
 
 
 @contextmanager
-def _autocast(cfg: TrainConfig, model: MTPModel):
+def _autocast(cfg: TrainConfig):
     if cfg.trainable == "full" and cfg.dtype == "bf16":
         with torch.autocast("cpu", dtype=torch.bfloat16):
             yield
