@@ -55,3 +55,27 @@ def mtp() -> MTPModel:
 @pytest.fixture
 def gated_mtp() -> MTPModel:
     return tiny_mtp(gated=True)
+
+
+# ---- the synthetic language (tests/synthetic.py): a tiny pretrained base and one trained conversion ----
+@pytest.fixture(scope="session")
+def base_dir(tmp_path_factory):
+    from synthetic import pretrained_tiny_model
+
+    return pretrained_tiny_model(tmp_path_factory.mktemp("tiny") / "base")
+
+
+@pytest.fixture(scope="session")
+def data_file(tmp_path_factory):
+    from synthetic import chain_rows, write_rows
+
+    return write_rows(tmp_path_factory.mktemp("data") / "chain.jsonl", chain_rows(400, seed=1))
+
+
+@pytest.fixture(scope="session")
+def chain_checkpoint(base_dir, data_file, tmp_path_factory):
+    """A gated-LoRA conversion (k_max 4, 300 steps) of the tiny base: its mask slots have learned the language."""
+    from synthetic import train_config
+    from mtplm.train import train
+
+    return train(train_config(base_dir, data_file, tmp_path_factory.mktemp("chain") / "run"), progress=False)

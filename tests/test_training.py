@@ -9,23 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from mtplm.config import DecodeConfig, TrainConfig
+from mtplm.config import DecodeConfig
 from mtplm.data import chat_prompt_ids
 from mtplm.decode import generate
 from mtplm.model import MTPModel
 from mtplm.train import train
 
-from synthetic import chain_rows, pretrained_tiny_model, write_rows
-
-
-@pytest.fixture(scope="session")
-def base_dir(tmp_path_factory) -> Path:
-    return pretrained_tiny_model(tmp_path_factory.mktemp("tiny") / "base")
-
-
-@pytest.fixture(scope="session")
-def data_file(tmp_path_factory) -> Path:
-    return write_rows(tmp_path_factory.mktemp("data") / "chain.jsonl", chain_rows(400, seed=1))
+from synthetic import chain_rows, train_config
 
 
 def _tokens_per_forward(model: MTPModel, tau: float) -> tuple[float, float]:
@@ -40,20 +30,12 @@ def _tokens_per_forward(model: MTPModel, tau: float) -> tuple[float, float]:
     return sum(rates) / len(rates), same / 12
 
 
-def _config(base_dir: Path, data_file: Path, out: Path, **overrides) -> TrainConfig:
-    settings = dict(model=str(base_dir), out=str(out), data=f"jsonl:{data_file}", k_max=4, steps=300,
-                    batch_size=16, seq_len=32, slots_per_seq=24, region_width=8, lr=1e-2, lora_rank=8,
-                    lora_alpha=16.0, dtype="fp32", val_every=100, warmup_steps=5, save_every=1000)
-    return TrainConfig(**{**settings, **overrides})
-
-
-def test_gated_lora_training_raises_tokens_per_forward_and_keeps_the_base_path(base_dir, data_file, tmp_path):
+def test_gated_lora_training_raises_tokens_per_forward_and_keeps_the_base_path(base_dir, chain_checkpoint):
     before = MTPModel.load(base_dir)
     before.add_mask_token(k_max=4, base_identity={})
     start_rate, _ = _tokens_per_forward(before, tau=0.9)
 
-    checkpoint = train(_config(base_dir, data_file, tmp_path / "run"), progress=False)
-    model = MTPModel.load(checkpoint)
+    model = MTPModel.load(chain_checkpoint)
     rate, identical = _tokens_per_forward(model, tau=0.9)
     assert start_rate < 1.1
     assert rate > 1.8, f"ConfAdapt tokens/forward only {rate:.2f} after training"
@@ -68,7 +50,7 @@ def test_gated_lora_training_raises_tokens_per_forward_and_keeps_the_base_path(b
 def test_full_checkpoint_loads_with_plain_transformers(base_dir, data_file, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    checkpoint = train(_config(base_dir, data_file, tmp_path / "run", trainable="full", steps=20, lr=1e-3),
+    checkpoint = train(train_config(base_dir, data_file, tmp_path / "run", trainable="full", steps=20, lr=1e-3),
                        progress=False)
     hf = AutoModelForCausalLM.from_pretrained(checkpoint)
     tok = AutoTokenizer.from_pretrained(checkpoint)

@@ -12,21 +12,25 @@ from .errors import UserError
 
 TRAINABLE = ("gated-lora", "lora", "full")
 OBJECTIVES = ("hard", "soft", "ground-truth")
-MODES = ("ntp", "static", "confadapt")
+MODES = ("ntp", "static", "confadapt", "verified")
 CONFIDENCES = ("top1", "entropy")
+DRAFTING = ("linear", "quadratic")
+WINDOWS = ("fixed", "context", "adaptive")
 
 
 @dataclass
 class DecodeConfig:
-    mode: str = "confadapt"  # ntp | static | confadapt
+    mode: str = "confadapt"  # ntp | static | confadapt | verified (lossless)
     k: int = 4  # static mode: tokens emitted per forward
-    k_max: int | None = None  # confadapt: block size; None -> the checkpoint's calibrated value
+    k_max: int | None = None  # confadapt: block size; verified: most tokens per pass; None -> the checkpoint's
     tau: float | None = None  # confadapt threshold; None -> the checkpoint's calibrated value
     confidence: str = "top1"  # top1 | entropy
     backoff: bool = False  # lower k_max after repeated single-token steps, raise it when confidence returns
     backoff_patience: int = 3  # consecutive single-token steps before halving k_max
     backoff_floor: int = 2
-    temperature: float = 0.0  # 0 = greedy; > 0 samples single-token steps
+    drafting: str = "linear"  # verified: linear (one mask block) | quadratic (a block after every draft)
+    window: str = "fixed"  # verified: fixed (k_max) | context (min(k_max, len(context)//2 + 1)) | adaptive
+    temperature: float = 0.0  # 0 = greedy; > 0 samples (verified: exactly the model's distribution)
     top_k: int = 0
     top_p: float = 1.0
     max_new_tokens: int = 256
@@ -43,6 +47,10 @@ class DecodeConfig:
             raise UserError(f"tau must lie in (0, 1], got {self.tau}")
         if self.confidence not in CONFIDENCES:
             raise UserError(f"unknown confidence measure {self.confidence!r}: choose one of {', '.join(CONFIDENCES)}")
+        if self.drafting not in DRAFTING:
+            raise UserError(f"unknown drafting {self.drafting!r}: choose one of {', '.join(DRAFTING)}")
+        if self.window not in WINDOWS:
+            raise UserError(f"unknown window policy {self.window!r}: choose one of {', '.join(WINDOWS)}")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise UserError("temperature must be >= 0, top_p in (0, 1] and top_k >= 0")
         if self.max_new_tokens < 1:

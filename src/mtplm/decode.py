@@ -1,9 +1,10 @@
-"""The generation loop: one forward pass per step, mask slots appended, their KV cropped after the step.
+"""The generation loop: one forward pass per step, then the cache is cropped to the committed tokens.
 
-Each step feeds the tokens whose KV is not cached yet (the prompt, then the previous step's output)
-plus k-1 mask slots, reads k candidates from the last real token and the slots, lets the strategy pick
-n >= 1 of them, and crops the cache back to the committed real tokens. Invariant after every step:
-cache length == prompt + emitted tokens - the tokens emitted this step (they are fed next step).
+Each step feeds the tokens whose KV is not cached yet (the prompt, then the previous step's new
+tokens), the strategy's drafts, and its mask blocks (masks.draft_layout). The strategy reads the
+pass's logits and returns how many drafts it keeps and which new tokens follow them; the cache keeps
+the fed committed tokens and the kept drafts, and drops everything after them (rejected drafts, mask
+slots). Invariant after every step: cache length == prompt + emitted - the step's new tokens.
 """
 
 from __future__ import annotations
@@ -17,16 +18,19 @@ import torch
 from .cache import cache_length, crop_to, new_cache
 from .config import DecodeConfig
 from .errors import UserError
+from .masks import draft_layout
 from .model import MTPModel
-from .strategies import Strategy, make_strategy
+from .strategies import PassLogits, Plan, Strategy, make_strategy
 
 
 @dataclass(frozen=True)
 class Step:
     tokens: list[int]  # emitted this step (ends with the stop token if one was hit)
-    offered: int  # k: candidates read this step
+    offered: int  # k: most tokens this pass could emit (drafts + 1 + mask slots for lossy modes)
     cache_len: int  # cached positions after the step's crop
     stopped: bool
+    drafted: int = 0  # drafts verified by this pass (verified mode)
+    accepted: int = 0  # of which kept
 
 
 @dataclass
@@ -34,6 +38,7 @@ class Generation:
     prompt_len: int
     tokens: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)  # tokens emitted per forward pass
+    drafts: list[tuple[int, int]] = field(default_factory=list)  # (drafted, kept) per pass that verified drafts
     ttft_s: float = 0.0
     elapsed_s: float = 0.0
     stopped: bool = False
@@ -58,25 +63,35 @@ def stream(model: MTPModel, prompt_ids: list[int], strategy: Strategy, max_new_t
         raise UserError("the prompt is empty: give at least one token of input")
     generator = torch.Generator().manual_seed(seed)
     cache = new_cache(model.hf)
-    pending = torch.tensor([prompt_ids])  # [1, S] tokens not yet in the cache
+    pending = list(prompt_ids)  # committed tokens not yet in the cache
     produced = 0
     with torch.inference_mode():
         while produced < max_new_tokens:
-            k = min(strategy.block_size(), max_new_tokens - produced)
-            fed = pending if k == 1 else torch.cat([pending, torch.full((1, k - 1), model.mask_id)], 1)
-            logits = model.logits(fed, cache=cache, last=k)[0]  # [k, V]
-            committed = cache_length(cache) - (k - 1)
-            if k > 1:
-                crop_to(cache, committed)
-            new = strategy.choose(logits, generator).tolist()
+            past = cache_length(cache)
+            plan = strategy.plan(past + len(pending), max_new_tokens - produced)
+            outcome = strategy.choose(run_pass(model, cache, pending, plan), generator)
+            drafts = list(plan.drafts)
+            crop_to(cache, past + len(pending) + outcome.accepted)
+            new = drafts[: outcome.accepted] + list(outcome.new)
             stop_at = next((i for i, t in enumerate(new) if t in stop_ids), None)
-            if stop_at is not None:
-                new = new[: stop_at + 1]
+            stopped = stop_at is not None
+            new = new[: stop_at + 1] if stopped else new[: max_new_tokens - produced]
             produced += len(new)
-            yield Step(new, k, committed, stop_at is not None)
-            if stop_at is not None:
+            yield Step(new, plan.k, past + len(pending) + outcome.accepted, stopped, len(drafts), outcome.accepted)
+            if stopped:
                 return
-            pending = torch.tensor([new])
+            pending = list(outcome.new)
+
+
+def run_pass(model: MTPModel, cache, pending: list[int], plan: Plan) -> PassLogits:
+    """One forward pass of `pending` + the plan's drafts + its mask blocks, appended to `cache`."""
+    past, drafts = cache_length(cache), list(plan.drafts)
+    blocks = (len(drafts) + 1 if plan.quadratic else 1) if plan.slots else 0
+    fed = pending + drafts + ([model.mask_id] * (blocks * plan.slots) if blocks else [])
+    positions, mask = draft_layout(past, len(pending), len(drafts), plan.slots, plan.quadratic, model.dtype)
+    hidden = model.decoder_states(torch.tensor([fed]), positions, cache, mask)[0]
+    tail = hidden[len(pending) - 1:]  # the last pending token, the drafts, the mask blocks
+    return PassLogits(model.head, tail, len(drafts), plan.slots, plan.quadratic)
 
 
 def generate(model: MTPModel, prompt_ids: list[int], cfg: DecodeConfig, strategy: Strategy | None = None,
@@ -90,6 +105,8 @@ def generate(model: MTPModel, prompt_ids: list[int], cfg: DecodeConfig, strategy
             result.ttft_s = time.perf_counter() - start
         result.tokens.extend(step.tokens)
         result.accepted.append(len(step.tokens))
+        if step.drafted:
+            result.drafts.append((step.drafted, step.accepted))
         result.stopped = step.stopped
         if on_step is not None:
             on_step(step)

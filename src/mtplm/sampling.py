@@ -52,3 +52,28 @@ def leading_run(passed: torch.Tensor) -> int:
     """Length of the leading run of True in a 1-D bool tensor."""
     failed = (~passed).nonzero()
     return int(failed[0]) if len(failed) else int(passed.numel())
+
+
+def speculative_accept(target: torch.Tensor, drafts: torch.Tensor, proposal: torch.Tensor,
+                       generator: torch.Generator | None = None) -> tuple[int, int]:
+    """The speculative-sampling rule: how many drafts to keep, and the token that follows them.
+
+    target [m+1, V]: the model's (warped) next-token distributions at the last committed token and at
+    each draft; drafts [m]: the guesses, draft j drawn from proposal [m, V] row j (one-hot rows for argmax
+    drafts). Draft j survives with probability min(1, p_j(d_j) / q_j(d_j)); the first rejected one is
+    replaced by a draw from normalize(max(0, p_j - q_j)); if all survive, a bonus token is drawn from
+    p_{m+1}. The emitted tokens are then distributed exactly as if sampled from the target one at a time.
+    """
+    m = len(drafts)
+    if m:
+        rows = torch.arange(m)
+        p, q = target[rows, drafts], proposal[rows, drafts]
+        ratio = torch.where(q > 0, p / q.clamp_min(1e-30), torch.ones_like(p)).clamp(max=1.0)
+        draws = torch.rand(m, generator=generator)
+        rejected = (draws >= ratio).nonzero()
+        if len(rejected):
+            j = int(rejected[0])
+            residual = (target[j] - proposal[j]).clamp_min(0)
+            residual = residual if float(residual.sum()) > 0 else target[j]
+            return j, int(sample(residual / residual.sum(), generator))
+    return m, int(sample(target[m], generator))

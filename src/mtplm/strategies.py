@@ -1,15 +1,19 @@
-"""Decoding strategies: how many mask slots to feed, and which of the block's tokens to emit.
+"""Decoding strategies: what each pass feeds, and which tokens it emits.
 
 Every strategy answers two questions per step and keeps whatever state it adapts:
-    block_size()          k: the step feeds k-1 mask slots and reads k candidate tokens
-    choose(logits, gen)   logits [k, V] of the last real token and the k-1 slots -> the emitted ids [n], n >= 1
-The loop in decode.py never asks which strategy it runs.
+    plan(context_len, budget)   -> Plan: drafts to verify, mask slots per block, their layout
+    choose(logits, generator)   -> Outcome: drafts kept, and the new tokens that follow them
+The loop in decode.py never asks which strategy it runs. The lossy strategies (static k, ConfAdapt)
+draft nothing and emit mask-slot tokens directly; the lossless one (verified.py) keeps only drafts that
+the model's own next-token path confirms.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable, Protocol
 
 import torch
 
@@ -18,10 +22,56 @@ from .errors import UserError
 from .sampling import CONFIDENCE_MEASURES, leading_run, sample, warp
 
 
-class Strategy(Protocol):
-    def block_size(self) -> int: ...
+@dataclass(frozen=True)
+class Plan:
+    k: int  # most tokens the pass can emit
+    drafts: tuple[int, ...] = ()  # guesses fed after the pending tokens; this pass verifies them
+    slots: int = 0  # mask slots per block
+    quadratic: bool = False  # a block after every prefix of the drafts (else one after the last fed token)
 
-    def choose(self, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor: ...
+
+@dataclass(frozen=True)
+class Outcome:
+    accepted: int  # drafts kept: their KV stays cached
+    new: tuple[int, ...]  # tokens chosen after them (fed, and cached, next step)
+
+
+class PassLogits:
+    """One pass's logits, computed from its final hidden states only where a strategy asks.
+
+    hidden [1 + m + blocks*slots, D]: the last pending token, the m drafts, then the mask blocks.
+    """
+
+    def __init__(self, head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, drafts: int,
+                 slots: int, quadratic: bool) -> None:
+        self._head, self._hidden, self.drafts, self.slots, self.quadratic = head, hidden, drafts, slots, quadratic
+
+    @cached_property
+    def next_token(self) -> torch.Tensor:
+        """[m+1, V]: the next-token logits at the last committed token and after each draft."""
+        return self._head(self._hidden[: self.drafts + 1])
+
+    def block(self, after: int) -> torch.Tensor | None:
+        """[slots, V]: the mask block that follows the first `after` drafts, if this pass has one."""
+        if not self.slots:
+            return None
+        if not self.quadratic:
+            if after != self.drafts:
+                return None
+            after = 0
+        start = self.drafts + 1 + after * self.slots
+        return self._head(self._hidden[start: start + self.slots])
+
+    def candidates(self) -> torch.Tensor:
+        """[1 + slots, V]: next token and mask slots of a draft-free pass (the lossy strategies' block)."""
+        block = self.block(self.drafts)
+        return self.next_token if block is None else torch.cat([self.next_token[-1:], block])
+
+
+class Strategy(Protocol):
+    def plan(self, context_len: int, budget: int) -> Plan: ...
+
+    def choose(self, logits: PassLogits, generator: torch.Generator) -> Outcome: ...
 
 
 class _SingleTokenSampler:
@@ -37,33 +87,43 @@ class _SingleTokenSampler:
         return sample(probs, generator).view(1)
 
 
-class NextToken(_SingleTokenSampler):
-    """Plain decoding: one token per forward, no mask slots (the baseline)."""
+class _Block(_SingleTokenSampler):
+    """A lossy strategy: feed k-1 mask slots, emit n >= 1 of the k candidates (`emit`)."""
 
-    def block_size(self) -> int:
-        return 1
+    k = 1
+
+    def plan(self, context_len: int, budget: int) -> Plan:
+        k = min(self.k, budget)
+        return Plan(k, slots=k - 1)
 
     def choose(self, logits, generator):
+        return Outcome(0, tuple(self.emit(logits.candidates(), generator).tolist()))
+
+    def emit(self, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class NextToken(_Block):
+    """Plain decoding: one token per forward, no mask slots (the baseline)."""
+
+    def emit(self, logits, generator):
         return self.next_token(logits[0], generator)
 
 
-class StaticK(_SingleTokenSampler):
+class StaticK(_Block):
     """Always emit the block's k greedy tokens."""
 
     def __init__(self, cfg: DecodeConfig) -> None:
         super().__init__(cfg)
         self.k = cfg.k
 
-    def block_size(self) -> int:
-        return self.k
-
-    def choose(self, logits, generator):
+    def emit(self, logits, generator):
         if len(logits) == 1:
             return self.next_token(logits[0], generator)
         return logits.argmax(-1)
 
 
-class ConfAdapt(_SingleTokenSampler):
+class ConfAdapt(_Block):
     """Emit the longest leading run of slots whose confidence reaches tau (always at least one token).
 
     With back-off (doc 000), `patience` consecutive single-token steps halve the block (cheaper passes
@@ -79,10 +139,7 @@ class ConfAdapt(_SingleTokenSampler):
         self.patience, self.floor = cfg.backoff_patience, min(cfg.backoff_floor, cfg.k_max)
         self.single_steps = 0
 
-    def block_size(self) -> int:
-        return self.k
-
-    def choose(self, logits, generator):
+    def emit(self, logits, generator):
         confident = self.confidence(logits) >= self.tau  # [k]
         n = max(1, leading_run(confident))
         if self.backoff:
@@ -99,19 +156,19 @@ class ConfAdapt(_SingleTokenSampler):
             self.k = min(self.k_max, self.k * 2)
 
 
-STRATEGIES = {"ntp": NextToken, "static": StaticK, "confadapt": ConfAdapt}
-
-
 def make_strategy(cfg: DecodeConfig, thresholds: dict | None = None) -> Strategy:
-    """Build the strategy for `cfg`; unset ConfAdapt knobs come from the checkpoint's thresholds."""
+    """Build the strategy for `cfg`; unset knobs (k_max, tau) come from the checkpoint's thresholds."""
+    from .verified import Verified
+
     cfg.validate()
     if cfg.mode != "ntp" and thresholds is None:
         raise UserError(f"mode {cfg.mode!r} needs a converted model (one with an <mtp> token): run `mtplm train` first")
     thresholds = thresholds or {}
-    if cfg.mode == "confadapt":
+    if cfg.mode in ("confadapt", "verified"):
         cfg = dataclasses.replace(
             cfg,
             k_max=cfg.k_max if cfg.k_max is not None else int(thresholds.get("k_max", 8)),
             tau=cfg.tau if cfg.tau is not None else float(thresholds.get("tau", 0.9)),
         ).validate()
-    return STRATEGIES[cfg.mode](cfg)
+    strategies = {"ntp": NextToken, "static": StaticK, "confadapt": ConfAdapt, "verified": Verified}
+    return strategies[cfg.mode](cfg)
