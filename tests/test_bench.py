@@ -27,14 +27,18 @@ def test_bench_writes_json_markdown_and_plot(tmp_path):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--model", str(checkpoint), "--prompts", "3", "--prompt-set", "gsm8k",
-                              "--max-new-tokens", "6", "--dtype", "fp32", "--modes", "static:2,confadapt:0.5",
+                              "--max-new-tokens", "6", "--dtype", "fp32", "--modes", "static:2,confadapt:0.5,verified:quadratic",
                               "--out", str(tmp_path / "bench")])
     run_bench(args)
     report = json.loads((tmp_path / "bench" / "report.json").read_text())
-    assert [r["mode"] for r in report["rows"]] == ["ntp", "static:2", "confadapt:0.5", "hf-generate"]
+    assert [r["mode"] for r in report["rows"]] == ["ntp", "static:2", "confadapt:0.5", "verified:quadratic",
+                                                   "hf-generate", "hf-prompt-lookup"]
     plain, static = report["rows"][0], report["rows"][1]
     assert plain["identical_outputs"] == 1.0 and plain["tokens_per_forward"] == 1.0
     assert static["tokens_per_forward"] > 1.0
     assert "gsm8k" in report["by_source"]
     assert (tmp_path / "bench" / "report.md").read_text().startswith("# mtplm bench")
     assert (tmp_path / "bench" / "bench.png").stat().st_size > 0
+    verified = report["rows"][3]
+    assert verified["identical_outputs"] == 1.0  # fp32: lossless
+    assert report["rows"][5]["identical_outputs"] == 1.0  # HF prompt lookup is lossless too

@@ -23,7 +23,10 @@ from .config import DecodeConfig
 from .errors import UserError
 from .plots import bench_plot
 
-DEFAULT_MODES = "ntp,static:2,static:4,confadapt:0.99,confadapt:0.95,confadapt:0.9,confadapt:0.8"
+DEFAULT_MODES = ("ntp,static:2,static:4,confadapt:0.99,confadapt:0.95,confadapt:0.9,confadapt:0.8,"
+                 "verified,verified:quadratic")
+MODE_HELP = ("comma list: ntp, static:K, confadapt:TAU[:top1|entropy], "
+             "verified[:linear|quadratic][:fixed|context|adaptive] (default: %(default)s)")
 
 
 def add_arguments(p) -> None:
@@ -33,10 +36,16 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
-    p.add_argument("--modes", default=DEFAULT_MODES, help="comma list: ntp, static:K, confadapt:TAU[:top1|entropy] (default: %(default)s)")
-    p.add_argument("--k-max", type=int, default=None, help="ConfAdapt block size (default: the checkpoint's)")
+    p.add_argument("--modes", default=DEFAULT_MODES, help=MODE_HELP)
+    p.add_argument("--k-max", type=int, default=None,
+                   help="ConfAdapt block size / verified window (default: the checkpoint's)")
     p.add_argument("--confidence", default="top1", help="top1 | entropy")
-    p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate baselines")
+    p.add_argument("--lookup-tokens", type=int, default=10,
+                   help="HF prompt-lookup decoding: tokens per n-gram match (0 skips it; default: %(default)s)")
+    p.add_argument("--assisted", default=None, metavar="TARGET",
+                   help="also run HF assisted decoding: the base of --model drafts for TARGET (a larger model "
+                        "with the same tokenizer, e.g. qwen2.5-coder-1.5b), against TARGET's own HF greedy")
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="report folder (JSON, Markdown, plots)")
 
 
@@ -86,11 +95,15 @@ def parse_modes(spec: str, k_max: int | None, confidence: str) -> list[tuple[str
                 cfg = DecodeConfig(mode="static", k=int(value))
             elif kind == "confadapt":
                 cfg = DecodeConfig(mode="confadapt", tau=float(value), k_max=k_max, confidence=measure or confidence)
+            elif kind == "verified":
+                cfg = DecodeConfig(mode="verified", k_max=k_max, drafting=value or "linear", window=measure or "fixed")
             else:
                 raise ValueError
-        except ValueError:
-            raise UserError(f"bad mode {item!r}: use ntp, static:K or confadapt:TAU[:top1|entropy]") from None
-        modes.append((item, cfg.validate()))
+            cfg.validate()
+        except (ValueError, UserError):
+            raise UserError(f"bad mode {item!r}: use ntp, static:K, confadapt:TAU[:top1|entropy] or "
+                            "verified[:linear|quadratic][:fixed|context|adaptive]") from None
+        modes.append((item, cfg))
     if not modes or modes[0][0] != "ntp":
         modes = [("ntp", DecodeConfig(mode="ntp"))] + [m for m in modes if m[0] != "ntp"]
     return modes
@@ -132,10 +145,9 @@ def run_bench(args) -> dict:
         raise UserError(f"{args.model} is not a converted model: only plain decoding can be measured")
     examples = prompt_set(args.prompt_set, args.prompts, args.seed, split="eval")
     prompts = [chat_prompt_ids(model.tokenizer, e.prompt)[-768:] for e in examples]
-    records: dict[str, list[Record]] = {name: [] for name, _ in modes}
-    if not args.no_hf:
-        records["hf-generate"] = []
     stops = sorted(stop_ids(model))
+    baselines = _baselines(args, model, stops)  # name -> (run(ids) -> Record parts, the name it is compared with)
+    records: dict[str, list[Record]] = {name: [] for name, _ in modes} | {name: [] for name in baselines}
 
     generate(model, prompts[0], DecodeConfig(mode="ntp", max_new_tokens=8))  # warm-up
     for example, ids in tqdm(list(zip(examples, prompts)), desc="bench", unit="prompt"):
@@ -145,32 +157,67 @@ def run_bench(args) -> dict:
             with baseline, PeakMemory() as mem:
                 out = generate(model, ids, DecodeConfig(**{**asdict(cfg), "max_new_tokens": args.max_new_tokens}))
             records[name].append(Record(source, out.tokens, out.elapsed_s, out.accepted, out.ttft_s, mem.peak / 2**20))
-        if not args.no_hf:
-            with model.pristine(), PeakMemory() as mem, torch.inference_mode():
-                start = time.perf_counter()
-                seq = model.hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                        max_new_tokens=args.max_new_tokens, do_sample=False,
-                                        eos_token_id=stops, pad_token_id=stops[0])
-                elapsed = time.perf_counter() - start
-            records["hf-generate"].append(Record(source, seq[0, len(ids):].tolist(), elapsed, [], None, mem.peak / 2**20))
+        for name, (run, _) in baselines.items():
+            with PeakMemory() as mem:
+                tokens, seconds = run(ids)
+            records[name].append(Record(source, tokens, seconds, [], None, mem.peak / 2**20))
 
-    plain = records["ntp"]
-    rows = [summarize(name, recs, plain) for name, recs in records.items()]
-    sources = sorted({r.source for r in plain})
-    by_source = {src: [summarize(name, [r for r in recs if r.source == src], [r for r in plain if r.source == src])
+    reference = {name: records[baselines[name][1] if name in baselines else "ntp"] for name in records}
+    rows = [summarize(name, recs, reference[name]) for name, recs in records.items()]
+    sources = sorted({r.source for r in records["ntp"]})
+    by_source = {src: [summarize(name, [r for r in recs if r.source == src],
+                                 [r for r in reference[name] if r.source == src])
                        for name, recs in records.items()] for src in sources}
     report = {
         "command": "mtplm bench " + " ".join(getattr(args, "argv", [])),
         "model": args.model, "dtype": args.dtype, "prompt_set": args.prompt_set, "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens, "machine": machine(), "rows": rows, "by_source": by_source,
         "histograms": {name: _histogram([n for r in recs for n in r.accepted]) for name, recs in records.items()
-                       if name != "hf-generate"},
+                       if name not in baselines},
+        "compared_with": {name: ref for name, (_, ref) in baselines.items()},
         "checkpoint": model.meta.training if model.meta else None,
     }
     write_report(report, args.out)
     print(markdown_table(rows))
     print(f"\nreport: {args.out / 'report.md'}")
     return report
+
+
+def _baselines(args, model, stops: list[int]) -> dict:
+    """Hugging Face `generate` runners, each timed on the same prompts: name -> (run, reference mode)."""
+    if args.no_hf:
+        return {}
+
+    def runner(hf, **extra):
+        def run(ids: list[int]) -> tuple[list[int], float]:
+            with torch.inference_mode():
+                start = time.perf_counter()
+                seq = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                  max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=stops,
+                                  pad_token_id=stops[0], **extra)
+                return seq[0, len(ids):].tolist(), time.perf_counter() - start
+        return run
+
+    def pristine(run):  # the base model graph without adapter wrappers, for each call
+        def wrapped(ids):
+            with model.pristine():
+                return run(ids)
+        return wrapped
+
+    runs = {"hf-generate": (pristine(runner(model.hf)), "ntp")}
+    if args.lookup_tokens:
+        runs["hf-prompt-lookup"] = (pristine(runner(model.hf, prompt_lookup_num_tokens=args.lookup_tokens)), "ntp")
+    if args.assisted:
+        from .model import load_model
+
+        target = load_model(args.assisted, args.dtype)
+        if target.tokenizer.get_vocab() != {t: i for t, i in model.tokenizer.get_vocab().items() if t != "<mtp>"}:
+            raise UserError(f"--assisted {args.assisted}: its tokenizer differs from {args.model}'s; assisted "
+                            "decoding here needs the same vocabulary")
+        plain_name = f"hf-generate[{args.assisted}]"
+        runs[plain_name] = (runner(target.hf), plain_name)
+        runs[f"hf-assisted[{args.assisted}]"] = (pristine(runner(target.hf, assistant_model=model.hf)), plain_name)
+    return runs
 
 
 def machine() -> dict:
@@ -218,6 +265,9 @@ def write_report(report: dict, out: Path) -> None:
             f"{report['max_new_tokens']} new tokens, greedy. Machine: {m['cpu']}, {m['cores']} cores "
             f"({m['threads']} torch threads), {m['ram_gb']} GB RAM; torch {m['torch']}, transformers "
             f"{m['transformers']}, commit {m['commit']}.", "", markdown_table(report["rows"]), ""]
+    for name, ref in report.get("compared_with", {}).items():
+        if ref != "ntp" and ref != name:
+            text += [f"`{name}` is compared with `{ref}` (same target model), not with plain.", ""]
     for source, rows in report["by_source"].items():
         text += [f"### {source} ({rows[0]['prompts']} prompts)", "", markdown_table(rows), ""]
     text += ["Tokens emitted per forward pass (share of steps):", ""]

@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.set_defaults(run=_train)
 
-    gen = sub.add_parser("generate", help="answer a prompt with plain, static-k or ConfAdapt decoding")
+    gen = sub.add_parser("generate", help="answer a prompt: plain, static k, ConfAdapt or verified (lossless)")
     gen.add_argument("prompt", nargs="?", help="the prompt (or use --prompt-file)")
     gen.add_argument("--prompt-file", type=Path)
     gen.add_argument("--model", default=DEFAULT_CHECKPOINT,
@@ -80,9 +80,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def _decode_arguments(p: argparse.ArgumentParser) -> None:
     d = DecodeConfig()
-    p.add_argument("--mode", default=d.mode, help="ntp | static | confadapt (default: %(default)s)")
+    p.add_argument("--mode", default=d.mode,
+                   help="ntp | static | confadapt | verified (lossless: the model's own output) (default: %(default)s)")
     p.add_argument("--k", type=int, default=d.k, help="static mode: tokens per forward (default: %(default)s)")
-    p.add_argument("--k-max", type=int, default=None, help="ConfAdapt block size (default: the checkpoint's)")
+    p.add_argument("--k-max", type=int, default=None,
+                   help="ConfAdapt block size / verified: most tokens per pass (default: the checkpoint's)")
+    p.add_argument("--drafting", default=d.drafting, help="verified: linear | quadratic (default: %(default)s)")
+    p.add_argument("--window", default=d.window, help="verified: fixed | context | adaptive (default: %(default)s)")
     p.add_argument("--tau", type=float, default=None, help="ConfAdapt threshold in (0, 1] (default: the checkpoint's)")
     p.add_argument("--confidence", default=d.confidence, help="top1 | entropy (default: %(default)s)")
     p.add_argument("--backoff", action="store_true", help="shrink the block after repeated single-token steps")
@@ -96,7 +100,7 @@ def _decode_arguments(p: argparse.ArgumentParser) -> None:
 
 def decode_config(args) -> DecodeConfig:
     return DecodeConfig(mode=args.mode, k=args.k, k_max=args.k_max, tau=args.tau, confidence=args.confidence,
-                        backoff=args.backoff, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                        backoff=args.backoff, drafting=args.drafting, window=args.window, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                         max_new_tokens=args.max_new_tokens, seed=args.seed).validate()
 
 

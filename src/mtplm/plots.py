@@ -44,26 +44,28 @@ def training_curves(run_dir: Path) -> Path | None:
 
 
 def bench_plot(report: dict, out: Path) -> Path | None:
-    """Speed vs agreement per mode (static k vs ConfAdapt), and the ConfAdapt tokens/forward histograms."""
+    """Speed vs agreement per mode (static k, ConfAdapt, verified, HF baselines), and tokens/forward histograms."""
     plt = _pyplot()
     if plt is None:
         return None
     rows = [r for r in report["rows"] if r["mode"] != "hf-generate"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for family, marker in (("static", "s"), ("confadapt", "o"), ("ntp", "*")):
+    for family, marker in (("static", "s"), ("confadapt", "o"), ("verified", "D"), ("hf-", "x"), ("ntp", "*")):
         pts = [r for r in rows if r["mode"].startswith(family)]
         left.plot([100 * r["prefix_agreement"] for r in pts], [r["speedup"] for r in pts], marker=marker,
                   label=family)
         for r in pts:
-            left.annotate(r["mode"].split(":")[-1], (100 * r["prefix_agreement"], r["speedup"]), fontsize=8)
+            label = r["mode"].removeprefix("verified").removeprefix(":") or "linear"
+            left.annotate(label.split(":")[-1] if family != "hf-" else r["mode"],
+                          (100 * r["prefix_agreement"], r["speedup"]), fontsize=8)
     left.set(xlabel="agreement with plain greedy (% of tokens before the first divergence)",
              ylabel="wall-clock speedup over plain", title="speed vs quality")
     left.legend()
     for name, hist in report["histograms"].items():
-        if name.startswith("confadapt"):
+        if name.startswith(("confadapt", "verified")):
             right.plot([int(k) for k in hist], list(hist.values()), marker="o", label=name)
     right.set(xlabel="tokens emitted per forward pass", ylabel="share of steps",
-              title="tokens/forward histogram (ConfAdapt)")
+              title="tokens/forward histogram")
     right.legend()
     return _save(plt, fig, out / "bench.png")
 
