@@ -26,7 +26,8 @@ from .plots import bench_plot
 DEFAULT_MODES = ("ntp,static:2,static:4,confadapt:0.99,confadapt:0.95,confadapt:0.9,confadapt:0.8,"
                  "verified,verified:quadratic")
 MODE_HELP = ("comma list: ntp, static:K, confadapt:TAU[:top1|entropy], "
-             "verified[:linear|quadratic][:fixed|context|adaptive] (default: %(default)s)")
+             "verified[:linear|quadratic][:fixed|context|adaptive]; append @K to a confadapt or verified mode "
+             "for its k_max (default: %(default)s)")
 
 
 def add_arguments(p) -> None:
@@ -75,6 +76,7 @@ def summarize(mode: str, records: list[Record], plain: list[Record]) -> dict:
         "tokens_per_s": tokens / max(seconds, 1e-9),
         "speedup": tokens / max(seconds, 1e-9) / max(plain_rate, 1e-9),
         "tokens_per_forward": tokens / forwards if forwards else None,
+        "ms_per_forward": 1000 * seconds / forwards if forwards else None,
         "ttft_ms": 1000 * sum(ttfts) / len(ttfts) if ttfts else None,
         "peak_rss_mb": max(r.peak_rss_mb for r in records),
         "identical_outputs": sum(a.tokens == b.tokens for a, b in zip(records, plain)) / len(plain),
@@ -83,12 +85,14 @@ def summarize(mode: str, records: list[Record], plain: list[Record]) -> dict:
     }
 
 
-def parse_modes(spec: str, k_max: int | None, confidence: str) -> list[tuple[str, DecodeConfig]]:
+def parse_modes(spec: str, default_k_max: int | None, confidence: str) -> list[tuple[str, DecodeConfig]]:
     modes = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
-        kind, _, value = item.partition(":")
+        body, at, k = item.partition("@")
+        kind, _, value = body.partition(":")
         value, _, measure = value.partition(":")
         try:
+            k_max = int(k) if at else default_k_max
             if kind == "ntp":
                 cfg = DecodeConfig(mode="ntp")
             elif kind == "static":
@@ -101,8 +105,8 @@ def parse_modes(spec: str, k_max: int | None, confidence: str) -> list[tuple[str
                 raise ValueError
             cfg.validate()
         except (ValueError, UserError):
-            raise UserError(f"bad mode {item!r}: use ntp, static:K, confadapt:TAU[:top1|entropy] or "
-                            "verified[:linear|quadratic][:fixed|context|adaptive]") from None
+            raise UserError(f"bad mode {item!r}: use ntp, static:K, confadapt:TAU[:top1|entropy][@K] or "
+                            "verified[:linear|quadratic][:fixed|context|adaptive][@K]") from None
         modes.append((item, cfg))
     if not modes or modes[0][0] != "ntp":
         modes = [("ntp", DecodeConfig(mode="ntp"))] + [m for m in modes if m[0] != "ntp"]
@@ -244,12 +248,13 @@ def _cpu_name() -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| mode | tokens/s | speedup vs plain | tokens/forward | TTFT ms | peak RSS MB | identical to plain | prefix agreement |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | tokens/s | speedup vs plain | tokens/forward | ms/forward | TTFT ms | peak RSS MB | "
+             "identical to plain | prefix agreement |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tpf = f"{r['tokens_per_forward']:.2f}" if r["tokens_per_forward"] else "–"
+        ms = f"{r['ms_per_forward']:.0f}" if r.get("ms_per_forward") else "–"
         ttft = f"{r['ttft_ms']:.0f}" if r["ttft_ms"] is not None else "–"
-        lines.append(f"| {r['mode']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× | {tpf} | {ttft} | "
+        lines.append(f"| {r['mode']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× | {tpf} | {ms} | {ttft} | "
                      f"{r['peak_rss_mb']:.0f} | {100 * r['identical_outputs']:.0f} % | "
                      f"{100 * r['prefix_agreement']:.0f} % |")
     return "\n".join(lines)
