@@ -42,3 +42,4 @@ def test_bench_writes_json_markdown_and_plot(tmp_path):
     verified = report["rows"][3]
     assert verified["identical_outputs"] == 1.0  # fp32: lossless
     assert report["rows"][5]["identical_outputs"] == 1.0  # HF prompt lookup is lossless too
+    assert plain["task_scores"]["gsm8k"]["n"] == 3  # every GSM8K output was scored (0 or 1 each)

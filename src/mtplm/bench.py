@@ -12,7 +12,7 @@ import subprocess
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
@@ -47,6 +47,8 @@ def add_arguments(p) -> None:
     p.add_argument("--assisted", default=None, metavar="TARGET",
                    help="also run HF assisted decoding: the base of --model drafts for TARGET (a larger model "
                         "with the same tokenizer, e.g. qwen2.5-coder-1.5b), against TARGET's own HF greedy")
+    p.add_argument("--no-score", action="store_true",
+                   help="skip task scoring (GSM8K exact match, HumanEval pass@1, structured-output parsing)")
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="report folder (JSON, Markdown, plots)")
 
 
@@ -60,6 +62,7 @@ class Record:
     accepted: list[int]  # tokens per forward pass (empty for HF generate: it does not say)
     ttft_s: float | None
     peak_rss_mb: float
+    scores: dict[str, float] = field(default_factory=dict)  # task metrics (tasks.score_example), 0 or 1 each
 
 
 def summarize(mode: str, records: list[Record], plain: list[Record]) -> dict:
@@ -82,7 +85,15 @@ def summarize(mode: str, records: list[Record], plain: list[Record]) -> dict:
         "identical_outputs": sum(a.tokens == b.tokens for a, b in zip(records, plain)) / len(plain),
         "prefix_agreement": sum(_common_prefix(a.tokens, b.tokens) / max(1, len(b.tokens))
                                 for a, b in zip(records, plain)) / len(plain),
+        "task_scores": _mean_scores(records),
     }
+
+
+def _mean_scores(records: list[Record]) -> dict[str, dict]:
+    """Per task metric: the mean over the records that have it, and how many those are."""
+    metrics = sorted({key for r in records for key in r.scores})
+    values = {key: [r.scores[key] for r in records if key in r.scores] for key in metrics}
+    return {key: {"mean": sum(v) / len(v), "n": len(v)} for key, v in values.items()}
 
 
 def parse_modes(spec: str, default_k_max: int | None, confidence: str) -> list[tuple[str, DecodeConfig]]:
@@ -152,6 +163,7 @@ def run_bench(args) -> dict:
     stops = sorted(stop_ids(model))
     baselines = _baselines(args, model, stops)  # name -> (run(ids) -> Record parts, the name it is compared with)
     records: dict[str, list[Record]] = {name: [] for name, _ in modes} | {name: [] for name in baselines}
+    scorer = _Scorer(model.tokenizer, enabled=not args.no_score)
 
     generate(model, prompts[0], DecodeConfig(mode="ntp", max_new_tokens=8))  # warm-up
     for example, ids in tqdm(list(zip(examples, prompts)), desc="bench", unit="prompt"):
@@ -160,11 +172,12 @@ def run_bench(args) -> dict:
             baseline = model.pristine() if cfg.mode == "ntp" else nullcontext()
             with baseline, PeakMemory() as mem:
                 out = generate(model, ids, DecodeConfig(**{**asdict(cfg), "max_new_tokens": args.max_new_tokens}))
-            records[name].append(Record(source, out.tokens, out.elapsed_s, out.accepted, out.ttft_s, mem.peak / 2**20))
+            records[name].append(Record(source, out.tokens, out.elapsed_s, out.accepted, out.ttft_s, mem.peak / 2**20,
+                                        scorer(example, out.tokens)))
         for name, (run, _) in baselines.items():
             with PeakMemory() as mem:
                 tokens, seconds = run(ids)
-            records[name].append(Record(source, tokens, seconds, [], None, mem.peak / 2**20))
+            records[name].append(Record(source, tokens, seconds, [], None, mem.peak / 2**20, scorer(example, tokens)))
 
     reference = {name: records[baselines[name][1] if name in baselines else "ntp"] for name in records}
     rows = [summarize(name, recs, reference[name]) for name, recs in records.items()]
@@ -185,6 +198,26 @@ def run_bench(args) -> dict:
     print(markdown_table(rows))
     print(f"\nreport: {args.out / 'report.md'}")
     return report
+
+
+class _Scorer:
+    """Task metrics of a decoded output, computed once per distinct (prompt, output) and never timed."""
+
+    def __init__(self, tokenizer, enabled: bool) -> None:
+        self.tokenizer, self.enabled, self.seen, self.problems = tokenizer, enabled, {}, None
+
+    def __call__(self, example, tokens: list[int]) -> dict[str, float]:
+        from .tasks import humaneval_problems, score_example
+
+        if not self.enabled:
+            return {}
+        key = (example.id, tuple(tokens))
+        if key not in self.seen:
+            if self.problems is None and example.id.startswith("HumanEval"):
+                self.problems = humaneval_problems()
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            self.seen[key] = score_example(example, text, self.problems)
+        return self.seen[key]
 
 
 def _baselines(args, model, stops: list[int]) -> dict:
@@ -249,15 +282,19 @@ def _cpu_name() -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     lines = ["| mode | tokens/s | speedup vs plain | tokens/forward | ms/forward | TTFT ms | peak RSS MB | "
-             "identical to plain | prefix agreement |", "|---|---|---|---|---|---|---|---|---|"]
+             "identical to plain | prefix agreement | task scores |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tpf = f"{r['tokens_per_forward']:.2f}" if r["tokens_per_forward"] else "–"
         ms = f"{r['ms_per_forward']:.0f}" if r.get("ms_per_forward") else "–"
         ttft = f"{r['ttft_ms']:.0f}" if r["ttft_ms"] is not None else "–"
         lines.append(f"| {r['mode']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× | {tpf} | {ms} | {ttft} | "
                      f"{r['peak_rss_mb']:.0f} | {100 * r['identical_outputs']:.0f} % | "
-                     f"{100 * r['prefix_agreement']:.0f} % |")
+                     f"{100 * r['prefix_agreement']:.0f} % | {_format_scores(r.get('task_scores', {}))} |")
     return "\n".join(lines)
+
+
+def _format_scores(scores: dict) -> str:
+    return ", ".join(f"{key} {100 * s['mean']:.0f} % (n={s['n']})" for key, s in scores.items()) or "–"
 
 
 def write_report(report: dict, out: Path) -> None:

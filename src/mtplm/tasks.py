@@ -247,3 +247,25 @@ def sql_valid(completion: str) -> bool:
     finally:
         connection.close()
     return True
+
+
+# ---- dispatch --------------------------------------------------------------------------------------
+
+
+def score_example(example: Example, completion: str, problems: dict[str, dict] | None = None) -> dict[str, float]:
+    """The task metrics of one completion, keyed by metric; {} for prompts without a mechanical score.
+
+    gsm8k: exact match; humaneval_first_try / humaneval_final: pass@1 of the first / last code block;
+    json / sql: the structured output parses. `problems` = humaneval_problems(), loaded once by callers.
+    """
+    source = example.id.split("/")[0]
+    if source == "gsm8k" and example.answer is not None:
+        return {"gsm8k": float(gsm8k_correct(completion, gsm8k_reference(example)))}
+    if source == "HumanEval":
+        problem = (problems if problems is not None else humaneval_problems())[example.id]
+        first, final = humaneval_score(problem, completion)
+        return {"humaneval_first_try": float(first.passed), "humaneval_final": float(final.passed)}
+    if source == "structured":
+        check = json_valid if example.category == "json" else sql_valid
+        return {example.category: float(check(completion))}
+    return {}
