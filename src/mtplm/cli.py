@@ -1,4 +1,4 @@
-"""`mtplm setup | train | generate | demo | bench`: argument parsing and user-facing errors only.
+"""`mtplm setup | train | generate | demo | calibrate | bench`: argument parsing and user-facing errors only.
 
 Every user mistake surfaces as UserError and becomes one line on stderr and exit status 2.
 """
@@ -6,6 +6,7 @@ Every user mistake surfaces as UserError and becomes one line on stderr and exit
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tomllib
 from pathlib import Path
@@ -69,6 +70,25 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-new-tokens", type=int, default=96)
     demo.add_argument("--tau", type=float, default=None)
     demo.set_defaults(run=_demo)
+
+    cal = sub.add_parser("calibrate", help="choose ConfAdapt thresholds that meet a quality target, store them "
+                                            "as the checkpoint's defaults, and check them on held-out prompts")
+    cal.add_argument("--model", default=DEFAULT_CHECKPOINT, help="converted checkpoint (name or directory)")
+    cal.add_argument("--target", type=float, default=0.99,
+                     help="token agreement to reach: share of emitted tokens equal to the model's greedy choice "
+                          "(default: %(default)s)")
+    cal.add_argument("--per-position", action="store_true", help="one threshold per block position, not one tau")
+    cal.add_argument("--prompts", type=int, default=24, help="calibration prompts (default: %(default)s)")
+    cal.add_argument("--held-out", type=int, default=24,
+                     help="held-out prompts to check the result on (the first ones `mtplm bench` uses; default: %(default)s)")
+    cal.add_argument("--prompt-set", default="mixed")
+    cal.add_argument("--seed", type=int, default=0)
+    cal.add_argument("--max-new-tokens", type=int, default=128)
+    cal.add_argument("--k-max", type=int, default=None, help="block size (default: the checkpoint's)")
+    cal.add_argument("--dtype", default="fp32", choices=("bf16", "fp32"),
+                     help="fp32 (default) measures quality without bf16 rounding noise")
+    cal.add_argument("--dry-run", action="store_true", help="report only; leave the checkpoint unchanged")
+    cal.set_defaults(run=_calibrate)
 
     bench = sub.add_parser("bench", help="speed and quality of every decoding mode on held-out prompts")
     from .bench import add_arguments
@@ -162,6 +182,30 @@ def _demo(args) -> None:
     from .demo import run_demo
 
     run_demo(args.model, args.dtype, args.max_new_tokens, args.tau)
+
+
+def _calibrate(args) -> None:
+    from .calibrate import calibrate, store_thresholds
+    from .data import chat_prompt_ids
+    from .datasets import prompt_set
+    from .model import checkpoint_dir, load_model
+
+    if not 0.0 < args.target <= 1.0:
+        raise UserError(f"--target must lie in (0, 1], got {args.target}")
+    if args.prompts < 1 or args.held_out < 0 or args.max_new_tokens < 2:
+        raise UserError("--prompts must be >= 1, --held-out >= 0 and --max-new-tokens >= 2")
+    if args.k_max is not None and args.k_max < 2:
+        raise UserError(f"--k-max must be >= 2, got {args.k_max}")
+    directory = checkpoint_dir(args.model)
+    model = load_model(args.model, args.dtype)
+    examples = prompt_set(args.prompt_set, args.held_out + args.prompts, args.seed, split="eval")
+    ids = [chat_prompt_ids(model.tokenizer, e.prompt)[-768:] for e in examples]
+    result = calibrate(model, ids[args.held_out:], ids[: args.held_out], args.target, args.per_position,
+                       args.max_new_tokens, args.k_max, progress=True)
+    result["command"] = "mtplm " + " ".join(sys.argv[1:])
+    print(json.dumps(result, indent=2))
+    if not args.dry_run:
+        print(f"thresholds stored in {store_thresholds(directory, result)}", file=sys.stderr)
 
 
 def _bench(args) -> None:

@@ -130,17 +130,18 @@ class ConfAdapt(_Block):
     while the model is unsure); a step that emits its whole block doubles it again, up to k_max.
     """
 
-    def __init__(self, cfg: DecodeConfig) -> None:
+    def __init__(self, cfg: DecodeConfig, taus: list[float] | None = None) -> None:
         super().__init__(cfg)
         self.k_max = self.k = cfg.k_max
-        self.tau = cfg.tau
+        # one threshold per block position (calibrated), else tau everywhere
+        self.taus = torch.tensor((list(taus or []) + [cfg.tau] * cfg.k_max)[: cfg.k_max])
         self.confidence = CONFIDENCE_MEASURES[cfg.confidence]
         self.backoff = cfg.backoff
         self.patience, self.floor = cfg.backoff_patience, min(cfg.backoff_floor, cfg.k_max)
         self.single_steps = 0
 
     def emit(self, logits, generator):
-        confident = self.confidence(logits) >= self.tau  # [k]
+        confident = self.confidence(logits) >= self.taus[: len(logits)]  # [k]
         n = max(1, leading_run(confident))
         if self.backoff:
             self._adapt(n, len(logits))
@@ -163,12 +164,15 @@ def make_strategy(cfg: DecodeConfig, thresholds: dict | None = None) -> Strategy
     cfg.validate()
     if cfg.mode != "ntp" and thresholds is None:
         raise UserError(f"mode {cfg.mode!r} needs a converted model (one with an <mtp> token): run `mtplm train` first")
-    thresholds = thresholds or {}
+    thresholds, user_tau = thresholds or {}, cfg.tau
     if cfg.mode in ("confadapt", "verified"):
         cfg = dataclasses.replace(
             cfg,
             k_max=cfg.k_max if cfg.k_max is not None else int(thresholds.get("k_max", 8)),
             tau=cfg.tau if cfg.tau is not None else float(thresholds.get("tau", 0.9)),
         ).validate()
+    calibrated = "tau_per_position" in thresholds and user_tau is None and cfg.confidence == "top1"
+    if cfg.mode == "confadapt" and calibrated:
+        return ConfAdapt(cfg, thresholds["tau_per_position"])
     strategies = {"ntp": NextToken, "static": StaticK, "confadapt": ConfAdapt, "verified": Verified}
     return strategies[cfg.mode](cfg)

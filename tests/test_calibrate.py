@@ -1,0 +1,69 @@
+"""`mtplm calibrate`: the ConfAdapt simulation, threshold choice, the held-out check and storing defaults."""
+
+from __future__ import annotations
+
+import shutil
+
+import torch
+
+from mtplm.calibrate import Blocks, calibrate, choose_thresholds, store_thresholds, token_agreement
+from mtplm.config import DecodeConfig
+from mtplm.data import chat_prompt_ids
+from mtplm.decode import _thresholds, generate
+from mtplm.model import MTPModel
+from mtplm.strategies import make_strategy
+
+from synthetic import chain_rows
+
+
+def test_simulation_counts_emitted_and_wrong_tokens_by_hand():
+    confidence = torch.tensor([[0.9, 0.8, 0.3], [0.95, 0.9, 0.9], [0.4, 0.99, 0.99]])
+    agree = torch.tensor([[True, False, True], [True, True, False], [True, True, True]])
+    blocks = Blocks(confidence, agree, [0, 1, 2, 3])  # three one-position answers: every row is visited
+    # tau 0.5: runs 2, 3, 1 -> 6 tokens in 3 passes; wrong: row 0 slot 1, row 1 slot 2
+    assert blocks.simulate(torch.tensor([0.5, 0.5, 0.5])) == (1 - 2 / 6, 2.0)
+    # tau 1.0 everywhere: one token per pass, always the model's own next token
+    assert blocks.simulate(torch.tensor([1.0, 1.0, 1.0])) == (1.0, 1.0)
+    tau, taus = choose_thresholds(blocks, target=1.0, per_position=True)
+    agreement, speed = blocks.simulate(torch.tensor(taus))
+    assert agreement == 1.0
+    assert taus[1] > 0.8 and taus[2] > 0.9  # just above the confidence of each position's wrong token
+    assert speed > blocks.simulate(torch.tensor([tau] * 3))[1]  # per position beats one tau here
+    # one answer of three positions: a step that emits 2 tokens skips the next position
+    assert Blocks(confidence, agree, [0, 3]).simulate(torch.tensor([0.5, 0.5, 0.5])) == (1 - 1 / 3, 1.5)
+
+
+def _prompts(model, n, seed):
+    walks = [chat_prompt_ids(model.tokenizer, row["prompt"]) for row in chain_rows(n, seed=seed)]
+    g = torch.Generator().manual_seed(seed)
+    soup = [torch.randint(0, 60, (6,), generator=g).tolist() for _ in range(n)]  # off-language: slots unsure
+    return [p for pair in zip(walks, soup) for p in pair]
+
+
+def test_calibrated_threshold_meets_its_target_held_out_and_becomes_the_default(chain_checkpoint, tmp_path):
+    checkpoint = shutil.copytree(chain_checkpoint, tmp_path / "ckpt")
+    model = MTPModel.load(checkpoint)
+    calibration, held = _prompts(model, 8, seed=11), _prompts(model, 8, seed=12)
+
+    strict = calibrate(model, calibration, held, target=0.98, per_position=False, max_new_tokens=24)
+    loose = calibrate(model, calibration, [], target=0.7, per_position=True, max_new_tokens=24)
+    assert strict["calibration"]["token_agreement"] >= 0.98
+    assert strict["held_out"]["token_agreement"] >= 0.95  # within a few points of the target on new prompts
+    assert strict["held_out"]["tokens_per_forward"] > 1.2  # and still faster than one token per pass
+    assert loose["tau"] <= strict["tau"]  # a lower target never needs a stricter threshold
+    assert loose["calibration"]["tokens_per_forward"] >= strict["calibration"]["tokens_per_forward"]
+
+    store_thresholds(checkpoint, strict)
+    reloaded = MTPModel.load(checkpoint)
+    strategy = make_strategy(DecodeConfig(mode="confadapt"), _thresholds(reloaded))
+    assert strategy.taus.tolist() == torch.tensor(strict["tau_per_position"]).tolist()
+    assert reloaded.meta.thresholds["calibration"]["target"] == 0.98
+
+
+def test_token_agreement_of_plain_output_is_complete_and_detects_a_changed_token(chain_checkpoint):
+    model = MTPModel.load(chain_checkpoint)
+    prompt = chat_prompt_ids(model.tokenizer, chain_rows(1, seed=3)[0]["prompt"])
+    plain = generate(model, prompt, DecodeConfig(mode="ntp", max_new_tokens=12)).tokens
+    assert token_agreement(model, prompt, plain) == (len(plain), len(plain))
+    changed = plain[:5] + [(plain[5] + 1) % 60] + plain[6:]
+    assert token_agreement(model, prompt, changed)[0] < len(plain)
