@@ -43,3 +43,14 @@ def test_bench_writes_json_markdown_and_plot(tmp_path):
     assert verified["identical_outputs"] == 1.0  # fp32: lossless
     assert report["rows"][5]["identical_outputs"] == 1.0  # HF prompt lookup is lossless too
     assert plain["task_scores"]["gsm8k"]["n"] == 3  # every GSM8K output was scored (0 or 1 each)
+    assert "Cost to serve" in (tmp_path / "bench" / "report.md").read_text()
+
+
+def test_cost_table_scales_with_measured_speed():
+    from mtplm.cost import Assumptions, cost_rows
+
+    assume = Assumptions(daily_tokens=1e8, utilization=0.5, machine_watts=100, machine_usd_per_hour=0.1)
+    slow, fast = cost_rows([{"mode": "ntp", "tokens_per_s": 20.0}, {"mode": "fast", "tokens_per_s": 40.0}], assume)
+    assert slow["machines"] == 116  # 1e8 / (20 * 86400 * 0.5) = 115.7 -> 116
+    assert fast["machines"] == 58
+    assert abs(slow["kwh_per_day"] - 116 * 2.4) < 1e-9  # 100 W * 24 h = 2.4 kWh per machine

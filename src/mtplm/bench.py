@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from .config import DecodeConfig
+from .cost import Assumptions, cost_markdown
 from .errors import UserError
 from .plots import bench_plot
 
@@ -49,6 +50,9 @@ def add_arguments(p) -> None:
                         "with the same tokenizer, e.g. qwen2.5-coder-1.5b), against TARGET's own HF greedy")
     p.add_argument("--no-score", action="store_true",
                    help="skip task scoring (GSM8K exact match, HumanEval pass@1, structured-output parsing)")
+    p.add_argument("--daily-tokens", type=float, default=1e9, help="cost table: tokens/day to serve (default: 1e9)")
+    p.add_argument("--machine-watts", type=float, default=60.0, help="cost table: watts per machine (default: 60)")
+    p.add_argument("--machine-usd-per-hour", type=float, default=0.08, help="cost table: machine price (default: 0.08)")
     p.add_argument("--out", type=Path, default=Path("runs/bench"), help="report folder (JSON, Markdown, plots)")
 
 
@@ -192,6 +196,8 @@ def run_bench(args) -> dict:
         "histograms": {name: _histogram([n for r in recs for n in r.accepted]) for name, recs in records.items()
                        if name not in baselines},
         "compared_with": {name: ref for name, (_, ref) in baselines.items()},
+        "cost_assumptions": asdict(Assumptions(daily_tokens=args.daily_tokens, machine_watts=args.machine_watts,
+                                               machine_usd_per_hour=args.machine_usd_per_hour)),
         "checkpoint": model.meta.training if model.meta else None,
     }
     write_report(report, args.out)
@@ -312,6 +318,9 @@ def write_report(report: dict, out: Path) -> None:
             text += [f"`{name}` is compared with `{ref}` (same target model), not with plain.", ""]
     for source, rows in report["by_source"].items():
         text += [f"### {source} ({rows[0]['prompts']} prompts)", "", markdown_table(rows), ""]
+    if "cost_assumptions" in report:
+        text += ["### Cost to serve (doc 000 §4.3)", "",
+                 cost_markdown(report["rows"], Assumptions(**report["cost_assumptions"])), ""]
     text += ["Tokens emitted per forward pass (share of steps):", ""]
     for name, hist in report["histograms"].items():
         text.append(f"- {name}: " + ", ".join(f"{k}: {v:.0%}" for k, v in hist.items()))
