@@ -45,6 +45,9 @@ def add_arguments(p) -> None:
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate baselines")
     p.add_argument("--lookup-tokens", type=int, default=10,
                    help="HF prompt-lookup decoding: tokens per n-gram match (0 skips it; default: %(default)s)")
+    p.add_argument("--llama-cpp", action="store_true",
+                   help="also run llama.cpp (llama-cpp-python) on the same GGUF as the native CPU reference; skipped "
+                        "with a message when it is not installed")
     p.add_argument("--assisted", default=None, metavar="TARGET",
                    help="also run HF assisted decoding: the base of --model drafts for TARGET (a larger model "
                         "with the same tokenizer, e.g. qwen2.5-coder-1.5b), against TARGET's own HF greedy")
@@ -250,6 +253,10 @@ def _baselines(args, model, stops: list[int]) -> dict:
     runs = {"hf-generate": (pristine(runner(model.hf)), "ntp")}
     if args.lookup_tokens:
         runs["hf-prompt-lookup"] = (pristine(runner(model.hf, prompt_lookup_num_tokens=args.lookup_tokens)), "ntp")
+    if getattr(args, "llama_cpp", False):
+        run = _llama_cpp_runner(model, args.max_new_tokens, stops)
+        if run is not None:
+            runs["llama.cpp"] = (run, "ntp")
     if args.assisted:
         from .model import load_model
 
@@ -261,6 +268,34 @@ def _baselines(args, model, stops: list[int]) -> dict:
         runs[plain_name] = (runner(target.hf), plain_name)
         runs[f"hf-assisted[{args.assisted}]"] = (pristine(runner(target.hf, assistant_model=model.hf)), plain_name)
     return runs
+
+
+def _llama_cpp_runner(model, max_new_tokens: int, stops: list[int]):
+    """llama.cpp greedy decoding of the GGUF the model was converted from, or None (with a message)."""
+    from .assets import SOURCE_FILE
+
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        print("llama.cpp baseline skipped: llama-cpp-python is not installed (see README: Benchmark)")
+        return None
+    base = Path((model.meta.base_model if model.meta else {}).get("path", ""))
+    try:
+        gguf = json.loads((base / SOURCE_FILE).read_text())["gguf"]
+    except (OSError, ValueError, KeyError):
+        print(f"llama.cpp baseline skipped: no GGUF recorded for the base model at {base}")
+        return None
+    llm = Llama(model_path=gguf, n_ctx=2048, n_threads=torch.get_num_threads(), verbose=False)
+
+    def run(ids: list[int]) -> tuple[list[int], float]:
+        llm.reset()
+        tokens, start = [], time.perf_counter()
+        for token in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+            tokens.append(int(token))
+            if token in stops or len(tokens) >= max_new_tokens:
+                break
+        return tokens, time.perf_counter() - start
+    return run
 
 
 def machine() -> dict:
