@@ -211,13 +211,14 @@ def train(cfg: TrainConfig, progress: bool = True) -> Path:
             tqdm.write(_describe(step + 1, val, cfg.tau))
         if (step + 1) % cfg.save_every == 0 and step != cfg.steps - 1:
             trainer.save(run_dir, final=False)
+    model.meta.training = {"config": as_dict(cfg), "steps": cfg.steps, "samples": len(samples),
+                           "cpu_time_s": round(time.perf_counter() - started, 1), "final_val": val}
+    trainer.save(run_dir, final=True)  # the trained weights are safe before anything else can fail
     check = decode_check(model, val_samples[:8], cfg)
     record({"step": cfg.steps, "decode_check": check})
     tqdm.write(f"[decode check] ConfAdapt tau={cfg.tau}, k_max={cfg.k_max} on {check['prompts']} held-out prompts: "
                f"{check['tokens_per_forward']:.2f} tokens/forward, {check['identical']:.0%} identical to plain greedy")
-    model.meta.training = {"config": as_dict(cfg), "steps": cfg.steps, "samples": len(samples),
-                           "cpu_time_s": round(time.perf_counter() - started, 1), "final_val": val,
-                           "decode_check": check}
+    model.meta.training["decode_check"] = check
     log.close()
     training_curves(run_dir)
     return trainer.save(run_dir, final=True)
