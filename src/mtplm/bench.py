@@ -264,9 +264,12 @@ def _baselines(args, model, stops: list[int]) -> dict:
         if target.tokenizer.get_vocab() != {t: i for t, i in model.tokenizer.get_vocab().items() if t != "<mtp>"}:
             raise UserError(f"--assisted {args.assisted}: its tokenizer differs from {args.model}'s; assisted "
                             "decoding here needs the same vocabulary")
+        # the drafter is the unconverted base: the <mtp> row would make its vocabulary one longer than the target's
+        base = model.meta.base_model.get("spec") if model.meta else None
+        draft = load_model(base, args.dtype).hf if base else model.hf
         plain_name = f"hf-generate[{args.assisted}]"
         runs[plain_name] = (runner(target.hf), plain_name)
-        runs[f"hf-assisted[{args.assisted}]"] = (pristine(runner(target.hf, assistant_model=model.hf)), plain_name)
+        runs[f"hf-assisted[{args.assisted}]"] = (runner(target.hf, assistant_model=draft), plain_name)
     return runs
 
 

@@ -52,8 +52,9 @@ def bench_plot(report: dict, out: Path) -> Path | None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for family, marker in (("static", "s"), ("confadapt", "o"), ("verified", "D"), ("hf-", "x"), ("ntp", "*")):
         pts = [r for r in rows if r["mode"].startswith(family)]
+        curve = family in ("static", "confadapt")  # threshold sweeps; the other points are separate methods
         left.plot([100 * r["prefix_agreement"] for r in pts], [r["speedup"] for r in pts], marker=marker,
-                  label=family)
+                  linestyle="-" if curve else "none", label=family.rstrip("-"))
         for r in pts:
             label = r["mode"].removeprefix("verified").removeprefix(":") or "linear"
             left.annotate(label.split(":")[-1] if family != "hf-" else r["mode"],
