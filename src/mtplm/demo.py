@@ -27,7 +27,7 @@ def run_demo(spec: str, dtype: str, max_new_tokens: int, tau: float | None) -> N
     tok = model.tokenizer
     modes = {"plain": DecodeConfig(mode="ntp", max_new_tokens=max_new_tokens),
              "confadapt": DecodeConfig(mode="confadapt", tau=tau, max_new_tokens=max_new_tokens),
-             "verified": DecodeConfig(mode="verified", drafting="quadratic", max_new_tokens=max_new_tokens)}
+             "verified": DecodeConfig(mode="verified", max_new_tokens=max_new_tokens)}
     generate(model, chat_prompt_ids(tok, "Hi"), DecodeConfig(mode="ntp", max_new_tokens=4))  # warm-up
     totals = {name: [0, 0.0, 0] for name in modes}
     identical = 0

@@ -67,7 +67,8 @@ def bench_plot(report: dict, out: Path) -> Path | None:
             right.plot([int(k) for k in hist], list(hist.values()), marker="o", label=name)
     right.set(xlabel="tokens emitted per forward pass", ylabel="share of steps",
               title="tokens/forward histogram")
-    right.legend()
+    if right.get_legend_handles_labels()[0]:
+        right.legend()
     return _save(plt, fig, out / "bench.png")
 
 
