@@ -95,6 +95,8 @@ def test_cli_train_then_generate_round_trip(base_dir, data_file, tmp_path):
     (("generate", "hi", "--mode", "verified", "--drafting", "tree"), "unknown drafting"),
     (("generate", "hi", "--mode", "verified", "--window", "big"), "unknown window policy"),
     (("generate", "hi", "--mode", "lossless"), "unknown decoding mode"),
+    (("calibrate", "--target", "1.5"), "--target must lie in (0, 1]"),
+    (("calibrate", "--model", "/no/such/checkpoint"), "not a converted checkpoint"),
     (("train", "k_max=1"), "k_max must be >= 2"),
     (("train", "stepz=3"), "unknown setting"),
     (("train", "data=jsonl:/no/such/file.jsonl", "model=/no/such/model"), "not found"),

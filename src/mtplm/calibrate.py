@@ -118,8 +118,8 @@ def token_agreement(model: MTPModel, prompt: list[int], tokens: list[int]) -> tu
 def held_out(model: MTPModel, prompts: list[list[int]], taus: list[float], max_new_tokens: int,
              progress: bool = False) -> dict:
     """Decode with ConfAdapt at `taus`: real token agreement, tokens/forward, and speed against plain."""
-    agreeing = total = forwards = 0
-    seconds = plain_seconds = plain_tokens = 0.0
+    agreeing = total = forwards = plain_tokens = 0
+    seconds = plain_seconds = 0.0
     thresholds = {"k_max": len(taus), "tau_per_position": taus}
     for prompt in tqdm(prompts, desc="held-out check", unit="prompt", disable=not progress):
         with model.pristine():
@@ -127,9 +127,8 @@ def held_out(model: MTPModel, prompts: list[list[int]], taus: list[float], max_n
         cfg = DecodeConfig(mode="confadapt", max_new_tokens=max_new_tokens)
         out = generate(model, prompt, cfg, strategy=make_strategy(cfg, thresholds))
         good, n = token_agreement(model, prompt, out.tokens)
-        agreeing, total, forwards = agreeing + good, total + n, forwards + out.forwards
-        seconds, plain_seconds, plain_tokens = seconds + out.elapsed_s, plain_seconds + plain.elapsed_s, \
-            plain_tokens + len(plain.tokens)
+        agreeing, total, forwards, seconds = agreeing + good, total + n, forwards + out.forwards, seconds + out.elapsed_s
+        plain_tokens, plain_seconds = plain_tokens + len(plain.tokens), plain_seconds + plain.elapsed_s
     return {"token_agreement": agreeing / max(1, total), "tokens_per_forward": total / max(1, forwards),
             "speedup": (total / max(seconds, 1e-9)) / max(plain_tokens / max(plain_seconds, 1e-9), 1e-9),
             "tokens": total, "prompts": len(prompts)}

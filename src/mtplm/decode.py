@@ -26,7 +26,7 @@ from .strategies import PassLogits, Plan, Strategy, make_strategy
 @dataclass(frozen=True)
 class Step:
     tokens: list[int]  # emitted this step (ends with the stop token if one was hit)
-    offered: int  # k: most tokens this pass could emit (drafts + 1 + mask slots for lossy modes)
+    offered: int  # k: the most tokens this pass could emit (Plan.k)
     cache_len: int  # cached positions after the step's crop
     stopped: bool
     drafted: int = 0  # drafts verified by this pass (verified mode)
