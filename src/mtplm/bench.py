@@ -23,6 +23,7 @@ from .config import DecodeConfig
 from .cost import Assumptions, cost_markdown
 from .errors import UserError
 from .plots import bench_plot
+from .tasks import humaneval_problems, score_example
 
 DEFAULT_MODES = ("ntp,static:2,static:4,confadapt:0.99,confadapt:0.95,confadapt:0.9,confadapt:0.8,"
                  "verified,verified:quadratic")
@@ -216,8 +217,6 @@ class _Scorer:
         self.tokenizer, self.enabled, self.seen, self.problems = tokenizer, enabled, {}, None
 
     def __call__(self, example, tokens: list[int]) -> dict[str, float]:
-        from .tasks import humaneval_problems, score_example
-
         if not self.enabled:
             return {}
         key = (example.id, tuple(tokens))

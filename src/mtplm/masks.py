@@ -113,8 +113,9 @@ def _blocked_mask(q_block, q_slot, q_limit, k_block, k_slot, k_pos, dtype) -> to
 
 
 def draft_layout(past: int, pending: int, drafts: int, slots: int, quadratic: bool,
-                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Position ids [1, Q] and additive mask [1, 1, Q, past+Q] (None = plain causal) of one decode step.
+                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Position ids [1, Q] and additive mask [1, 1, Q, past+Q] of one decode step; (None, None) when the
+    step is plain causal (nothing fed, or one block after the last fed token), so nothing is built per step.
 
     The step feeds `pending` uncached committed tokens, then `drafts` guesses, then mask blocks of
     `slots` each: one block after the last draft (linear), or one after the last committed token and
@@ -123,15 +124,14 @@ def draft_layout(past: int, pending: int, drafts: int, slots: int, quadratic: bo
     and KV equal a plain forward's and rejected parts crop off the end of the cache. Block j sits at the
     positions that follow real row pending-1+j and sees the real rows up to there and its own earlier slots.
     """
-    real = pending + drafts
-    blocks = drafts + 1 if quadratic else 1
-    first = pending - 1 if quadratic else real - 1  # the real row the first block follows
+    if not (quadratic and drafts and slots):
+        return None, None  # one block at most, after the last token: plain causal, positions from the cache
+    real, blocks = pending + drafts, drafts + 1
     q_block = torch.cat([torch.full((real,), -1), torch.arange(blocks).repeat_interleave(slots)])
     q_slot = torch.cat([torch.full((real,), -1), torch.arange(slots).repeat(blocks)])
-    q_limit = torch.cat([torch.arange(real), (first + torch.arange(blocks)).repeat_interleave(slots)])
+    # block j follows real row pending-1+j: it sees the real rows up to there
+    q_limit = torch.cat([torch.arange(real), (pending - 1 + torch.arange(blocks)).repeat_interleave(slots)])
     positions = torch.cat([torch.arange(real), q_limit[real:] + 1 + q_slot[real:]]) + past
-    if blocks == 1 or not slots:  # linear, or nothing to branch: the consecutive causal layout
-        return positions.unsqueeze(0), None
     index = torch.arange(len(q_block))
     local = _blocked_mask(q_block[None], q_slot[None], q_limit[None], q_block[None], q_slot[None], index[None], dtype)
     return positions.unsqueeze(0), torch.cat([torch.zeros(1, 1, len(index), past, dtype=dtype), local], -1)

@@ -323,10 +323,15 @@ def _atomic_dir(target: Path, write) -> Path:
 SHIPPED = Path(__file__).parent / "checkpoints"
 
 
+def _shipped(spec: str) -> Path | None:
+    """The directory of a checkpoint shipped inside the package under that name, if there is one."""
+    shipped = SHIPPED / str(spec)
+    return shipped if str(spec) and "/" not in str(spec) and (shipped / META_FILE).is_file() else None
+
+
 def checkpoint_dir(spec: str) -> Path:
     """The directory of a converted checkpoint given by shipped name or path (UserError if it is none)."""
-    shipped = SHIPPED / str(spec)
-    path = shipped if "/" not in str(spec) and (shipped / META_FILE).is_file() else Path(spec)
+    path = _shipped(spec) or Path(spec)
     if not (path / META_FILE).is_file():
         raise UserError(f"{spec} is not a converted checkpoint (no {META_FILE}): convert it with `mtplm train`")
     return path
@@ -334,7 +339,4 @@ def checkpoint_dir(spec: str) -> Path:
 
 def load_model(spec: str, dtype: str = "fp32") -> MTPModel:
     """A shipped checkpoint name (see mtplm/checkpoints), a checkpoint directory, or any base model spec."""
-    shipped = SHIPPED / str(spec)
-    if str(spec) and "/" not in str(spec) and (shipped / META_FILE).is_file():
-        return MTPModel.load(shipped, dtype)
-    return MTPModel.load(spec, dtype)
+    return MTPModel.load(_shipped(spec) or spec, dtype)
