@@ -136,6 +136,16 @@ def test_prompt_set_train_and_eval_never_overlap() -> None:
         assert len(train) == len(evaluation) == n, name
         assert not train & evaluation, name
         assert train == {e.id for e in datasets.prompt_set(name, n, seed=1, split="train")}, name
+    listed = datasets.prompt_set("gsm8k,humaneval,structured", 13, seed=0, split="eval")
+    sources = [e.id.split("/")[0] for e in listed]
+    assert (sources.count("gsm8k"), sources.count("HumanEval"), sources.count("structured")) == (4, 4, 5)
+    full = datasets.prompt_set("gsm8k,humaneval", None, seed=0, split="eval")
+    assert {e.id for e in full} == {e.id for e in datasets.gsm8k() + datasets.humaneval()
+                                    if datasets.in_split(e.id, "eval")}
+    with pytest.raises(AssetError, match="explicit count"):
+        datasets.prompt_set("gsm8k,sharegpt", None)
+    with pytest.raises(AssetError, match="unknown prompt set"):
+        datasets.prompt_set("gsm8k,wikitext", 4)
     answers = [e.answer for e in datasets.gsm8k()]
     assert len(answers) == 1319 and all(a and a.lstrip("-").replace(".", "").isdigit() for a in answers)
 

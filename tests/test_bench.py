@@ -26,7 +26,7 @@ def test_bench_writes_json_markdown_and_plot(tmp_path):
     checkpoint = tiny_mtp(seed=0, gated=True).save(tmp_path / "ckpt")
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--model", str(checkpoint), "--prompts", "3", "--prompt-set", "gsm8k",
+    args = parser.parse_args(["--model", str(checkpoint), "--prompts", "4", "--prompt-set", "gsm8k,structured",
                               "--max-new-tokens", "6", "--dtype", "fp32", "--modes", "static:2,confadapt:0.5,verified:quadratic",
                               "--out", str(tmp_path / "bench")])
     run_bench(args)
@@ -36,13 +36,16 @@ def test_bench_writes_json_markdown_and_plot(tmp_path):
     plain, static = report["rows"][0], report["rows"][1]
     assert plain["identical_outputs"] == 1.0 and plain["tokens_per_forward"] == 1.0
     assert static["tokens_per_forward"] > 1.0
-    assert "gsm8k" in report["by_source"]
+    assert set(report["by_source"]) == {"gsm8k", "structured"}
     assert (tmp_path / "bench" / "report.md").read_text().startswith("# mtplm bench")
     assert (tmp_path / "bench" / "bench.png").stat().st_size > 0
     verified = report["rows"][3]
     assert verified["identical_outputs"] == 1.0  # fp32: lossless
     assert report["rows"][5]["identical_outputs"] == 1.0  # HF prompt lookup is lossless too
-    assert plain["task_scores"]["gsm8k"]["n"] == 3  # every GSM8K output was scored (0 or 1 each)
+    scores = plain["task_scores"]  # every output was scored, 0 or 1 each
+    assert scores["gsm8k"]["n"] == 2 and sum(scores[k]["n"] for k in ("json", "sql") if k in scores) == 2
+    passed = sum(s["mean"] * s["n"] for s in scores.values())
+    assert plain["task_accuracy"] == pytest.approx(passed / 4)
     assert "Cost to serve" in (tmp_path / "bench" / "report.md").read_text()
 
 

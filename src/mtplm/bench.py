@@ -34,8 +34,13 @@ MODE_HELP = ("comma list: ntp, static:K, confadapt:TAU[:top1|entropy], "
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m-mtp", help="converted checkpoint (name or directory)")
-    p.add_argument("--prompts", type=int, default=50, help="held-out prompts (default: %(default)s)")
-    p.add_argument("--prompt-set", default="mixed", help="gsm8k | sharegpt | mtbench | humaneval | mixed")
+    p.add_argument("--prompts", type=int, default=50,
+                   help="held-out prompts, a fixed seeded subset (default: %(default)s)")
+    p.add_argument("--full", action="store_true",
+                   help="every held-out prompt of the set instead of --prompts (GSM8K: about 660; slow on a CPU)")
+    p.add_argument("--prompt-set", default="mixed",
+                   help="gsm8k | humaneval | mtbench | sharegpt | structured | mixed, or a comma list such as "
+                        "gsm8k,humaneval (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
@@ -94,7 +99,17 @@ def summarize(mode: str, records: list[Record], plain: list[Record]) -> dict:
         "prefix_agreement": sum(_common_prefix(a.tokens, b.tokens) / max(1, len(b.tokens))
                                 for a, b in zip(records, plain)) / len(plain),
         "task_scores": _mean_scores(records),
+        "task_accuracy": _task_accuracy(records),
     }
+
+
+HEADLINE = ("gsm8k", "humaneval_first_try", "json", "sql")  # one pass/fail per scored record
+
+
+def _task_accuracy(records: list[Record]) -> float | None:
+    """Share of scored records that pass their task (GSM8K exact match, HumanEval first try, parses)."""
+    passed = [r.scores[key] for r in records for key in HEADLINE if key in r.scores]
+    return sum(passed) / len(passed) if passed else None
 
 
 def _mean_scores(records: list[Record]) -> dict[str, dict]:
@@ -166,7 +181,7 @@ def run_bench(args) -> dict:
     model = load_model(args.model, args.dtype)
     if model.meta is None and any(cfg.mode != "ntp" for _, cfg in modes):
         raise UserError(f"{args.model} is not a converted model: only plain decoding can be measured")
-    examples = prompt_set(args.prompt_set, args.prompts, args.seed, split="eval")
+    examples = prompt_set(args.prompt_set, None if args.full else args.prompts, args.seed, split="eval")
     prompts = [chat_prompt_ids(model.tokenizer, e.prompt)[-768:] for e in examples]
     stops = sorted(stop_ids(model))
     baselines = _baselines(args, model, stops)  # name -> (run(ids) -> Record parts, the name it is compared with)
@@ -325,15 +340,21 @@ def _cpu_name() -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     lines = ["| mode | tokens/s | speedup vs plain | tokens/forward | ms/forward | TTFT ms | peak RSS MB | "
-             "identical to plain | prefix agreement | task scores |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "identical to plain | prefix agreement | task accuracy | task scores |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tpf = f"{r['tokens_per_forward']:.2f}" if r["tokens_per_forward"] else "–"
         ms = f"{r['ms_per_forward']:.0f}" if r.get("ms_per_forward") else "–"
         ttft = f"{r['ttft_ms']:.0f}" if r["ttft_ms"] is not None else "–"
         lines.append(f"| {r['mode']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× | {tpf} | {ms} | {ttft} | "
                      f"{r['peak_rss_mb']:.0f} | {100 * r['identical_outputs']:.0f} % | "
-                     f"{100 * r['prefix_agreement']:.0f} % | {_format_scores(r.get('task_scores', {}))} |")
+                     f"{100 * r['prefix_agreement']:.0f} % | {_percent(r.get('task_accuracy'))} | "
+                     f"{_format_scores(r.get('task_scores', {}))} |")
     return "\n".join(lines)
+
+
+def _percent(value: float | None) -> str:
+    return "–" if value is None else f"{100 * value:.0f} %"
 
 
 def _format_scores(scores: dict) -> str:
@@ -349,7 +370,10 @@ def write_report(report: dict, out: Path) -> None:
             f"{report['prompts']} held-out prompts from `{report['prompt_set']}` (eval split), up to "
             f"{report['max_new_tokens']} new tokens, greedy. Machine: {m['cpu']}, {m['cores']} cores "
             f"({m['threads']} torch threads), {m['ram_gb']} GB RAM; torch {m['torch']}, transformers "
-            f"{m['transformers']}, commit {m['commit']}.", "", markdown_table(report["rows"]), ""]
+            f"{m['transformers']}, commit {m['commit']}.", "", markdown_table(report["rows"]), "",
+            "Task accuracy: the share of scored prompts that pass (GSM8K: exact match of the final number; "
+            "HumanEval: pass@1 of the first code block, run with time and memory limits; structured: the "
+            "output parses as JSON / SQL). `humaneval_final` scores the last code block instead.", ""]
     for name, ref in report.get("compared_with", {}).items():
         if ref != "ntp" and ref != name:
             text += [f"`{name}` is compared with `{ref}` (same target model), not with plain.", ""]

@@ -223,26 +223,32 @@ def _sample(examples: list[Example], n: int | None, seed: int, what: str) -> lis
     return ordered[:n]
 
 
+MIXED = ("gsm8k", "humaneval", "mtbench", "sharegpt")
+
+
 def prompt_set(name: str, n: int | None = None, seed: int = 0, split: str = "all") -> list[Example]:
     """A deterministic subset of n examples (all if n is None) of one source's `split`.
 
-    'mixed' splits n evenly over sharegpt, gsm8k, humaneval and mtbench (ShareGPT fills any
-    shortfall) and interleaves them by seed. Train and eval are disjoint for every source and seed.
+    A comma list ('gsm8k,humaneval') splits n evenly over its sources, the last one filling any shortfall,
+    and interleaves them by seed; 'mixed' is gsm8k,humaneval,mtbench,sharegpt. With n None a list takes
+    every example of each source. Train and eval are disjoint for every source and seed.
     """
     loaders = {"gsm8k": gsm8k, "mtbench": mtbench_prompts, "humaneval": humaneval, "structured": structured_prompts}
-    if name in loaders:
-        pool = [example for example in loaders[name]() if in_split(example.id, split)]
-        return _sample(pool, n, seed, f"prompt set {name!r} ({split})")
-    if name == "sharegpt":
-        return _sample(_sharegpt_pool(n, split), n, seed, f"prompt set 'sharegpt' ({split})")
-    if name == "mixed":
-        if n is None:
-            raise AssetError("prompt set 'mixed' needs an explicit n")
-        chosen: list[Example] = []
-        for source in ("gsm8k", "humaneval", "mtbench"):
-            pool = prompt_set(source, None, seed, split)
-            chosen += pool[: n // 4]
-        chosen += prompt_set("sharegpt", n - len(chosen), seed, split)
-        random.Random(seed).shuffle(chosen)
-        return chosen
-    raise AssetError(f"unknown prompt set {name!r}; use one of {', '.join(SOURCES)}")
+    sources = MIXED if name == "mixed" else tuple(s.strip() for s in name.split(",") if s.strip())
+    unknown = [s for s in sources if s not in loaders and s != "sharegpt"]
+    if unknown or not sources:
+        raise AssetError(f"unknown prompt set {name!r}; use one of {', '.join(SOURCES)}, or a comma list of them")
+    if len(sources) == 1:
+        (source,) = sources
+        if source == "sharegpt":
+            return _sample(_sharegpt_pool(n, split), n, seed, f"prompt set 'sharegpt' ({split})")
+        pool = [example for example in loaders[source]() if in_split(example.id, split)]
+        return _sample(pool, n, seed, f"prompt set {source!r} ({split})")
+    if n is None and "sharegpt" in sources:
+        raise AssetError(f"prompt set {name!r} includes sharegpt (about 90,000 prompts): give an explicit count")
+    chosen: list[Example] = []
+    for source in sources[:-1]:
+        chosen += prompt_set(source, None, seed, split)[: None if n is None else n // len(sources)]
+    chosen += prompt_set(sources[-1], None if n is None else n - len(chosen), seed, split)
+    random.Random(seed).shuffle(chosen)
+    return chosen

@@ -44,32 +44,43 @@ def training_curves(run_dir: Path) -> Path | None:
 
 
 def bench_plot(report: dict, out: Path) -> Path | None:
-    """Speed vs agreement per mode (static k, ConfAdapt, verified, HF baselines), and tokens/forward histograms."""
+    """Speed vs quality per mode, as agreement with plain greedy and (where tasks were scored) as task
+    accuracy: static k and ConfAdapt thresholds are joined into curves; plus tokens/forward histograms."""
     plt = _pyplot()
     if plt is None:
         return None
     rows = [r for r in report["rows"] if r["mode"] != "hf-generate"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for family, marker in (("static", "s"), ("confadapt", "o"), ("verified", "D"), ("hf-", "x"), ("ntp", "*")):
-        pts = [r for r in rows if r["mode"].startswith(family)]
-        curve = family in ("static", "confadapt")  # threshold sweeps; the other points are separate methods
-        left.plot([100 * r["prefix_agreement"] for r in pts], [r["speedup"] for r in pts], marker=marker,
-                  linestyle="-" if curve else "none", label=family.rstrip("-"))
-        for r in pts:
-            label = r["mode"].removeprefix("verified").removeprefix(":") or "linear"
-            left.annotate(label.split(":")[-1] if family != "hf-" else r["mode"],
-                          (100 * r["prefix_agreement"], r["speedup"]), fontsize=8)
-    left.set(xlabel="agreement with plain greedy (% of tokens before the first divergence)",
-             ylabel="wall-clock speedup over plain", title="speed vs quality")
-    left.legend()
+    quality = [("prefix_agreement", "agreement with plain greedy (% of tokens before the first divergence)")]
+    if any(r.get("task_accuracy") is not None for r in rows):
+        quality.append(("task_accuracy", "task accuracy (% of scored prompts that pass)"))
+    fig, axes = plt.subplots(1, len(quality) + 1, figsize=(6 * (len(quality) + 1), 4.5))
+    for ax, (key, xlabel) in zip(axes, quality):
+        _speed_vs(ax, [r for r in rows if r.get(key) is not None], key)
+        ax.set(xlabel=xlabel, ylabel="wall-clock speedup over plain", title="speed vs quality")
+    hist_ax = axes[-1]
     for name, hist in report["histograms"].items():
         if name.startswith(("confadapt", "verified")):
-            right.plot([int(k) for k in hist], list(hist.values()), marker="o", label=name)
-    right.set(xlabel="tokens emitted per forward pass", ylabel="share of steps",
-              title="tokens/forward histogram")
-    if right.get_legend_handles_labels()[0]:
-        right.legend()
+            hist_ax.plot([int(k) for k in hist], list(hist.values()), marker="o", label=name)
+    hist_ax.set(xlabel="tokens emitted per forward pass", ylabel="share of steps", title="tokens/forward histogram")
+    if hist_ax.get_legend_handles_labels()[0]:
+        hist_ax.legend(fontsize=8)
     return _save(plt, fig, out / "bench.png")
+
+
+def _speed_vs(ax, rows: list[dict], key: str) -> None:
+    for family, marker in (("static", "s"), ("confadapt", "o"), ("verified", "D"), ("hf-", "x"), ("llama", "v"),
+                           ("ntp", "*")):
+        pts = sorted((r for r in rows if r["mode"].startswith(family)), key=lambda r: r[key])
+        if not pts:
+            continue
+        curve = family in ("static", "confadapt")  # threshold sweeps; the other points are separate methods
+        ax.plot([100 * r[key] for r in pts], [r["speedup"] for r in pts], marker=marker,
+                linestyle="-" if curve else "none", label=family.rstrip("-"))
+        for r in pts:
+            label = r["mode"].removeprefix("verified").removeprefix(":") or "linear"
+            ax.annotate(label.split(":")[-1] if family not in ("hf-", "llama") else r["mode"],
+                        (100 * r[key], r["speedup"]), fontsize=8)
+    ax.legend(fontsize=8)
 
 
 def _save(plt, fig, path: Path) -> Path:
