@@ -46,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     setup.add_argument("--data", action="store_true", help="also install the evaluation data sets")
     setup.set_defaults(run=_setup)
 
-    train = sub.add_parser("train", help="convert a model into a mask-token MTP model (online self-distillation)",
+    train = sub.add_parser("train", help="convert a model into an MTP model: mask token (online self-distillation) "
+                                         "or prediction heads (method=heads)",
                            description="Settings are TrainConfig fields (see mtplm/config.py): give them as "
                                        "key=value, or in a TOML file with --config; key=value wins.")
     train.add_argument("settings", nargs="*", metavar="key=value", help="e.g. model=smollm2-135m steps=600 k_max=8")
@@ -89,6 +90,11 @@ def _parser() -> argparse.ArgumentParser:
                      help="fp32 (default) measures quality without bf16 rounding noise")
     cal.add_argument("--dry-run", action="store_true", help="report only; leave the checkpoint unchanged")
     cal.set_defaults(run=_calibrate)
+
+    export = sub.add_parser("export", help="write trained medusa-form heads in vLLM's Medusa draft-model layout")
+    export.add_argument("checkpoint", help="a head-based checkpoint (mtplm train method=heads head_form=medusa)")
+    export.add_argument("out", type=Path, help="folder to write (config.json + model.safetensors)")
+    export.set_defaults(run=_export)
 
     bench = sub.add_parser("bench", help="speed and quality of every decoding mode on held-out prompts")
     from .bench import add_arguments
@@ -206,6 +212,12 @@ def _calibrate(args) -> None:
     print(json.dumps(result, indent=2))
     if not args.dry_run:
         print(f"thresholds stored in {store_thresholds(directory, result)}", file=sys.stderr)
+
+
+def _export(args) -> None:
+    from .export import export_medusa
+
+    print(f"Medusa heads written to {export_medusa(args.checkpoint, args.out)}")
 
 
 def _bench(args) -> None:

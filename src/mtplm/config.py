@@ -16,6 +16,8 @@ MODES = ("ntp", "static", "confadapt", "verified")
 CONFIDENCES = ("top1", "entropy")
 DRAFTING = ("linear", "quadratic")
 WINDOWS = ("fixed", "context", "adaptive")
+METHODS = ("mask", "heads")
+HEAD_FORMS = ("medusa", "sequential")
 
 
 @dataclass
@@ -64,6 +66,7 @@ class DecodeConfig:
 class TrainConfig:
     model: str = "smollm2-135m"  # registry name, HF directory or .gguf file
     out: str = "runs/mtp"
+    method: str = "mask"  # mask (one <mtp> token, doc 000) | heads (K-1 heads on a frozen trunk, doc 002)
     trainable: str = "gated-lora"  # gated-lora | lora | full
     objective: str = "hard"  # hard (teacher argmax) | soft (teacher KL) | ground-truth (offline baseline)
     warmup_ground_truth_steps: int = 0  # doc 000's stage 1: ground-truth CE before the distillation stage
@@ -94,8 +97,30 @@ class TrainConfig:
     tau: float = 0.9  # threshold for the validation tokens/forward estimate
     seed: int = 0
     threads: int = 0  # torch threads; 0 = leave torch's default
+    # method=heads (headtrain.py); k_max is K, the heads are 2..K
+    head_form: str = "medusa"  # medusa (residual MLP) | sequential (DeepSeek-V3-style chain)
+    head_alpha: str = "decay"  # loss weights: decay (0.9^k) | a number r (r^k) | deepseek (lambda/D, 0.3 -> 0.1)
+    head_lr: str = "distance"  # distance (heads 4-6 x0.8, 7-9 x0.5, ...) | flat
+    curriculum: bool = True  # dynamic masking: supervise heads s..K, s ~ U[1, s_hi], s_hi: K -> 1
+    curriculum_fraction: float = 0.5  # share of training over which s_hi falls to 1
+    consistency_weight: float = 0.0  # lambda of MSE(E_t[head_k], E_t+1[head_k-1])
+    far_heads_bf16: bool = True  # heads 5+ compute their logits in bfloat16
 
     def validate(self) -> "TrainConfig":
+        if self.method not in METHODS:
+            raise UserError(f"unknown method {self.method!r}: choose one of {', '.join(METHODS)}")
+        if self.head_form not in HEAD_FORMS:
+            raise UserError(f"unknown head_form {self.head_form!r}: choose one of {', '.join(HEAD_FORMS)}")
+        if self.head_alpha not in ("decay", "deepseek"):
+            try:
+                if not 0.0 < float(self.head_alpha) <= 1.0:
+                    raise ValueError
+            except ValueError:
+                raise UserError(f"head_alpha must be decay, deepseek or a number in (0, 1], got {self.head_alpha!r}") from None
+        if self.head_lr not in ("distance", "flat"):
+            raise UserError(f"head_lr must be distance or flat, got {self.head_lr!r}")
+        if not 0.0 < self.curriculum_fraction <= 1.0 or self.consistency_weight < 0:
+            raise UserError("curriculum_fraction must lie in (0, 1] and consistency_weight be >= 0")
         if self.trainable not in TRAINABLE:
             raise UserError(f"unknown trainable {self.trainable!r}: choose one of {', '.join(TRAINABLE)}")
         if self.objective not in OBJECTIVES:

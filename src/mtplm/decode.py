@@ -84,14 +84,19 @@ def stream(model: MTPModel, prompt_ids: list[int], strategy: Strategy, max_new_t
 
 
 def run_pass(model: MTPModel, cache, pending: list[int], plan: Plan) -> PassLogits:
-    """One forward pass of `pending` + the plan's drafts + its mask blocks, appended to `cache`."""
+    """One forward pass of `pending` + the plan's drafts + its mask blocks, appended to `cache`.
+
+    A head-based model feeds no mask blocks: its heads read the block from any real row's hidden state.
+    """
     past, drafts = cache_length(cache), list(plan.drafts)
-    blocks = (len(drafts) + 1 if plan.quadratic else 1) if plan.slots else 0
-    fed = pending + drafts + ([model.mask_id] * (blocks * plan.slots) if blocks else [])
-    positions, mask = draft_layout(past, len(pending), len(drafts), plan.slots, plan.quadratic, model.dtype)
+    slots = 0 if model.heads is not None else plan.slots
+    blocks = (len(drafts) + 1 if plan.quadratic else 1) if slots else 0
+    fed = pending + drafts + ([model.mask_id] * (blocks * slots) if blocks else [])
+    positions, mask = draft_layout(past, len(pending), len(drafts), slots, plan.quadratic, model.dtype)
     hidden = model.decoder_states(torch.tensor([fed]), positions, cache, mask)[0]
     tail = hidden[len(pending) - 1:]  # the last pending token, the drafts, the mask blocks
-    return PassLogits(model.head, tail, len(drafts), plan.slots, plan.quadratic)
+    drafter = model.draft_block if model.heads is not None else None
+    return PassLogits(model.head, tail, len(drafts), plan.slots, plan.quadratic, drafter)
 
 
 def generate(model: MTPModel, prompt_ids: list[int], cfg: DecodeConfig, strategy: Strategy | None = None,

@@ -27,6 +27,7 @@ from .errors import UserError
 MASK_TOKEN = "<mtp>"
 META_FILE = "mtplm.json"
 ADAPTER_FILE = "gated_lora.safetensors"
+HEADS_FILE = "heads.safetensors"
 DELTA_FILE = "delta.safetensors"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -35,8 +36,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "float32": torch.float3
 class MTPMeta:
     """What mtplm records beside a converted checkpoint."""
 
-    mask_id: int
-    method: str = "mask"
+    mask_id: int | None  # None for head-based checkpoints (no mask token)
+    method: str = "mask"  # mask | heads
     mask_token: str = MASK_TOKEN
     k_max: int = 8
     trainable: str = "gated-lora"
@@ -46,6 +47,7 @@ class MTPMeta:
     base_model: dict = field(default_factory=dict)
     training: dict = field(default_factory=dict)
     delta: bool = False
+    heads: dict = field(default_factory=dict)  # method "heads": heads.Heads config (form, k, dim, intermediate)
     format_version: int = 1
 
 
@@ -63,6 +65,7 @@ class MTPModel:
         self.tokenizer = tokenizer
         self.meta = meta
         self.gate = gate
+        self.heads = None  # heads.Heads for method "heads"
         self._adapters_on = True
 
     # ---- construction -------------------------------------------------------------------------
@@ -74,6 +77,8 @@ class MTPModel:
         path = Path(spec)
         if (path / META_FILE).is_file():
             meta = _read_meta(path)
+            if meta.method == "heads":
+                return cls.load(meta.base_model["spec"], dtype)._load_heads(path, meta)
             if meta.delta:
                 base = cls.load(meta.base_model["spec"], dtype)
                 return base._apply_delta(path, meta)
@@ -118,6 +123,38 @@ class MTPModel:
         for p in lora.adapter_parameters(self.hf):
             p.data = p.data.to(device=device, dtype=torch.float32)
 
+    def attach_heads(self, heads, base_identity: dict, spec: str) -> None:
+        """Make this base model a head-based MTP model (heads.Heads on its frozen trunk)."""
+        self.heads = heads.eval()
+        self.meta = MTPMeta(mask_id=None, method="heads", k_max=heads.k, trainable="heads",
+                            thresholds={"tau": 0.9, "confidence": "top1", "k_max": heads.k},
+                            base_model={**base_identity, "spec": spec}, delta=True, heads=heads.config())
+
+    def _load_heads(self, path: Path, meta: MTPMeta) -> "MTPModel":
+        from .heads import Heads
+
+        heads = Heads(**meta.heads)
+        try:
+            heads.load_state_dict(load_file(path / HEADS_FILE))
+        except (OSError, RuntimeError) as exc:
+            raise UserError(f"{path / HEADS_FILE} does not hold the heads {META_FILE} describes: {exc}") from None
+        self.heads, self.meta = heads.to(self.dtype).eval(), meta
+        return self
+
+    def save_heads(self, out_dir: str | os.PathLike) -> Path:
+        """A head-based checkpoint: the heads' weights and metadata naming the base model. Atomic."""
+        def write(tmp: Path) -> None:
+            save_file(_contiguous({k: v.float() for k, v in self.heads.state_dict().items()}), tmp / HEADS_FILE)
+            _write_meta(tmp, self.meta)
+
+        return _atomic_dir(Path(out_dir), write)
+
+    def draft_block(self, hidden: torch.Tensor, token: int | None, n: int) -> torch.Tensor:
+        """Heads 2..n+1's logits [n, V] at one row's hidden state [D]; `token` follows that row."""
+        if token is None:
+            token = int(self.head(hidden).argmax())
+        return self.heads.draft_logits(hidden, token, n, self.hf.get_input_embeddings(), self.head)
+
     def _adapters_to(self, dtype: torch.dtype) -> None:
         """For inference: adapters in the base dtype, so the forward pass casts nothing."""
         for p in lora.adapter_parameters(self.hf):
@@ -143,7 +180,7 @@ class MTPModel:
     # ---- forward --------------------------------------------------------------------------------
     @property
     def mask_id(self) -> int:
-        if self.meta is None:
+        if self.meta is None or self.meta.mask_id is None:
             raise UserError("this model has no <mtp> token: convert it first with `mtplm train`")
         return self.meta.mask_id
 
@@ -188,7 +225,7 @@ class MTPModel:
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM-head logits [..., V] in float32, with the mask token never predicted."""
         logits = self.hf.get_output_embeddings()(hidden).float()
-        if self.meta is not None:
+        if self.meta is not None and self.meta.mask_id is not None:
             logits[..., self.meta.mask_id] = float("-inf")
         return logits
 
@@ -200,7 +237,7 @@ class MTPModel:
                 attention_mask=attention_mask, use_cache=cache is not None, logits_to_keep=last,
             )
         logits = out.logits.float()
-        if self.meta is not None:
+        if self.meta is not None and self.meta.mask_id is not None:
             logits[..., self.meta.mask_id] = float("-inf")
         return logits
 

@@ -39,22 +39,27 @@ class Outcome:
 class PassLogits:
     """One pass's logits, computed from its final hidden states only where a strategy asks.
 
-    hidden [1 + m + blocks*slots, D]: the last pending token, the m drafts, then the mask blocks.
+    hidden [1 + m + blocks*slots, D]: the last pending token, the m drafts, then the mask blocks. A
+    head-based model has no mask rows: its `drafter(hidden row, next token, n)` gives the block after
+    any prefix of the drafts.
     """
 
     def __init__(self, head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, drafts: int,
-                 slots: int, quadratic: bool) -> None:
+                 slots: int, quadratic: bool, drafter: Callable | None = None) -> None:
         self._head, self._hidden, self.drafts, self.slots, self.quadratic = head, hidden, drafts, slots, quadratic
+        self._drafter = drafter
 
     @cached_property
     def next_token(self) -> torch.Tensor:
         """[m+1, V]: the next-token logits at the last committed token and after each draft."""
         return self._head(self._hidden[: self.drafts + 1])
 
-    def block(self, after: int) -> torch.Tensor | None:
-        """[slots, V]: the mask block that follows the first `after` drafts, if this pass has one."""
+    def block(self, after: int, token: int | None = None) -> torch.Tensor | None:
+        """[slots, V]: the block that follows the first `after` drafts and then `token`, if this pass has one."""
         if not self.slots:
             return None
+        if self._drafter is not None:
+            return self._drafter(self._hidden[after], token, self.slots)
         if not self.quadratic:
             if after != self.drafts:
                 return None
@@ -63,8 +68,8 @@ class PassLogits:
         return self._head(self._hidden[start: start + self.slots])
 
     def candidates(self) -> torch.Tensor:
-        """[1 + slots, V]: next token and mask slots of a draft-free pass (the lossy strategies' block)."""
-        block = self.block(self.drafts)
+        """[1 + slots, V]: next token and block of a draft-free pass (the lossy strategies' block)."""
+        block = self.block(self.drafts, int(self.next_token[-1].argmax()) if self._drafter is not None else None)
         return self.next_token if block is None else torch.cat([self.next_token[-1:], block])
 
 

@@ -166,6 +166,10 @@ def train(cfg: TrainConfig, progress: bool = True) -> Path:
     cfg.validate()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if cfg.method == "heads":
+        from .headtrain import train_heads
+
+        return train_heads(cfg, progress)
     torch.manual_seed(cfg.seed)
     run_dir = Path(cfg.out)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -90,7 +90,7 @@ class Verified:
             kept, token = speculative_accept(probs, drafts, proposal, generator)
         if m:
             self.window.update(m, kept)
-        self._draft(logits.block(kept), generator)
+        self._draft(logits.block(kept, token), generator)
         return Outcome(kept, (token,))
 
     def _draft(self, block: torch.Tensor | None, generator: torch.Generator) -> None:

@@ -1,0 +1,131 @@
+"""Head-based MTP (doc 002): K-1 small heads on the trunk's final hidden state; head 1 is the LM head.
+
+Head k (2..K) predicts token t+k from the hidden state at t, through the model's own (shared, frozen)
+LM head. Two forms:
+
+  medusa      z_k = h + SiLU(W_k h + b_k), W_k and b_k zero-initialised so every head starts as the
+              LM head (Medusa-1's residual block; exports to vLLM's Medusa layout, see export.py).
+  sequential  DeepSeek-V3's chain: depth d = k-1 projects [RMSNorm(x_{d-1}); RMSNorm(emb(t_{+d}))] and
+              runs one pre-norm transformer block; x_0 = h. Each depth sees the token the previous
+              depth predicts, so drafts are conditioned on each other. The block attends to its own
+              position only (the trunk state already carries the context), so drafting needs no
+              per-depth KV cache: a chain of K-1 one-row blocks.
+
+Shapes: B batch, T tokens, D hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+FORMS = ("medusa", "sequential")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+class ResidualBlock(nn.Module):
+    """h + SiLU(W h + b): zero-initialised, so it starts as the identity."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + nn.functional.silu(self.linear(h))
+
+
+class Depth(nn.Module):
+    """One DeepSeek-style module: projection of [norm(x); norm(emb)] -> one transformer block (identity at init)."""
+
+    def __init__(self, dim: int, intermediate: int) -> None:
+        super().__init__()
+        self.norm_h, self.norm_e = RMSNorm(dim), RMSNorm(dim)
+        self.proj = nn.Linear(2 * dim, dim, bias=False)
+        with torch.no_grad():  # start by passing the normalised hidden state through
+            self.proj.weight.zero_()
+            self.proj.weight[:, :dim] = torch.eye(dim)
+        self.attn_norm, self.mlp_norm = RMSNorm(dim), RMSNorm(dim)
+        self.value, self.out = nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=False)
+        self.gate, self.up = nn.Linear(dim, intermediate, bias=False), nn.Linear(dim, intermediate, bias=False)
+        self.down = nn.Linear(intermediate, dim, bias=False)
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.down.weight)
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        y = self.proj(torch.cat([self.norm_h(x), self.norm_e(emb)], -1))
+        y = y + self.out(self.value(self.attn_norm(y)))  # attention over one position: softmax weight 1
+        z = self.mlp_norm(y)
+        return y + self.down(nn.functional.silu(self.gate(z)) * self.up(z))
+
+
+class Heads(nn.Module):
+    """Heads 2..K. `states` gives each head's pre-LM-head hidden states; logits come from the shared head."""
+
+    def __init__(self, form: str, k: int, dim: int, intermediate: int | None = None) -> None:
+        super().__init__()
+        if form not in FORMS:
+            raise ValueError(f"unknown head form {form!r}: use one of {', '.join(FORMS)}")
+        self.form, self.k, self.dim = form, k, dim
+        self.intermediate = intermediate or 2 * dim
+        make = (lambda: ResidualBlock(dim)) if form == "medusa" else (lambda: Depth(dim, self.intermediate))
+        self.blocks = nn.ModuleList(make() for _ in range(k - 1))  # blocks[i] is head i + 2
+
+    def config(self) -> dict:
+        return {"form": self.form, "k": self.k, "dim": self.dim, "intermediate": self.intermediate}
+
+    def states(self, h: torch.Tensor, tokens: torch.Tensor, embed: nn.Module) -> list[torch.Tensor]:
+        """Training: [B, T, D] per head k = 2..K; row t of head k predicts token t+k.
+
+        The sequential chain is teacher-forced: depth d at row t reads the true token t+d (rows whose
+        token lies past the end read the last token; their predictions have no target anyway).
+        """
+        if self.form == "medusa":
+            return [block(h) for block in self.blocks]
+        out, x = [], h
+        for d, block in enumerate(self.blocks, start=1):
+            ahead = torch.cat([tokens[:, d:], tokens[:, -1:].expand(-1, d)], 1)  # [B, T]: token t+d
+            x = block(x, embed(ahead).to(x.dtype))
+            out.append(x)
+        return out
+
+    def draft_logits(self, h: torch.Tensor, token: int, n: int, embed: nn.Module, lm_head) -> torch.Tensor:
+        """Decoding: logits [n, V] of heads 2..n+1 from one row's hidden state [D], given the token after it.
+
+        Medusa heads share one LM-head call; the sequential chain feeds each depth the previous depth's
+        greedy token, so it calls the LM head once per depth.
+        """
+        if self.form == "medusa":
+            return lm_head(torch.stack([block(h) for block in self.blocks[:n]]))
+        rows, x = [], h
+        for block in self.blocks[:n]:
+            x = block(x, embed(torch.tensor(token)).to(x.dtype))
+            rows.append(lm_head(x))
+            token = int(rows[-1].argmax())
+        return torch.stack(rows)
+
+
+def head_lr_scale(k: int) -> float:
+    """doc 002's per-head learning rates, generalised by distance: heads 1-3 x1, 4-6 x0.8, 7-9 x0.5,
+    then x0.8 per further group of three."""
+    group = (k - 1) // 3
+    return (1.0, 0.8, 0.5)[group] if group < 3 else 0.5 * 0.8 ** (group - 2)
+
+
+def head_weights(k: int, alpha: str, progress: float) -> list[float]:
+    """Loss weight of heads 2..K. 'decay' = 0.9^k (doc 002), any number r = r^k, 'deepseek' = lambda/D
+    with lambda 0.3 for the first 68 % of training (10T of 14.8T tokens), then 0.1."""
+    if alpha == "deepseek":
+        lam = 0.3 if progress < 10 / 14.8 else 0.1
+        return [lam / (k - 1)] * (k - 1)
+    rate = 0.9 if alpha == "decay" else float(alpha)
+    return [rate ** j for j in range(2, k + 1)]
