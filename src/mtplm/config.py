@@ -105,6 +105,7 @@ class TrainConfig:
     curriculum_fraction: float = 0.5  # share of training over which s_hi falls to 1
     consistency_weight: float = 0.0  # lambda of MSE(E_t[head_k], E_t+1[head_k-1])
     far_heads_bf16: bool = True  # heads 5+ compute their logits in bfloat16
+    head_window: int = 64  # response rows per sequence and step (heads read one row each); 0 = whole rows
 
     def validate(self) -> "TrainConfig":
         if self.method not in METHODS:

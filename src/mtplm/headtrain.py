@@ -22,6 +22,7 @@ Per step (`HeadTrainer.step`):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import time
@@ -45,16 +46,41 @@ class TrunkRow:
     greedy: torch.Tensor  # [L] the trunk's own greedy next token at each row
     start: int  # first row whose next token is part of the response
 
+    def window(self, rows: int, k: int, rng: random.Random) -> "TrunkRow":
+        """`rows` consecutive response rows (plus the k tokens their heads look ahead to), at random."""
+        if not rows or len(self.tokens) - self.start <= rows + k:
+            return self
+        a = rng.randrange(self.start, len(self.tokens) - rows - k + 1)
+        b = a + rows + k
+        return TrunkRow(self.hidden[a:b], self.tokens[a:b], self.greedy[a:b], 0)
+
 
 @torch.inference_mode()
-def trunk_states(model: MTPModel, samples: list[Sample], seq_len: int, progress: bool = True) -> list[TrunkRow]:
-    """One frozen-trunk forward per sample, kept for every epoch (hidden states in the model's dtype)."""
+def trunk_states(model: MTPModel, samples: list[Sample], seq_len: int, progress: bool = True,
+                 cache: Path | None = None) -> list[TrunkRow]:
+    """One frozen-trunk forward per sample, kept for every epoch (hidden states in the model's dtype).
+
+    With `cache`, the states are stored under a key of the model, dtype, samples and seq_len, and reused
+    by later runs on the same text (an ablation trains many heads on one trunk).
+    """
+    path = None
+    if cache is not None:
+        key = hashlib.sha256(json.dumps([model.meta_key(), str(model.dtype), seq_len,
+                                         [(s.prompt_ids, s.response_ids) for s in samples]]).encode())
+        path = cache / f"trunk-{key.hexdigest()[:16]}.pt"
+        if path.is_file():
+            return [TrunkRow(**row) for row in torch.load(path)]
     rows = []
     for sample in tqdm(samples, desc="trunk states", unit="text", disable=not progress):
         ids, prompt_len = row_ids(sample, seq_len)
         hidden = model.decoder_states(torch.tensor([ids]))[0]
         greedy = torch.cat([model.head(chunk).argmax(-1) for chunk in hidden.split(256)])
-        rows.append(TrunkRow(hidden, torch.tensor(ids), greedy, max(0, prompt_len - 1)))
+        rows.append(TrunkRow(hidden.clone(), torch.tensor(ids), greedy, max(0, prompt_len - 1)))
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save([vars(row) for row in rows], tmp)
+        tmp.replace(path)
     return rows
 
 
@@ -209,7 +235,7 @@ class HeadTrainer:
 
 def train_heads(cfg: TrainConfig, progress: bool = True) -> Path:
     """`mtplm train method=heads`: trunk states once, then `steps` head updates; saves run_dir/checkpoint."""
-    from .assets import model_identity, resolve_model
+    from .assets import cache_dir, model_identity, resolve_model
     from .data import load_samples
     from .plots import training_curves
 
@@ -220,7 +246,7 @@ def train_heads(cfg: TrainConfig, progress: bool = True) -> Path:
     model = MTPModel.load(cfg.model, dtype=cfg.dtype)
     samples = load_samples(cfg.data, model.tokenizer, model.hf, run_dir, cfg)
     started = time.perf_counter()
-    rows = trunk_states(model, samples, cfg.seq_len, progress)
+    rows = trunk_states(model, samples, cfg.seq_len, progress, cache=cache_dir() / "trunk")
     num_val = max(1, int(len(rows) * cfg.val_fraction))
     train_rows, val_rows = (rows[:-num_val] or rows), rows[-num_val:]
     val_batches = [HeadBatch.of(val_rows[i: i + cfg.batch_size]) for i in range(0, len(val_rows), cfg.batch_size)]
@@ -245,7 +271,8 @@ def train_heads(cfg: TrainConfig, progress: bool = True) -> Path:
             position = 0
         chosen = order[position: position + cfg.batch_size]
         position += cfg.batch_size
-        stats = trainer.step(HeadBatch.of([train_rows[i] for i in chosen]), step)
+        batch = HeadBatch.of([train_rows[i].window(cfg.head_window, cfg.k_max, rng) for i in chosen])
+        stats = trainer.step(batch, step)
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
             record({"step": step + 1, **stats})
         bar.set_postfix(loss=f"{stats['loss']:.3f}", val_tpf=f"{val['est_verified_per_forward']:.2f}")

@@ -10,6 +10,7 @@ Shapes: B batch, S sequence (fed tokens), V vocabulary.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -122,6 +123,14 @@ class MTPModel:
         device = next(self.hf.parameters()).device
         for p in lora.adapter_parameters(self.hf):
             p.data = p.data.to(device=device, dtype=torch.float32)
+
+    def meta_key(self) -> str:
+        """A fingerprint of this model's weights for caches: every tensor's shape and first values."""
+        digest = hashlib.sha256()
+        for name, p in self.hf.state_dict().items():
+            digest.update(f"{name}{tuple(p.shape)}".encode())
+            digest.update(p.detach().flatten()[:4096].float().numpy().tobytes())
+        return digest.hexdigest()
 
     def attach_heads(self, heads, base_identity: dict, spec: str) -> None:
         """Make this base model a head-based MTP model (heads.Heads on its frozen trunk)."""
