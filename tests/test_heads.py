@@ -70,13 +70,20 @@ def test_verified_decoding_with_heads_is_plain_greedy(heads_checkpoint):
     prompts = [chat_prompt_ids(model.tokenizer, r["prompt"]) for r in chain_rows(12, seed=5)]
     prompts += [model.tokenizer(" ".join(f"t{(7 * i + 3) % 60}" for i in range(n)))["input_ids"] for n in (3, 9)]
     forwards = tokens = 0
+    tree_forwards = {"2,2": 0, "3,1,2": 0}
     for ids in prompts:
         plain = generate(model, ids, DecodeConfig(mode="ntp", max_new_tokens=24)).tokens
         for window in ("fixed", "adaptive"):
             out = generate(model, ids, DecodeConfig(mode="verified", window=window, max_new_tokens=24))
             assert out.tokens == plain, (ids, window)
         forwards, tokens = forwards + out.forwards, tokens + len(out.tokens)
+        for widths in ("2,2", "3,1,2"):
+            tree = generate(model, ids, DecodeConfig(mode="verified", drafting="tree", tree_widths=widths,
+                                                     max_new_tokens=24))
+            assert tree.tokens == plain, (ids, widths)
+            tree_forwards[widths] += tree.forwards
     assert tokens / forwards > 2.0  # trained heads: most drafts survive
+    assert all(n <= forwards for n in tree_forwards.values())  # a tree holds the chain of top choices too
 
 
 def test_untrained_heads_stay_lossless_and_lossy_modes_run(base_dir):
@@ -90,6 +97,8 @@ def test_untrained_heads_stay_lossless_and_lossy_modes_run(base_dir):
     ids = model.tokenizer("t1 t2 t3")["input_ids"]
     plain = generate(model, ids, DecodeConfig(mode="ntp", max_new_tokens=20)).tokens
     assert generate(model, ids, DecodeConfig(mode="verified", max_new_tokens=20)).tokens == plain
+    tree = generate(model, ids, DecodeConfig(mode="verified", drafting="tree", tree_widths="3,2", max_new_tokens=20))
+    assert tree.tokens == plain
     static = generate(model, ids, DecodeConfig(mode="static", k=3, max_new_tokens=20))
     assert static.forwards < len(static.tokens) and len(static.tokens) == 20
     conf = generate(model, ids, DecodeConfig(mode="confadapt", tau=1.0, max_new_tokens=20))

@@ -28,7 +28,7 @@ from .tasks import humaneval_problems, score_example
 DEFAULT_MODES = ("ntp,static:2,static:4,confadapt:0.99,confadapt:0.95,confadapt:0.9,confadapt:0.8,"
                  "verified,verified:quadratic")
 MODE_HELP = ("comma list: ntp, static:K, confadapt:TAU[:top1|entropy], "
-             "verified[:linear|quadratic][:fixed|context|adaptive]; append @K to a confadapt or verified mode "
+             "verified[:linear|quadratic|tree][:fixed|context|adaptive]; append @K to a confadapt or verified mode "
              "for its k_max (default: %(default)s)")
 
 
@@ -140,7 +140,7 @@ def parse_modes(spec: str, default_k_max: int | None, confidence: str) -> list[t
             cfg.validate()
         except (ValueError, UserError):
             raise UserError(f"bad mode {item!r}: use ntp, static:K, confadapt:TAU[:top1|entropy][@K] or "
-                            "verified[:linear|quadratic][:fixed|context|adaptive][@K]") from None
+                            "verified[:linear|quadratic|tree][:fixed|context|adaptive][@K]") from None
         modes.append((item, cfg))
     if not modes or modes[0][0] != "ntp":
         modes = [("ntp", DecodeConfig(mode="ntp"))] + [m for m in modes if m[0] != "ntp"]

@@ -1,4 +1,4 @@
-"""The only module that touches Hugging Face cache internals: make one, read its length, crop it."""
+"""The only module that touches Hugging Face cache internals: make one, read its length, crop or compact it."""
 
 from __future__ import annotations
 
@@ -21,6 +21,14 @@ def crop_to(cache: DynamicCache, length: int) -> None:
         raise ValueError(f"cannot crop a cache of length {cache.get_seq_length()} up to {length}")
     if extra:
         cache.crop(-extra)
+
+
+def keep_rows(cache: DynamicCache, start: int, rows: list[int]) -> None:
+    """Move the cached positions start + rows[i] to start + i (the kept path of a draft tree); crop after."""
+    index = torch.tensor([start + r for r in rows], dtype=torch.long)
+    for layer in cache.layers:
+        layer.keys[:, :, start: start + len(rows)] = layer.keys[:, :, index]
+        layer.values[:, :, start: start + len(rows)] = layer.values[:, :, index]
 
 
 def cache_layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:

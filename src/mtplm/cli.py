@@ -111,7 +111,10 @@ def _decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", type=int, default=d.k, help="static mode: tokens per forward (default: %(default)s)")
     p.add_argument("--k-max", type=int, default=None,
                    help="ConfAdapt block size / verified: most tokens per pass (default: the checkpoint's)")
-    p.add_argument("--drafting", default=d.drafting, help="verified: linear | quadratic (default: %(default)s)")
+    p.add_argument("--drafting", default=d.drafting,
+                   help="verified: linear | quadratic | tree (head-based checkpoints) (default: %(default)s)")
+    p.add_argument("--tree-widths", default=d.tree_widths,
+                   help="tree drafting: candidates per depth from the heads' top choices (default: %(default)s)")
     p.add_argument("--window", default=d.window, help="verified: fixed | context | adaptive (default: %(default)s)")
     p.add_argument("--tau", type=float, default=None, help="ConfAdapt threshold in (0, 1] (default: the checkpoint's)")
     p.add_argument("--confidence", default=d.confidence, help="top1 | entropy (default: %(default)s)")
@@ -126,7 +129,8 @@ def _decode_arguments(p: argparse.ArgumentParser) -> None:
 
 def decode_config(args) -> DecodeConfig:
     return DecodeConfig(mode=args.mode, k=args.k, k_max=args.k_max, tau=args.tau, confidence=args.confidence,
-                        backoff=args.backoff, drafting=args.drafting, window=args.window, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                        backoff=args.backoff, drafting=args.drafting, tree_widths=args.tree_widths,
+                        window=args.window, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                         max_new_tokens=args.max_new_tokens, seed=args.seed).validate()
 
 

@@ -14,7 +14,7 @@ TRAINABLE = ("gated-lora", "lora", "full")
 OBJECTIVES = ("hard", "soft", "ground-truth")
 MODES = ("ntp", "static", "confadapt", "verified")
 CONFIDENCES = ("top1", "entropy")
-DRAFTING = ("linear", "quadratic")
+DRAFTING = ("linear", "quadratic", "tree")
 WINDOWS = ("fixed", "context", "adaptive")
 METHODS = ("mask", "heads")
 HEAD_FORMS = ("medusa", "sequential")
@@ -33,6 +33,8 @@ class DecodeConfig:
     # verified mode; defaults = the fastest wall-clock setting measured on this CPU (README, Benchmark).
     # Where extra rows in a pass are nearly free (GPU), quadratic drafting accepts the most tokens per pass.
     drafting: str = "linear"  # linear (one mask block, after the last draft) | quadratic (a block after every draft)
+    #                           | tree (heads only: candidates from each head's top choices, verified at once)
+    tree_widths: str = "2,2"  # tree drafting: candidates per depth from the heads' top choices; deeper depths 1
     window: str = "adaptive"  # fixed (k_max) | context (min(k_max, len(context)//2 + 1)) | adaptive (by acceptance)
     temperature: float = 0.0  # 0 = greedy; > 0 samples (verified: exactly the model's distribution)
     top_k: int = 0
@@ -53,6 +55,16 @@ class DecodeConfig:
             raise UserError(f"unknown confidence measure {self.confidence!r}: choose one of {', '.join(CONFIDENCES)}")
         if self.drafting not in DRAFTING:
             raise UserError(f"unknown drafting {self.drafting!r}: choose one of {', '.join(DRAFTING)}")
+        if self.drafting == "tree":
+            try:
+                widths = [int(w) for w in self.tree_widths.split(",")]
+            except ValueError:
+                widths = [0]
+            if not widths or min(widths) < 1:
+                raise UserError(f"tree_widths must be positive integers like 2,2, got {self.tree_widths!r}")
+            if self.temperature > 0:
+                raise UserError("tree drafting verifies greedy decoding only: use --drafting linear or quadratic "
+                                "to sample with --temperature")
         if self.window not in WINDOWS:
             raise UserError(f"unknown window policy {self.window!r}: choose one of {', '.join(WINDOWS)}")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:

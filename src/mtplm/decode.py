@@ -15,10 +15,10 @@ from typing import Callable, Iterator
 
 import torch
 
-from .cache import cache_length, crop_to, new_cache
+from .cache import cache_length, crop_to, keep_rows, new_cache
 from .config import DecodeConfig
 from .errors import UserError
-from .masks import draft_layout
+from .masks import draft_layout, tree_layout
 from .model import MTPModel
 from .strategies import PassLogits, Plan, Strategy, make_strategy
 
@@ -71,8 +71,11 @@ def stream(model: MTPModel, prompt_ids: list[int], strategy: Strategy, max_new_t
             plan = strategy.plan(past + len(pending), max_new_tokens - produced)
             outcome = strategy.choose(run_pass(model, cache, pending, plan), generator)
             drafts = list(plan.drafts)
+            kept = list(outcome.rows) if outcome.rows is not None else list(range(outcome.accepted))
+            if outcome.rows is not None:
+                keep_rows(cache, past + len(pending), kept)
             crop_to(cache, past + len(pending) + outcome.accepted)
-            new = drafts[: outcome.accepted] + list(outcome.new)
+            new = [drafts[i] for i in kept] + list(outcome.new)
             stop_at = next((i for i, t in enumerate(new) if t in stop_ids), None)
             stopped = stop_at is not None
             new = new[: stop_at + 1] if stopped else new[: max_new_tokens - produced]
@@ -92,7 +95,12 @@ def run_pass(model: MTPModel, cache, pending: list[int], plan: Plan) -> PassLogi
     slots = 0 if model.heads is not None else plan.slots
     blocks = (len(drafts) + 1 if plan.quadratic else 1) if slots else 0
     fed = pending + drafts + ([model.mask_id] * (blocks * slots) if blocks else [])
-    positions, mask = draft_layout(past, len(pending), len(drafts), slots, plan.quadratic, model.dtype)
+    if plan.parents is not None:
+        if model.heads is None:
+            raise UserError("tree drafting needs a head-based checkpoint (mtplm train method=heads)")
+        positions, mask = tree_layout(past, len(pending), list(plan.parents), model.dtype)
+    else:
+        positions, mask = draft_layout(past, len(pending), len(drafts), slots, plan.quadratic, model.dtype)
     hidden = model.decoder_states(torch.tensor([fed]), positions, cache, mask)[0]
     tail = hidden[len(pending) - 1:]  # the last pending token, the drafts, the mask blocks
     drafter = model.draft_block if model.heads is not None else None

@@ -135,3 +135,26 @@ def draft_layout(past: int, pending: int, drafts: int, slots: int, quadratic: bo
     index = torch.arange(len(q_block))
     local = _blocked_mask(q_block[None], q_slot[None], q_limit[None], q_block[None], q_slot[None], index[None], dtype)
     return positions.unsqueeze(0), torch.cat([torch.zeros(1, 1, len(index), past, dtype=dtype), local], -1)
+
+
+def tree_layout(past: int, pending: int, parents: list[int],
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids [1, Q] and additive mask [1, 1, Q, past+Q] for `pending` committed tokens followed by a
+    draft tree: node i follows node parents[i] (-1: the last pending token), sits one position after it,
+    and attends to the cache, the pending tokens and its own ancestors only."""
+    depth: list[int] = []
+    for parent in parents:
+        depth.append(1 if parent < 0 else depth[parent] + 1)
+    size = pending + len(parents)
+    allowed = torch.zeros(size, size, dtype=torch.bool)
+    allowed[:pending, :pending] = torch.ones(pending, pending, dtype=torch.bool).tril()
+    allowed[pending:, :pending] = True
+    for i, parent in enumerate(parents):
+        allowed[pending + i, pending + i] = True
+        while parent >= 0:
+            allowed[pending + i, pending + parent] = True
+            parent = parents[parent]
+    positions = torch.cat([torch.arange(pending), pending - 1 + torch.tensor(depth, dtype=torch.long)]) + past
+    local = torch.zeros(size, size, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    mask = torch.cat([torch.zeros(size, past, dtype=dtype), local], -1)
+    return positions.unsqueeze(0), mask[None, None]

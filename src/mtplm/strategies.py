@@ -28,12 +28,14 @@ class Plan:
     drafts: tuple[int, ...] = ()  # guesses fed after the pending tokens; this pass verifies them
     slots: int = 0  # mask slots per block
     quadratic: bool = False  # a block after every prefix of the drafts (else one after the last fed token)
+    parents: tuple[int, ...] | None = None  # a draft tree: each draft's parent (-1: the last committed token)
 
 
 @dataclass(frozen=True)
 class Outcome:
     accepted: int  # drafts kept: their KV stays cached
     new: tuple[int, ...]  # tokens chosen after them (fed, and cached, next step)
+    rows: tuple[int, ...] | None = None  # which drafts were kept, when they are not the first `accepted` (a tree)
 
 
 class PassLogits:
@@ -164,7 +166,7 @@ class ConfAdapt(_Block):
 
 def make_strategy(cfg: DecodeConfig, thresholds: dict | None = None) -> Strategy:
     """Build the strategy for `cfg`; unset knobs (k_max, tau) come from the checkpoint's thresholds."""
-    from .verified import Verified
+    from .verified import TreeVerified, Verified
 
     cfg.validate()
     if cfg.mode != "ntp" and thresholds is None:
@@ -179,5 +181,7 @@ def make_strategy(cfg: DecodeConfig, thresholds: dict | None = None) -> Strategy
     calibrated = "tau_per_position" in thresholds and user_tau is None and cfg.confidence == "top1"
     if cfg.mode == "confadapt" and calibrated:
         return ConfAdapt(cfg, thresholds["tau_per_position"])
+    if cfg.mode == "verified" and cfg.drafting == "tree":
+        return TreeVerified(cfg)
     strategies = {"ntp": NextToken, "static": StaticK, "confadapt": ConfAdapt, "verified": Verified}
     return strategies[cfg.mode](cfg)

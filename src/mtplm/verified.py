@@ -105,3 +105,56 @@ class Verified:
 
     def _warp(self, logits: torch.Tensor) -> torch.Tensor:
         return warp(logits, self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
+
+
+class TreeVerified:
+    """Greedy verification of a draft tree built from the heads' top choices (Medusa-style).
+
+    Depth d offers the top tree_widths[d] tokens of head d+2 (1 beyond the list) under every node of
+    depth d-1; one pass checks every node against its parent's next-token argmax and keeps the longest
+    agreeing path, whose KV the loop moves up and keeps (cache.keep_rows). The output is plain greedy.
+    """
+
+    def __init__(self, cfg: DecodeConfig) -> None:
+        self.window = WINDOWS[cfg.window](cfg.k_max)
+        self.widths = [int(w) for w in cfg.tree_widths.split(",")]
+        self.block: torch.Tensor | None = None  # [n, V]: the heads' logits after the last committed token
+        self.nodes: list[tuple[int, int]] = []  # (token, parent) of this pass's tree
+
+    def plan(self, context_len: int, budget: int) -> Plan:
+        k = max(1, min(self.window.size(context_len), budget))
+        depth = min(k - 1, 0 if self.block is None else len(self.block))
+        self.nodes, frontier = [], [-1]
+        for d in range(depth):
+            width = self.widths[d] if d < len(self.widths) else 1
+            top = self.block[d].topk(width).indices.tolist()
+            frontier = [self._add(token, parent) for parent in frontier for token in top]
+        tokens, parents = tuple(t for t, _ in self.nodes), tuple(p for _, p in self.nodes)
+        return Plan(k, tokens, k - 1, parents=parents if self.nodes else None)
+
+    def _add(self, token: int, parent: int) -> int:
+        self.nodes.append((token, parent))
+        return len(self.nodes) - 1
+
+    def choose(self, logits: PassLogits, generator: torch.Generator) -> Outcome:
+        target = logits.next_token.argmax(-1).tolist()  # row 0: the last committed token; row i+1: node i
+        path, current = [], -1
+        while True:
+            child = next((i for i, (token, parent) in enumerate(self.nodes)
+                          if parent == current and token == target[current + 1]), None)
+            if child is None:
+                break
+            path.append(child)
+            current = child
+        token = target[current + 1]
+        if self.nodes:
+            levels = 1 + max(self._depth(i) for i in range(len(self.nodes)))
+            self.window.update(levels, len(path))
+        self.block = logits.block(current + 1, token)
+        return Outcome(len(path), (token,), rows=tuple(path))
+
+    def _depth(self, node: int) -> int:
+        depth = 0
+        while self.nodes[node][1] >= 0:
+            node, depth = self.nodes[node][1], depth + 1
+        return depth
