@@ -232,3 +232,14 @@ def test_heads_trunk_states_match_the_base(base_dir):
     rows = trunk_states(base, [Sample([1, 2], [3, 4, 5, 6])], seq_len=32, progress=False)
     logits = base.logits(torch.tensor([[1, 2, 3, 4, 5, 6]]))[0]
     assert torch.equal(rows[0].greedy, logits.argmax(-1)) and rows[0].start == 1
+
+
+def test_tree_drafting_errors_are_clear(mtp):
+    from mtplm.errors import UserError
+
+    with pytest.raises(UserError, match="greedy decoding only"):
+        DecodeConfig(mode="verified", drafting="tree", temperature=0.7).validate()
+    with pytest.raises(UserError, match="tree_widths"):
+        DecodeConfig(mode="verified", drafting="tree", tree_widths="2,x").validate()
+    with pytest.raises(UserError, match="head-based checkpoint"):
+        generate(mtp, [1, 2, 3], DecodeConfig(mode="verified", drafting="tree", k_max=3, max_new_tokens=8))
