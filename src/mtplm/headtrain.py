@@ -238,6 +238,7 @@ def train_heads(cfg: TrainConfig, progress: bool = True) -> Path:
     from .assets import cache_dir, model_identity, resolve_model
     from .data import load_samples
     from .plots import training_curves
+    from .train import MetricsLog
 
     torch.manual_seed(cfg.seed)
     run_dir = Path(cfg.out)
@@ -255,12 +256,8 @@ def train_heads(cfg: TrainConfig, progress: bool = True) -> Path:
     heads = Heads(cfg.head_form, cfg.k_max, dim, intermediate)
     trainer = HeadTrainer(cfg, model, heads)
     order, rng = list(range(len(train_rows))), random.Random(cfg.seed)
-    log = open(run_dir / "metrics.jsonl", "a")
-
-    def record(entry: dict) -> None:
-        log.write(json.dumps({**entry, "elapsed_s": round(time.perf_counter() - started, 1)}) + "\n")
-        log.flush()
-
+    log = MetricsLog(run_dir, started)
+    record = log.record
     val = trainer.validate(val_batches)
     record({"step": 0, "val": val})
     bar = tqdm(range(cfg.steps), desc="train heads", unit="step", disable=not progress)

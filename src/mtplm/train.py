@@ -160,6 +160,20 @@ class Trainer:
         return model.save(run_dir / "checkpoint")
 
 
+class MetricsLog:
+    """A run's metrics.jsonl: one JSON object per line, stamped with the seconds since the run started."""
+
+    def __init__(self, run_dir: Path, started: float) -> None:
+        self.file, self.started = open(run_dir / "metrics.jsonl", "a"), started
+
+    def record(self, entry: dict) -> None:
+        self.file.write(json.dumps({**entry, "elapsed_s": round(time.perf_counter() - self.started, 1)}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
 def train(cfg: TrainConfig, progress: bool = True) -> Path:
     from .assets import model_identity, resolve_model
 
@@ -192,13 +206,9 @@ def train(cfg: TrainConfig, progress: bool = True) -> Path:
     trainer = Trainer(cfg, model)
     if cfg.trainable == "gated-lora":
         trainer.cache_ground_truth(train_samples, progress)
-    log = open(run_dir / "metrics.jsonl", "a")
     started = time.perf_counter()
-
-    def record(entry: dict) -> None:
-        log.write(json.dumps({**entry, "elapsed_s": round(time.perf_counter() - started, 1)}) + "\n")
-        log.flush()
-
+    log = MetricsLog(run_dir, started)
+    record = log.record
     val = trainer.validate(val_batches)
     record({"step": 0, "val": val})
     bar = tqdm(range(cfg.steps), desc="train", unit="step", disable=not progress)
