@@ -129,7 +129,8 @@ class TrainConfig:
                 if not 0.0 < float(self.head_alpha) <= 1.0:
                     raise ValueError
             except ValueError:
-                raise UserError(f"head_alpha must be decay, deepseek or a number in (0, 1], got {self.head_alpha!r}") from None
+                raise UserError("head_alpha must be decay, deepseek or a number in (0, 1], "
+                                f"got {self.head_alpha!r}") from None
         if self.head_lr not in ("distance", "flat"):
             raise UserError(f"head_lr must be distance or flat, got {self.head_lr!r}")
         if not 0.0 < self.curriculum_fraction <= 1.0 or self.consistency_weight < 0:
