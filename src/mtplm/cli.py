@@ -208,6 +208,9 @@ def _calibrate(args) -> None:
         raise UserError(f"--k-max must be >= 2, got {args.k_max}")
     directory = checkpoint_dir(args.model)
     model = load_model(args.model, args.dtype)
+    if model.heads is not None:
+        raise UserError(f"{args.model} is a head-based checkpoint: calibrate reads mask-token slots; give head-based "
+                        "ConfAdapt its threshold with --tau")
     examples = prompt_set(args.prompt_set, args.held_out + args.prompts, args.seed, split="eval")
     ids = [chat_prompt_ids(model.tokenizer, e.prompt)[-768:] for e in examples]
     result = calibrate(model, ids[args.held_out:], ids[: args.held_out], args.target, args.per_position,
