@@ -7,8 +7,6 @@ evenly over them; speedups are ratios within the run. Benchmarks measure and nev
 from __future__ import annotations
 
 import json
-import platform
-import subprocess
 import threading
 import time
 from contextlib import nullcontext
@@ -21,6 +19,7 @@ from tqdm import tqdm
 
 from .config import DecodeConfig
 from .cost import Assumptions, cost_markdown
+from .machine import machine
 from .errors import UserError
 from .plots import bench_plot
 from .tasks import humaneval_problems, score_example
@@ -313,29 +312,6 @@ def _llama_cpp_runner(model, max_new_tokens: int, stops: list[int]):
                 break
         return tokens, time.perf_counter() - start
     return run
-
-
-def machine() -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        commit = ""
-    import transformers
-
-    return {"cpu": _cpu_name(), "cores": psutil.cpu_count(), "threads": torch.get_num_threads(),
-            "ram_gb": round(psutil.virtual_memory().total / 2**30, 1), "python": platform.python_version(),
-            "torch": torch.__version__, "transformers": transformers.__version__, "commit": commit}
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def markdown_table(rows: list[dict]) -> str:
