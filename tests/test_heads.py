@@ -243,3 +243,14 @@ def test_tree_drafting_errors_are_clear(mtp):
         DecodeConfig(mode="verified", drafting="tree", tree_widths="2,x").validate()
     with pytest.raises(UserError, match="head-based checkpoint"):
         generate(mtp, [1, 2, 3], DecodeConfig(mode="verified", drafting="tree", k_max=3, max_new_tokens=8))
+
+
+def test_soft_objective_is_the_kl_to_the_trunks_own_distribution():
+    """Zero-initialised medusa heads predict LM(h_t); the soft target for head k is LM(h_{t+k-1}).
+    Where every row's hidden state is the same, the two agree and the loss is exactly zero."""
+    trainer, _ = _trainer(curriculum=False, objective="soft")
+    same = _batch(rows=2)
+    flat = HeadBatch(same.hidden[:, :1].expand_as(same.hidden).clone(), same.tokens, same.greedy, same.rows,
+                     same.lengths)
+    assert trainer.step(flat, 0)["loss"] == pytest.approx(0.0, abs=1e-6)
+    assert _trainer(curriculum=False, objective="soft")[0].step(same, 0)["loss"] > 0.01
