@@ -87,7 +87,7 @@ def test_verified_decoding_with_heads_is_plain_greedy(heads_checkpoint):
 
 
 def test_untrained_heads_stay_lossless_and_lossy_modes_run(base_dir):
-    """Zero-initialised heads draft the LM head's own guess again (mostly wrong): verified output is still plain."""
+    """Random (untrained, perturbed) heads draft mostly wrong tokens: verified output is still plain greedy."""
     model = MTPModel.load(str(base_dir))
     heads = Heads("sequential", 4, model.hf.config.hidden_size, 64)
     with torch.no_grad():

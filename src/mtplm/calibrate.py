@@ -17,8 +17,6 @@ next-token prediction); a mask-slot token must earn it.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +26,7 @@ from tqdm import tqdm
 from .config import DecodeConfig
 from .decode import generate
 from .masks import make_regions
-from .model import META_FILE, MTPModel
+from .model import META_FILE, MTPModel, atomic_file
 from .objective import TokenBatch, cached_slots
 from .strategies import make_strategy
 
@@ -159,9 +157,4 @@ def store_thresholds(checkpoint: Path, result: dict) -> Path:
     meta["thresholds"] = {**meta.get("thresholds", {}), "tau": result["tau"],
                           "tau_per_position": result["tau_per_position"],
                           "calibration": {key: result[key] for key in ("target", "calibration", "held_out")}}
-    descriptor, tmp = tempfile.mkstemp(prefix=".mtplm.", dir=checkpoint)
-    with os.fdopen(descriptor, "w") as stream:
-        stream.write(json.dumps(meta, indent=2) + "\n")
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-    return path
+    return atomic_file(path, lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))

@@ -71,11 +71,13 @@ def stream(model: MTPModel, prompt_ids: list[int], strategy: Strategy, max_new_t
             plan = strategy.plan(past + len(pending), max_new_tokens - produced)
             outcome = strategy.choose(run_pass(model, cache, pending, plan), generator)
             drafts = list(plan.drafts)
-            kept = list(outcome.rows) if outcome.rows is not None else list(range(outcome.accepted))
-            if outcome.rows is not None:
-                keep_rows(cache, past + len(pending), kept)
+            if outcome.rows is None:  # the kept drafts are a prefix: they already sit where they belong
+                kept = drafts[: outcome.accepted]
+            else:  # a tree path: move its KV up behind the committed tokens
+                keep_rows(cache, past + len(pending), list(outcome.rows))
+                kept = [drafts[i] for i in outcome.rows]
             crop_to(cache, past + len(pending) + outcome.accepted)
-            new = [drafts[i] for i in kept] + list(outcome.new)
+            new = kept + list(outcome.new)
             stop_at = next((i for i, t in enumerate(new) if t in stop_ids), None)
             stopped = stop_at is not None
             new = new[: stop_at + 1] if stopped else new[: max_new_tokens - produced]

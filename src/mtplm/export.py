@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from .errors import UserError
 from .heads import Heads
-from .model import _atomic_dir, load_model
+from .model import atomic_dir, load_model
 
 WEIGHTS = "model.safetensors"
 
@@ -45,7 +45,7 @@ def export_medusa(checkpoint: str, out: str | os.PathLike) -> Path:
         save_file(tensors, tmp / WEIGHTS)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
-    return _atomic_dir(Path(out), write)
+    return atomic_dir(Path(out), write)
 
 
 def load_medusa(directory: str | os.PathLike) -> tuple[Heads, torch.Tensor]:

@@ -36,7 +36,7 @@ from tqdm import tqdm
 from .config import TrainConfig, as_dict
 from .data import Sample, row_ids
 from .heads import Heads, head_lr_scale, head_weights
-from .model import MTPModel
+from .model import MTPModel, atomic_file
 
 
 @dataclass(frozen=True)
@@ -78,9 +78,7 @@ def trunk_states(model: MTPModel, samples: list[Sample], seq_len: int, progress:
         rows.append(TrunkRow(hidden.clone(), torch.tensor(ids), greedy, max(0, prompt_len - 1)))
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        torch.save([vars(row) for row in rows], tmp)
-        tmp.replace(path)
+        atomic_file(path, lambda tmp: torch.save([vars(row) for row in rows], tmp))
     return rows
 
 
@@ -179,14 +177,13 @@ class HeadTrainer:
                 loss = loss + cfg.consistency_weight * cons
                 stats["consistency"] += float(cons.detach())
                 previous = expected.detach()
-            grads.append(torch.autograd.grad(loss, x, allow_unused=True)[0] if loss.requires_grad
-                         else torch.zeros_like(x))
+            grads.append(torch.autograd.grad(loss, x)[0])
             stats["loss"] += float(loss.detach())
             stats["agreement"].append(float((logits.argmax(-1) == target).float().mean()) if len(target) else 0.0)
             stats["supervised"].append(int(chosen.sum()))
             del logits, per_row, expected
         self.opt.zero_grad(set_to_none=True)
-        torch.autograd.backward(states, [g if g is not None else torch.zeros_like(s) for g, s in zip(grads, states)])
+        torch.autograd.backward(states, grads)
         self.opt.step()
         return stats
 

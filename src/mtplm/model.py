@@ -156,12 +156,10 @@ class MTPModel:
             save_file(_contiguous({k: v.float() for k, v in self.heads.state_dict().items()}), tmp / HEADS_FILE)
             _write_meta(tmp, self.meta)
 
-        return _atomic_dir(Path(out_dir), write)
+        return atomic_dir(Path(out_dir), write)
 
-    def draft_block(self, hidden: torch.Tensor, token: int | None, n: int) -> torch.Tensor:
+    def draft_block(self, hidden: torch.Tensor, token: int, n: int) -> torch.Tensor:
         """Heads 2..n+1's logits [n, V] at one row's hidden state [D]; `token` follows that row."""
-        if token is None:
-            token = int(self.head(hidden).argmax())
         return self.heads.draft_logits(hidden, token, n, self.hf.get_input_embeddings(), self.head)
 
     def _adapters_to(self, dtype: torch.dtype) -> None:
@@ -275,7 +273,7 @@ class MTPModel:
                 save_file(_contiguous(lora.adapter_state(self.hf)), tmp / ADAPTER_FILE)
             _write_meta(tmp, self.meta)
 
-        return _atomic_dir(Path(out_dir), write)
+        return atomic_dir(Path(out_dir), write)
 
     def save_delta(self, out_dir: str | os.PathLike, base_spec: str) -> Path:
         """Only what conversion added (mask rows + gated adapters), naming the base model. Atomic."""
@@ -295,7 +293,7 @@ class MTPModel:
             save_file(_contiguous({k: v.half() if ".lora_" in k else v for k, v in tensors.items()}), tmp / DELTA_FILE)
             _write_meta(tmp, meta)
 
-        return _atomic_dir(Path(out_dir), write)
+        return atomic_dir(Path(out_dir), write)
 
 
 def _load_hf(path, dtype: str):
@@ -345,7 +343,21 @@ def _read_meta(directory: Path) -> MTPMeta:
         raise UserError(f"{directory / META_FILE} is not a readable mtplm metadata file: {exc}") from None
 
 
-def _atomic_dir(target: Path, write) -> Path:
+def atomic_file(target: Path, write) -> Path:
+    """`write(tmp)` to a unique file beside `target`, then rename it over `target` (never half a file)."""
+    descriptor, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    os.close(descriptor)
+    try:
+        write(Path(tmp))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def atomic_dir(target: Path, write) -> Path:
     """Write a directory next to `target`, then swap it in, so a crash never leaves half a checkpoint."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))

@@ -60,7 +60,8 @@ class PassLogits:
         """[slots, V]: the block that follows the first `after` drafts and then `token`, if this pass has one."""
         if not self.slots:
             return None
-        if self._drafter is not None:
+        if self._drafter is not None:  # heads read the block from row `after`, given the token that follows it
+            token = int(self.next_token[after].argmax()) if token is None else token
             return self._drafter(self._hidden[after], token, self.slots)
         if not self.quadratic:
             if after != self.drafts:
@@ -71,7 +72,7 @@ class PassLogits:
 
     def candidates(self) -> torch.Tensor:
         """[1 + slots, V]: next token and block of a draft-free pass (the lossy strategies' block)."""
-        block = self.block(self.drafts, int(self.next_token[-1].argmax()) if self._drafter is not None else None)
+        block = self.block(self.drafts)
         return self.next_token if block is None else torch.cat([self.next_token[-1:], block])
 
 

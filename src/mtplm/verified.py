@@ -120,12 +120,13 @@ class TreeVerified:
         self.widths = [int(w) for w in cfg.tree_widths.split(",")]
         self.block: torch.Tensor | None = None  # [n, V]: the heads' logits after the last committed token
         self.nodes: list[tuple[int, int]] = []  # (token, parent) of this pass's tree
+        self.levels = 0  # its depth
 
     def plan(self, context_len: int, budget: int) -> Plan:
         k = max(1, min(self.window.size(context_len), budget))
-        depth = min(k - 1, 0 if self.block is None else len(self.block))
+        self.levels = min(k - 1, 0 if self.block is None else len(self.block))
         self.nodes, frontier = [], [-1]
-        for d in range(depth):
+        for d in range(self.levels):
             width = self.widths[d] if d < len(self.widths) else 1
             top = self.block[d].topk(width).indices.tolist()
             frontier = [self._add(token, parent) for parent in frontier for token in top]
@@ -148,13 +149,6 @@ class TreeVerified:
             current = child
         token = target[current + 1]
         if self.nodes:
-            levels = 1 + max(self._depth(i) for i in range(len(self.nodes)))
-            self.window.update(levels, len(path))
+            self.window.update(self.levels, len(path))
         self.block = logits.block(current + 1, token)
         return Outcome(len(path), (token,), rows=tuple(path))
-
-    def _depth(self, node: int) -> int:
-        depth = 0
-        while self.nodes[node][1] >= 0:
-            node, depth = self.nodes[node][1], depth + 1
-        return depth
