@@ -8,11 +8,11 @@ import torch
 from mtplm.cache import cache_layers, crop_to, new_cache
 from mtplm.config import DecodeConfig
 from mtplm.data import chat_prompt_ids
-from mtplm.decode import generate, run_pass, stream
+from mtplm.decode import generate, stream
 from mtplm.masks import draft_layout
 from mtplm.model import MTPModel
 from mtplm.sampling import speculative_accept
-from mtplm.strategies import Plan, make_strategy
+from mtplm.strategies import make_strategy
 
 from conftest import tiny_mtp
 from synthetic import chain_rows
@@ -91,7 +91,10 @@ def test_rollback_leaves_the_cache_as_if_rejected_tokens_were_never_fed(drafting
     prompt, drafts = [4, 8, 15, 16], (23, 42, 7)
     with torch.no_grad():
         cache = new_cache(model.hf)
-        run_pass(model, cache, prompt, Plan(4, drafts, 3, drafting == "quadratic"))
+        quadratic = drafting == "quadratic"
+        fed = prompt + list(drafts) + [model.mask_id] * (3 * (len(drafts) + 1 if quadratic else 1))
+        positions, mask = draft_layout(0, len(prompt), len(drafts), 3, quadratic)
+        model.decoder_states(torch.tensor([fed]), positions, cache, mask)
         crop_to(cache, len(prompt) + 1)  # keep the first draft, reject the rest and every mask slot
         reference = new_cache(model.hf)
         model.logits(torch.tensor([prompt + [drafts[0]]]), cache=reference)

@@ -31,6 +31,19 @@ def keep_rows(cache: DynamicCache, start: int, rows: list[int]) -> None:
         layer.values[:, :, start: start + len(rows)] = layer.values[:, :, index]
 
 
+class SequenceKV:
+    """The commit operations of one sequence decoded alone in a DynamicCache (decode.Decoding's `kv`)."""
+
+    def __init__(self, cache: DynamicCache) -> None:
+        self.cache = cache
+
+    def keep_rows(self, start: int, rows: list[int]) -> None:
+        keep_rows(self.cache, start, rows)
+
+    def crop_to(self, length: int) -> None:
+        crop_to(self.cache, length)
+
+
 def cache_layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (keys, values), each [B, H, S, d]."""
     return [(layer.keys, layer.values) for layer in cache.layers]

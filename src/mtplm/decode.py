@@ -15,10 +15,10 @@ from typing import Callable, Iterator
 
 import torch
 
-from .cache import cache_length, crop_to, keep_rows, new_cache
+from .cache import SequenceKV, new_cache
 from .config import DecodeConfig
 from .errors import UserError
-from .masks import draft_layout, tree_layout
+from .masks import draft_layout, step_layout, tree_layout
 from .model import MTPModel
 from .strategies import PassLogits, Plan, Strategy, make_strategy
 
@@ -56,57 +56,99 @@ class Generation:
         return len(self.tokens) / max(self.elapsed_s, 1e-9)
 
 
+class Decoding:
+    """One generation between forward passes: what the next pass feeds, and what its rows decide.
+
+    `feed()` asks the strategy for a plan and returns the rows to run; `advance(hidden, kv)` reads the
+    pass's final hidden states for those rows, lets the strategy choose, commits the kept drafts in `kv`
+    (any object with keep_rows(start, rows) and crop_to(length)) and returns the step. The single-sequence
+    loop (`stream`) and the ragged batch engine (engine.py) drive the same object, so a sequence decodes
+    the same tokens alone or batched.
+    """
+
+    def __init__(self, model: MTPModel, prompt_ids: list[int], strategy: Strategy, max_new_tokens: int,
+                 stop_ids: set[int], seed: int = 0) -> None:
+        if not prompt_ids:
+            raise UserError("the prompt is empty: give at least one token of input")
+        self.model, self.strategy, self.stop_ids = model, strategy, stop_ids
+        self.max_new_tokens = max_new_tokens
+        self.generator = torch.Generator().manual_seed(seed)
+        self.past = 0  # positions in the cache
+        self.pending = list(prompt_ids)  # committed tokens not yet in the cache
+        self.produced = 0
+        self.done = False
+        self.plan: Plan | None = None
+
+    def feed(self) -> Feed:
+        """The next pass's rows: the pending tokens, the plan's drafts, and its mask blocks."""
+        plan = self.plan = self.strategy.plan(self.past + len(self.pending), self.max_new_tokens - self.produced)
+        drafts = list(plan.drafts)
+        if plan.parents is not None and self.model.heads is None:
+            raise UserError("tree drafting needs a head-based checkpoint (mtplm train method=heads)")
+        slots = 0 if self.model.heads is not None else plan.slots  # heads read the block from real rows
+        blocks = (len(drafts) + 1 if plan.quadratic else 1) if slots else 0
+        tokens = self.pending + drafts + ([self.model.mask_id] * (blocks * slots) if blocks else [])
+        return Feed(tokens, len(self.pending), len(drafts), slots, plan.quadratic, plan.parents)
+
+    def advance(self, hidden: torch.Tensor, kv) -> Step:
+        """Decide the step from the fed rows' hidden states [Q, D]; commit it in `kv`."""
+        plan, pending = self.plan, len(self.pending)
+        tail = hidden[pending - 1:]  # the last pending token, the drafts, the mask blocks
+        drafter = self.model.draft_block if self.model.heads is not None else None
+        logits = PassLogits(self.model.head, tail, len(plan.drafts), plan.slots, plan.quadratic, drafter)
+        outcome = self.strategy.choose(logits, self.generator)
+        start = self.past + pending
+        if outcome.rows is None:  # the kept drafts are a prefix: they already sit where they belong
+            kept = list(plan.drafts[: outcome.accepted])
+        else:  # a tree path: move its KV up behind the committed tokens
+            kv.keep_rows(start, list(outcome.rows))
+            kept = [plan.drafts[i] for i in outcome.rows]
+        self.past = start + outcome.accepted
+        kv.crop_to(self.past)
+        new = kept + list(outcome.new)
+        stop_at = next((i for i, t in enumerate(new) if t in self.stop_ids), None)
+        stopped = stop_at is not None
+        new = new[: stop_at + 1] if stopped else new[: self.max_new_tokens - self.produced]
+        self.produced += len(new)
+        self.pending = list(outcome.new)
+        self.done = stopped or self.produced >= self.max_new_tokens
+        return Step(new, plan.k, self.past, stopped, len(plan.drafts), outcome.accepted)
+
+
+@dataclass(frozen=True)
+class Feed:
+    tokens: list[int]  # the rows to run: pending tokens, drafts, mask blocks
+    pending: int
+    drafts: int
+    slots: int  # mask slots per block actually fed (0 for a head-based model)
+    quadratic: bool
+    parents: tuple[int, ...] | None  # a draft tree's parent pointers
+
+    def layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Position offsets [Q] and allowed [Q, Q] among the fed rows (masks.step_layout)."""
+        parents = list(self.parents) if self.parents is not None else None
+        return step_layout(self.pending, self.drafts, self.slots, self.quadratic, parents)
+
+
 def stream(model: MTPModel, prompt_ids: list[int], strategy: Strategy, max_new_tokens: int,
            stop_ids: set[int], seed: int = 0) -> Iterator[Step]:
-    """Yield each step's emitted tokens as soon as they are chosen."""
-    if not prompt_ids:
-        raise UserError("the prompt is empty: give at least one token of input")
-    generator = torch.Generator().manual_seed(seed)
+    """Yield each step's emitted tokens as soon as they are chosen (one sequence, a DynamicCache)."""
+    sequence = Decoding(model, prompt_ids, strategy, max_new_tokens, stop_ids, seed)
     cache = new_cache(model.hf)
-    pending = list(prompt_ids)  # committed tokens not yet in the cache
-    produced = 0
+    kv = SequenceKV(cache)
     with torch.inference_mode():
-        while produced < max_new_tokens:
-            past = cache_length(cache)
-            plan = strategy.plan(past + len(pending), max_new_tokens - produced)
-            outcome = strategy.choose(run_pass(model, cache, pending, plan), generator)
-            drafts = list(plan.drafts)
-            if outcome.rows is None:  # the kept drafts are a prefix: they already sit where they belong
-                kept = drafts[: outcome.accepted]
-            else:  # a tree path: move its KV up behind the committed tokens
-                keep_rows(cache, past + len(pending), list(outcome.rows))
-                kept = [drafts[i] for i in outcome.rows]
-            crop_to(cache, past + len(pending) + outcome.accepted)
-            new = kept + list(outcome.new)
-            stop_at = next((i for i, t in enumerate(new) if t in stop_ids), None)
-            stopped = stop_at is not None
-            new = new[: stop_at + 1] if stopped else new[: max_new_tokens - produced]
-            produced += len(new)
-            yield Step(new, plan.k, past + len(pending) + outcome.accepted, stopped, len(drafts), outcome.accepted)
-            if stopped:
-                return
-            pending = list(outcome.new)
+        while not sequence.done:
+            feed = sequence.feed()
+            positions, mask = _single_layout(feed, sequence.past, model.dtype)
+            hidden = model.decoder_states(torch.tensor([feed.tokens]), positions, cache, mask)[0]
+            yield sequence.advance(hidden, kv)
 
 
-def run_pass(model: MTPModel, cache, pending: list[int], plan: Plan) -> PassLogits:
-    """One forward pass of `pending` + the plan's drafts + its mask blocks, appended to `cache`.
-
-    A head-based model feeds no mask blocks: its heads read the block from any real row's hidden state.
-    """
-    past, drafts = cache_length(cache), list(plan.drafts)
-    slots = 0 if model.heads is not None else plan.slots
-    blocks = (len(drafts) + 1 if plan.quadratic else 1) if slots else 0
-    fed = pending + drafts + ([model.mask_id] * (blocks * slots) if blocks else [])
-    if plan.parents is not None:
-        if model.heads is None:
-            raise UserError("tree drafting needs a head-based checkpoint (mtplm train method=heads)")
-        positions, mask = tree_layout(past, len(pending), list(plan.parents), model.dtype)
-    else:
-        positions, mask = draft_layout(past, len(pending), len(drafts), slots, plan.quadratic, model.dtype)
-    hidden = model.decoder_states(torch.tensor([fed]), positions, cache, mask)[0]
-    tail = hidden[len(pending) - 1:]  # the last pending token, the drafts, the mask blocks
-    drafter = model.draft_block if model.heads is not None else None
-    return PassLogits(model.head, tail, len(drafts), plan.slots, plan.quadratic, drafter)
+def _single_layout(feed: Feed, past: int, dtype: torch.dtype):
+    """A plain causal step needs no positions or mask (HF's fast causal path); others get them built."""
+    if feed.parents is not None:
+        return tree_layout(past, feed.pending, list(feed.parents), dtype)
+    return draft_layout(past, feed.pending, feed.drafts, feed.slots, feed.quadratic, dtype)
 
 
 def generate(model: MTPModel, prompt_ids: list[int], cfg: DecodeConfig, strategy: Strategy | None = None,

@@ -112,36 +112,38 @@ def _blocked_mask(q_block, q_slot, q_limit, k_block, k_slot, k_pos, dtype) -> to
     return mask.masked_fill(~allowed, torch.finfo(dtype).min).unsqueeze(1)
 
 
-def draft_layout(past: int, pending: int, drafts: int, slots: int, quadratic: bool,
-                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Position ids [1, Q] and additive mask [1, 1, Q, past+Q] of one decode step; (None, None) when the
-    step is plain causal (nothing fed, or one block after the last fed token), so nothing is built per step.
+def step_layout(pending: int, drafts: int, slots: int, quadratic: bool,
+                parents: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position offsets [Q] (added to the cache length) and attention allowed [Q, Q] among one decode
+    step's fed rows: `pending` uncached committed tokens, then `drafts` guesses (or a draft tree, node i
+    following node parents[i], -1: the last pending token), then mask blocks of `slots` each.
 
-    The step feeds `pending` uncached committed tokens, then `drafts` guesses, then mask blocks of
-    `slots` each: one block after the last draft (linear), or one after the last committed token and
-    after every draft (quadratic: whatever prefix survives verification, a block conditioned on exactly
-    that prefix exists). Real tokens come first and attend causally to real tokens only, so their logits
-    and KV equal a plain forward's and rejected parts crop off the end of the cache. Block j sits at the
-    positions that follow real row pending-1+j and sees the real rows up to there and its own earlier slots.
+    Mask blocks come one after the last draft (linear), or one after the last committed token and after
+    every draft (quadratic: whatever prefix survives verification, a block conditioned on exactly that
+    prefix exists). Real tokens come first and attend causally to real tokens only, so their logits and
+    KV equal a plain forward's and rejected parts crop off the end of the cache. Block j sits at the
+    positions that follow real row pending-1+j and sees the real rows up to there and its own earlier
+    slots. Every row also sees the whole cache (the caller's business).
     """
-    if not (quadratic and drafts and slots):
-        return None, None  # one block at most, after the last token: plain causal, positions from the cache
-    real, blocks = pending + drafts, drafts + 1
+    if parents is not None:
+        return _tree_rows(pending, parents)
+    real = pending + drafts
+    if not (quadratic and drafts and slots):  # one block at most, after the last token: plain causal
+        size = real + slots
+        return torch.arange(size), torch.ones(size, size, dtype=torch.bool).tril()
+    blocks = drafts + 1
     q_block = torch.cat([torch.full((real,), -1), torch.arange(blocks).repeat_interleave(slots)])
     q_slot = torch.cat([torch.full((real,), -1), torch.arange(slots).repeat(blocks)])
-    # block j follows real row pending-1+j: it sees the real rows up to there
     q_limit = torch.cat([torch.arange(real), (pending - 1 + torch.arange(blocks)).repeat_interleave(slots)])
-    positions = torch.cat([torch.arange(real), q_limit[real:] + 1 + q_slot[real:]]) + past
+    offsets = torch.cat([torch.arange(real), q_limit[real:] + 1 + q_slot[real:]])
     index = torch.arange(len(q_block))
-    local = _blocked_mask(q_block[None], q_slot[None], q_limit[None], q_block[None], q_slot[None], index[None], dtype)
-    return positions.unsqueeze(0), torch.cat([torch.zeros(1, 1, len(index), past, dtype=dtype), local], -1)
+    blocked = _blocked_mask(q_block[None], q_slot[None], q_limit[None], q_block[None], q_slot[None], index[None],
+                            torch.float32)
+    return offsets, blocked[0, 0] == 0
 
 
-def tree_layout(past: int, pending: int, parents: list[int],
-                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Position ids [1, Q] and additive mask [1, 1, Q, past+Q] for `pending` committed tokens followed by a
-    draft tree: node i follows node parents[i] (-1: the last pending token), sits one position after it,
-    and attends to the cache, the pending tokens and its own ancestors only."""
+def _tree_rows(pending: int, parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Node i sits one position after its parent and sees the pending tokens and its own ancestors."""
     depth: list[int] = []
     for parent in parents:
         depth.append(1 if parent < 0 else depth[parent] + 1)
@@ -154,7 +156,27 @@ def tree_layout(past: int, pending: int, parents: list[int],
         while parent >= 0:
             allowed[pending + i, pending + parent] = True
             parent = parents[parent]
-    positions = torch.cat([torch.arange(pending), pending - 1 + torch.tensor(depth, dtype=torch.long)]) + past
-    local = torch.zeros(size, size, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-    mask = torch.cat([torch.zeros(size, past, dtype=dtype), local], -1)
-    return positions.unsqueeze(0), mask[None, None]
+    return torch.cat([torch.arange(pending), pending - 1 + torch.tensor(depth, dtype=torch.long)]), allowed
+
+
+def with_cache(past: int, offsets: torch.Tensor, allowed: torch.Tensor,
+               dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids [1, Q] and additive mask [1, 1, Q, past+Q] of a step's rows behind `past` cached ones."""
+    local = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    mask = torch.cat([torch.zeros(len(offsets), past, dtype=dtype), local], -1)
+    return (offsets + past).unsqueeze(0), mask[None, None]
+
+
+def draft_layout(past: int, pending: int, drafts: int, slots: int, quadratic: bool,
+                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """`step_layout` behind `past` cached positions; (None, None) when the step is plain causal (nothing
+    fed, or one block after the last fed token), so nothing is built per step."""
+    if not (quadratic and drafts and slots):
+        return None, None
+    return with_cache(past, *step_layout(pending, drafts, slots, quadratic), dtype)
+
+
+def tree_layout(past: int, pending: int, parents: list[int],
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """`step_layout` of `pending` committed tokens and a draft tree, behind `past` cached positions."""
+    return with_cache(past, *_tree_rows(pending, parents), dtype)
