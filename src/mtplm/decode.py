@@ -31,6 +31,7 @@ class Step:
     stopped: bool
     drafted: int = 0  # drafts verified by this pass (verified mode)
     accepted: int = 0  # of which kept
+    last: bool = False  # the generation ends here (a stop token, or max_new_tokens reached)
 
 
 @dataclass
@@ -112,7 +113,7 @@ class Decoding:
         self.produced += len(new)
         self.pending = list(outcome.new)
         self.done = stopped or self.produced >= self.max_new_tokens
-        return Step(new, plan.k, self.past, stopped, len(plan.drafts), outcome.accepted)
+        return Step(new, plan.k, self.past, stopped, len(plan.drafts), outcome.accepted, self.done)
 
 
 @dataclass(frozen=True)
