@@ -91,12 +91,13 @@ class Decoding:
         tokens = self.pending + drafts + ([self.model.mask_id] * (blocks * slots) if blocks else [])
         return Feed(tokens, len(self.pending), len(drafts), slots, plan.quadratic, plan.parents)
 
-    def advance(self, hidden: torch.Tensor, kv) -> Step:
-        """Decide the step from the fed rows' hidden states [Q, D]; commit it in `kv`."""
+    def advance(self, hidden: torch.Tensor, kv, logits: torch.Tensor | None = None) -> Step:
+        """Decide the step from the fed rows' hidden states [Q, D] (and, if the caller computed them, the
+        LM head's logits for rows pending-1 onwards); commit it in `kv`."""
         plan, pending = self.plan, len(self.pending)
         tail = hidden[pending - 1:]  # the last pending token, the drafts, the mask blocks
         drafter = self.model.draft_block if self.model.heads is not None else None
-        logits = PassLogits(self.model.head, tail, len(plan.drafts), plan.slots, plan.quadratic, drafter)
+        logits = PassLogits(self.model.head, tail, len(plan.drafts), plan.slots, plan.quadratic, drafter, logits)
         outcome = self.strategy.choose(logits, self.generator)
         start = self.past + pending
         if outcome.rows is None:  # the kept drafts are a prefix: they already sit where they belong

@@ -16,7 +16,6 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -64,7 +63,6 @@ class Engine:
             raise UserError(f"max_batch must be >= 1, got {max_batch}")
         self.model, self.max_batch, self.on_pass = model, max_batch, on_pass
         self.stop_ids, self.thresholds = stop_ids(model), _thresholds(model)
-        self.mask_id = None if model.meta is None else model.meta.mask_id
         self.cache = RaggedCache(max_batch)
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []  # running[i] decodes in slot i
@@ -155,12 +153,14 @@ class Engine:
         try:
             feeds = [job.decoding.feed() for job in jobs]
             lengths = [job.decoding.past for job in jobs]
-            plain = self.mask_id is None or all(self.mask_id not in feed.tokens for feed in feeds)
-            with self.model.pristine() if plain else nullcontext():
-                hidden = ragged_pass(self.model, self.cache, start, feeds, lengths)
+            hidden = ragged_pass(self.model, self.cache, start, feeds, lengths)
+            # the LM head once for every sequence's tail rows (the last pending token onwards): one read
+            # of its weights per pass, not one per sequence
+            tails = [hidden[i, feed.pending - 1: len(feed.tokens)] for i, feed in enumerate(feeds)]
+            logits = self.model.head(torch.cat(tails)).split([len(t) for t in tails])
             steps = []
             for i, (job, feed) in enumerate(zip(jobs, feeds)):
-                steps.append(job.decoding.advance(hidden[i, : len(feed.tokens)], job.kv))
+                steps.append(job.decoding.advance(hidden[i, : len(feed.tokens)], job.kv, logits[i]))
         except Exception as exc:  # a failed pass fails its sequences, never the engine
             for job in jobs:
                 job.emit(None, exc)

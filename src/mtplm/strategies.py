@@ -43,18 +43,25 @@ class PassLogits:
 
     hidden [1 + m + blocks*slots, D]: the last pending token, the m drafts, then the mask blocks. A
     head-based model has no mask rows: its `drafter(hidden row, next token, n)` gives the block after
-    any prefix of the drafts.
+    any prefix of the drafts. `logits`, when given, are the LM head's output for (a prefix of) those
+    rows, already computed in one call for a whole batch.
     """
 
     def __init__(self, head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, drafts: int,
-                 slots: int, quadratic: bool, drafter: Callable | None = None) -> None:
+                 slots: int, quadratic: bool, drafter: Callable | None = None,
+                 logits: torch.Tensor | None = None) -> None:
         self._head, self._hidden, self.drafts, self.slots, self.quadratic = head, hidden, drafts, slots, quadratic
-        self._drafter = drafter
+        self._drafter, self._logits = drafter, logits
+
+    def _rows(self, start: int, stop: int) -> torch.Tensor:
+        if self._logits is not None and stop <= len(self._logits):
+            return self._logits[start:stop]
+        return self._head(self._hidden[start:stop])
 
     @cached_property
     def next_token(self) -> torch.Tensor:
         """[m+1, V]: the next-token logits at the last committed token and after each draft."""
-        return self._head(self._hidden[: self.drafts + 1])
+        return self._rows(0, self.drafts + 1)
 
     def block(self, after: int, token: int | None = None) -> torch.Tensor | None:
         """[slots, V]: the block that follows the first `after` drafts and then `token`, if this pass has one."""
@@ -68,7 +75,7 @@ class PassLogits:
                 return None
             after = 0
         start = self.drafts + 1 + after * self.slots
-        return self._head(self._hidden[start: start + self.slots])
+        return self._rows(start, start + self.slots)
 
     def candidates(self) -> torch.Tensor:
         """[1 + slots, V]: next token and block of a draft-free pass (the lossy strategies' block)."""
