@@ -17,7 +17,7 @@ import psutil
 import torch
 from tqdm import tqdm
 
-from .config import DecodeConfig
+from .config import DecodeConfig, parse_mode
 from .cost import Assumptions, cost_markdown
 from .machine import machine
 from .errors import UserError
@@ -119,28 +119,10 @@ def _mean_scores(records: list[Record]) -> dict[str, dict]:
 
 
 def parse_modes(spec: str, default_k_max: int | None, confidence: str) -> list[tuple[str, DecodeConfig]]:
-    modes = []
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        body, at, k = item.partition("@")
-        kind, _, value = body.partition(":")
-        value, _, measure = value.partition(":")
-        try:
-            k_max = int(k) if at else default_k_max
-            if kind == "ntp":
-                cfg = DecodeConfig(mode="ntp")
-            elif kind == "static":
-                cfg = DecodeConfig(mode="static", k=int(value))
-            elif kind == "confadapt":
-                cfg = DecodeConfig(mode="confadapt", tau=float(value), k_max=k_max, confidence=measure or confidence)
-            elif kind == "verified":
-                cfg = DecodeConfig(mode="verified", k_max=k_max, drafting=value or "linear", window=measure or "fixed")
-            else:
-                raise ValueError
-            cfg.validate()
-        except (ValueError, UserError):
-            raise UserError(f"bad mode {item!r}: use ntp, static:K, confadapt:TAU[:top1|entropy][@K] or "
-                            "verified[:linear|quadratic|tree][:fixed|context|adaptive][@K]") from None
-        modes.append((item, cfg))
+    """The bench's comma list of modes (config.parse_mode each; a bare `verified` keeps a fixed window);
+    plain decoding always comes first, as every speedup's baseline."""
+    items = [s.strip() for s in spec.split(",") if s.strip()]
+    modes = [(item, parse_mode(item, "fixed", default_k_max, confidence)) for item in items]
     if not modes or modes[0][0] != "ntp":
         modes = [("ntp", DecodeConfig(mode="ntp"))] + [m for m in modes if m[0] != "ntp"]
     return modes

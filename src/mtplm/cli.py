@@ -1,4 +1,5 @@
-"""`mtplm setup | train | generate | demo | calibrate | bench`: argument parsing and user-facing errors only.
+"""`mtplm setup | train | generate | demo | calibrate | export | bench | serve`: argument parsing and
+user-facing errors only.
 
 Every user mistake surfaces as UserError and becomes one line on stderr and exit status 2.
 """
@@ -101,6 +102,30 @@ def _parser() -> argparse.ArgumentParser:
 
     add_arguments(bench)
     bench.set_defaults(run=_bench)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming) with "
+                                         "per-request decoding modes, ragged batching and Prometheus metrics")
+    serve.add_argument("--model", action="append", default=[], metavar="[ID=]SPEC",
+                       help=f"a model to serve (repeatable): checkpoint, shipped name or base model; "
+                            f"default {DEFAULT_CHECKPOINT} when no --repository is given")
+    serve.add_argument("--repository", type=Path, help="a directory of checkpoints with a models.toml manifest")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set MTPLM_API_KEY)")
+    serve.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    serve.add_argument("--max-batch", type=int, default=8, help="sequences decoded together per model (default: 8)")
+    serve.add_argument("--memory-budget-gb", type=float, default=0.0,
+                       help="load models lazily within this much memory, unloading idle ones (0: no limit)")
+    serve.add_argument("--default-mode", default=None,
+                       help="decoding mode for requests that name none (default: confadapt with the checkpoint's "
+                            "calibrated thresholds; ntp for base models); a request's `mode` field overrides it")
+    serve.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens accepted")
+    serve.add_argument("--default-max-tokens", type=int, default=256, help="chat requests that give no max_tokens")
+    serve.add_argument("--context", type=int, default=8192, help="prompt + max_tokens cap (also the model's own)")
+    serve.add_argument("--shutdown-grace", type=float, default=30.0,
+                       help="seconds in-flight requests may finish after SIGTERM before they are failed")
+    serve.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    serve.set_defaults(run=_serve)
     return parser
 
 
@@ -232,6 +257,23 @@ def _bench(args) -> None:
 
     args.argv = sys.argv[2:]
     run_bench(args)
+
+
+def _serve(args) -> None:
+    import os
+
+    import torch
+
+    from .serve import Settings, build_repository, limits, serve
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    models = args.model or ([] if args.repository else [DEFAULT_CHECKPOINT])
+    repository = build_repository(models, args.repository, args.dtype, args.max_batch, args.memory_budget_gb,
+                                  args.default_mode)
+    settings = Settings(api_key=args.api_key or os.environ.get("MTPLM_API_KEY") or None,
+                        limits=limits(args.max_tokens_limit, args.default_max_tokens, args.context))
+    serve(repository, args.host, args.port, settings, args.shutdown_grace)
 
 
 if __name__ == "__main__":

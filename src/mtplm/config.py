@@ -74,6 +74,38 @@ class DecodeConfig:
         return self
 
 
+MODE_GRAMMAR = ("ntp, static:K, confadapt[:TAU[:top1|entropy]][@K] or "
+                "verified[:linear|quadratic|tree[:fixed|context|adaptive]][@K]")
+
+
+def parse_mode(spec: str, window: str = "adaptive", k_max: int | None = None,
+               confidence: str = "top1") -> DecodeConfig:
+    """A decoding mode written as one string (MODE_GRAMMAR), e.g. `confadapt:0.9@8` or `verified:tree`.
+
+    Parts left out keep DecodeConfig's defaults (a confadapt tau or k_max left out: the checkpoint's
+    calibrated values); `window`, `k_max` and `confidence` are the caller's defaults for those parts.
+    """
+    body, at, k = spec.strip().partition("@")
+    kind, _, rest = body.partition(":")
+    value, _, measure = rest.partition(":")
+    try:
+        k_max = int(k) if at else k_max
+        if kind in ("ntp", "plain") and not rest:
+            cfg = DecodeConfig(mode="ntp")
+        elif kind == "static" and not measure:
+            cfg = DecodeConfig(mode="static", k=int(value) if value else DecodeConfig.k)
+        elif kind == "confadapt":
+            cfg = DecodeConfig(mode="confadapt", tau=float(value) if value else None, k_max=k_max,
+                               confidence=measure or confidence)
+        elif kind == "verified":
+            cfg = DecodeConfig(mode="verified", k_max=k_max, drafting=value or "linear", window=measure or window)
+        else:
+            raise ValueError
+        return cfg.validate()
+    except (ValueError, UserError):
+        raise UserError(f"bad decoding mode {spec!r}: use {MODE_GRAMMAR}") from None
+
+
 @dataclass
 class TrainConfig:
     model: str = "smollm2-135m"  # registry name, HF directory or .gguf file

@@ -40,6 +40,7 @@ class Job:
     prompt_ids: list[int]
     cfg: DecodeConfig
     emit: Callable[[Step | None, BaseException | None], None]
+    label: str = ""  # the mode as the caller named it (metrics)
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
     decoding: Decoding | None = None
@@ -54,6 +55,7 @@ class PassStats:
     padding: int  # of which padding
     seconds: float
     steps: tuple[Step, ...]
+    labels: tuple[str, ...]  # each step's job label
 
 
 class Engine:
@@ -166,10 +168,10 @@ class Engine:
                 job.emit(None, exc)
                 job.cancelled = True
             return
-        width = hidden.shape[1]
         if self.on_pass is not None:
-            self.on_pass(PassStats(kind, len(jobs), width * len(jobs), width * len(jobs) - sum(len(f.tokens) for f in feeds),
-                                   time.perf_counter() - began, tuple(steps)))
+            rows = hidden.shape[1] * len(jobs)
+            self.on_pass(PassStats(kind, len(jobs), rows, rows - sum(len(f.tokens) for f in feeds),
+                                   time.perf_counter() - began, tuple(steps), tuple(job.label for job in jobs)))
         for job, step in zip(jobs, steps):
             job.emit(step, None)
 

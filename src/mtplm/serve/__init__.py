@@ -1,0 +1,87 @@
+"""`mtplm serve`: an OpenAI-compatible HTTP server for multi-token decoding (one replica).
+
+    repository (models.toml) -> lazily loaded models -> one batch engine per model -> FastAPI routes
+
+Shutdown (SIGINT/SIGTERM): the server stops taking requests at once (503, /health too), lets in-flight
+ones finish for up to `shutdown_grace_s`, then ends whatever is left with a clean error (an SSE error
+event, or a 503 body) and exits.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import sys
+import threading
+from pathlib import Path
+
+from ..errors import UserError
+from .app import Settings, create_app
+from .protocol import Limits
+from .repository import Entry, Repository, read_manifest
+
+__all__ = ["Settings", "create_app", "Repository", "Entry", "read_manifest", "serve", "build_repository"]
+
+
+def build_repository(models: list[str], repository: Path | None, dtype: str, max_batch: int, budget_gb: float,
+                     default_mode: str | None) -> Repository:
+    """The models to offer: a repository directory, and/or `--model` specs (id = the spec's last part)."""
+    entries = read_manifest(repository, dtype) if repository else []
+    for spec in models:
+        name, sep, path = spec.partition("=")
+        entries.append(Entry(name if sep else Path(spec).name, path if sep else spec, dtype=dtype))
+    if not entries:
+        raise UserError("no models to serve: give --model SPEC (repeatable) or --repository DIR")
+    ids = [e.id for e in entries]
+    if len(set(ids)) != len(ids):
+        raise UserError(f"model ids must be unique, got {', '.join(ids)}: name them with --model ID=SPEC")
+    if default_mode is not None:
+        from ..config import parse_mode
+
+        parse_mode(default_mode)  # a bad default fails at start, not on the first request
+    return Repository(entries, int(budget_gb * 2**30), max_batch, default_mode)
+
+
+def serve(repository: Repository, host: str, port: int, settings: Settings, shutdown_grace_s: float,
+          log_level: str = "info") -> None:
+    import uvicorn
+
+    _check_exposure(host, settings)
+    app = create_app(repository, settings)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=int(shutdown_grace_s) + 5, lifespan="off")
+    server = _GracefulServer(config, repository, shutdown_grace_s)
+    print(f"mtplm: serving {', '.join(repository.entries)} on http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    server.run()
+    repository.close(0)
+
+
+class _GracefulServer:
+    """uvicorn's Server, with a shutdown that first drains and then cleanly fails in-flight requests."""
+
+    def __new__(cls, config, repository: Repository, grace_s: float):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame) -> None:
+                if not repository.closing:
+                    repository.closing = True  # refuse new work now; drain the rest off the event loop
+                    threading.Thread(target=repository.close, args=(grace_s,), daemon=True).start()
+                super().handle_exit(sig, frame)
+
+        return Server(config)
+
+
+def _check_exposure(host: str, settings: Settings) -> None:
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback and settings.api_key is None:
+        print(f"mtplm: warning: serving on {host} without an API key: anyone who can reach this port can use it "
+              "(set --api-key or MTPLM_API_KEY)", file=sys.stderr)
+
+
+def limits(max_tokens: int, default_max_tokens: int, context: int) -> Limits:
+    if max_tokens < 1 or default_max_tokens < 1 or context < 2:
+        raise UserError("--max-tokens-limit and --default-max-tokens must be >= 1, --context >= 2")
+    return Limits(max_tokens, min(default_max_tokens, max_tokens), context)

@@ -1,0 +1,281 @@
+"""The HTTP surface: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus /health and
+/metrics. Every error a client can cause is an OpenAI-style {"error": {...}} body with a 4xx status."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from .metrics import Metrics
+from .protocol import (APIError, ChatRequest, CompletionRequest, Limits, decode_config, max_tokens, message_text,
+                       new_id, now, stops)
+from .repository import Loaded, Repository
+from .run import Piece, Run
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass
+class Settings:
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    limits: Limits = None  # type: ignore[assignment]
+    disconnect_poll_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        self.limits = self.limits or Limits()
+
+
+def create_app(repository: Repository, settings: Settings, metrics: Metrics | None = None) -> FastAPI:
+    app = FastAPI(title="mtplm", description="OpenAI-compatible multi-token prediction server")
+    metrics = metrics or Metrics()
+    repository.on_pass = metrics.on_pass
+    app.state.repository, app.state.metrics, app.state.settings = repository, metrics, settings
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, exc) -> JSONResponse:
+        return JSONResponse(APIError(404, f"no route {request.method} {request.url.path}: see /v1/models, "
+                                          "/v1/completions, /v1/chat/completions", None, "not_found").body(), 404)
+
+    @app.exception_handler(405)
+    async def wrong_method(request: Request, exc) -> JSONResponse:
+        return JSONResponse(APIError(405, f"{request.method} is not allowed on {request.url.path}").body(), 405)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if repository.closing:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        return JSONResponse({"status": "ok", "models": sorted(repository.entries),
+                             "loaded": sorted(repository.loaded)})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(repository), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        _authorize(request, settings)
+        return JSONResponse({"object": "list", "data": [_model_card(e, repository) for e in repository.entries.values()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> JSONResponse:
+        _authorize(request, settings)
+        if model_id not in repository.entries:
+            raise APIError(404, f"the model {model_id!r} does not exist", "model", "model_not_found")
+        return JSONResponse(_model_card(repository.entries[model_id], repository))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req: CompletionRequest = await _parse(request, CompletionRequest, settings, repository)
+        loaded = await repository.get(req.model)
+        prompts = _completion_prompts(req.prompt, loaded)
+        budget = max(max_tokens(req, len(ids), settings.limits, _context(loaded), COMPLETIONS_DEFAULT_MAX_TOKENS)
+                     for ids in prompts)
+        return await _respond(request, "completions", req, loaded, prompts, budget, settings, metrics)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        req: ChatRequest = await _parse(request, ChatRequest, settings, repository)
+        loaded = await repository.get(req.model)
+        ids = _chat_prompt(req, loaded)
+        budget = max_tokens(req, len(ids), settings.limits, _context(loaded), settings.limits.default_max_tokens)
+        return await _respond(request, "chat", req, loaded, [ids], budget, settings, metrics)
+
+    return app
+
+
+# ---- request side --------------------------------------------------------------------------------
+def _authorize(request: Request, settings: Settings) -> None:
+    if settings.api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
+        raise APIError(401, "missing or incorrect API key: send it as 'Authorization: Bearer <key>'", None,
+                       "invalid_api_key")
+
+
+async def _parse(request: Request, schema: type[BaseModel], settings: Settings, repository: Repository):
+    _authorize(request, settings)
+    if repository.closing:
+        raise APIError(503, "the server is shutting down: retry on another replica", None, "shutting_down",
+                       "server_error")
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > settings.max_body_bytes:
+        raise APIError(413, f"the request body ({int(declared)} bytes) exceeds this server's limit of "
+                            f"{settings.max_body_bytes} bytes", None, "request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > settings.max_body_bytes:
+            raise APIError(413, f"the request body exceeds this server's limit of {settings.max_body_bytes} bytes",
+                           None, "request_too_large")
+    try:
+        return schema.model_validate_json(bytes(body))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        if first["type"] == "extra_forbidden":
+            message = f"unrecognized request argument supplied: {where}"
+        elif first["type"] == "json_invalid":
+            message = "the request body is not valid JSON"
+        else:
+            message = f"{where}: {first['msg']}"
+        raise APIError(400, message, where if where != "body" else None) from None
+
+
+def _context(loaded: Loaded) -> int:
+    return int(getattr(loaded.model.hf.config, "max_position_embeddings", 0) or 1 << 20)
+
+
+def _completion_prompts(prompt, loaded: Loaded) -> list[list[int]]:
+    tokenizer, vocab = loaded.model.tokenizer, loaded.model.hf.get_input_embeddings().weight.shape[0]
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], str)):
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        prompts = [tokenizer(text)["input_ids"] if text else [] for text in texts]
+    elif isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts or any(not ids for ids in prompts):
+        raise APIError(400, "the prompt is empty: send some text (or token ids)", "prompt")
+    if len(prompts) > 8:
+        raise APIError(400, f"at most 8 prompts per request, got {len(prompts)}", "prompt")
+    if any(not 0 <= t < vocab for ids in prompts for t in ids):
+        raise APIError(400, f"token ids must lie in [0, {vocab})", "prompt")
+    return prompts
+
+
+def _chat_prompt(req: ChatRequest, loaded: Loaded) -> list[int]:
+    tokenizer = loaded.model.tokenizer
+    if not req.messages:
+        raise APIError(400, "messages is empty: send at least one message", "messages")
+    messages = [{"role": m.role, "content": message_text(m)} for m in req.messages]
+    if not any(m["content"].strip() for m in messages):
+        raise APIError(400, "every message is empty: send some text", "messages")
+    if not tokenizer.chat_template:
+        raise APIError(400, f"model {req.model!r} has no chat template: use /v1/completions", "model")
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # the template's own checks (roles, order)
+        raise APIError(400, f"the chat template rejected these messages: {exc}", "messages") from None
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _model_card(entry, repository: Repository) -> dict:
+    loaded = repository.loaded.get(entry.id)
+    return {"id": entry.id, "object": "model", "created": 0, "owned_by": "mtplm", "description": entry.description,
+            "loaded": loaded is not None, "default_mode": loaded.default_mode if loaded else entry.mode}
+
+
+# ---- response side -------------------------------------------------------------------------------
+async def _respond(request: Request, endpoint: str, req, loaded: Loaded, prompts: list[list[int]], budget: int,
+                   settings: Settings, metrics: Metrics):
+    cfg = decode_config(req, loaded.default_mode, budget)
+    label = req.mode or loaded.default_mode
+    run = Run(loaded, prompts, req.n, cfg, stops(req), label)
+    started = time.perf_counter()
+    kind = "text_completion" if endpoint == "completions" else "chat.completion"
+    head = {"id": new_id("cmpl" if endpoint == "completions" else "chatcmpl"), "created": now(), "model": req.model}
+
+    def finished(status: int) -> None:
+        metrics.requests.labels(endpoint, req.model, str(status)).inc()
+        metrics.latency.labels(endpoint, req.model).observe(time.perf_counter() - started)
+        if run.first_token_s is not None:
+            metrics.ttft.labels(req.model).observe(run.first_token_s)
+
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        events = _sse(run, endpoint, {**head, "object": f"{kind}.chunk" if endpoint == "chat" else kind},
+                      prompts, include_usage, finished)
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        await _until_done(request, run, settings)
+    except APIError as exc:
+        finished(exc.status)
+        raise
+    finished(200)
+    choices = [_final_choice(endpoint, c) for c in run.choices]
+    return JSONResponse({**head, "object": kind, "choices": choices, "usage": run.usage(prompts)})
+
+
+async def _until_done(request: Request, run: Run, settings: Settings) -> None:
+    """Drain the run; if the client goes away first, cancel its sequences (their slots free at once)."""
+    drain = asyncio.ensure_future(_drain(run))
+    try:
+        while not drain.done():
+            await asyncio.wait({drain}, timeout=settings.disconnect_poll_s)
+            if not drain.done() and await request.is_disconnected():
+                drain.cancel()
+                run.cancel()
+                raise APIError(499, "the client closed the connection", None, "client_closed")
+        drain.result()
+    finally:
+        if not drain.done():
+            drain.cancel()
+        run.cancel()
+
+
+async def _drain(run: Run) -> None:
+    async for _ in run.pieces():
+        pass
+
+
+def _final_choice(endpoint: str, choice) -> dict:
+    text = "".join(choice.pieces)
+    if endpoint == "completions":
+        return {"index": choice.index, "text": text, "logprobs": None, "finish_reason": choice.finish_reason}
+    return {"index": choice.index, "message": {"role": "assistant", "content": text},
+            "logprobs": None, "finish_reason": choice.finish_reason}
+
+
+async def _sse(run: Run, endpoint: str, head: dict, prompts, include_usage: bool, finished) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per decoded block (1..k tokens) with text, then [DONE]. A client
+    that disconnects cancels the generator, and with it the run's sequences."""
+    status = 200
+    try:
+        if endpoint == "chat":
+            for choice in run.choices:
+                yield _event({**head, "choices": [{"index": choice.index, "delta": {"role": "assistant", "content": ""},
+                                                   "logprobs": None, "finish_reason": None}]})
+        async for piece in run.pieces():
+            if piece.text or piece.final:
+                yield _event({**head, "choices": [_delta(endpoint, piece)]})
+        if include_usage:
+            yield _event({**head, "choices": [], "usage": run.usage(prompts)})
+    except APIError as exc:
+        status = exc.status
+        yield _event(exc.body())
+    except asyncio.CancelledError:
+        status = 499
+        raise
+    finally:
+        run.cancel()
+        finished(status)
+    yield "data: [DONE]\n\n"
+
+
+def _delta(endpoint: str, piece: Piece) -> dict:
+    if endpoint == "completions":
+        return {"index": piece.choice.index, "text": piece.text, "logprobs": None,
+                "finish_reason": piece.choice.finish_reason if piece.final else None}
+    delta = {"content": piece.text} if piece.text else {}
+    return {"index": piece.choice.index, "delta": delta, "logprobs": None,
+            "finish_reason": piece.choice.finish_reason if piece.final else None}
+
+
+def _event(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"

@@ -1,0 +1,193 @@
+"""The model repository: which models a server offers, and which of them are in memory.
+
+A repository is a directory with a `models.toml` manifest:
+
+    [[model]]
+    id = "smollm2-mtp"                # the request's `model` field
+    path = "smollm2-135m-mtp"         # a checkpoint directory (relative to the manifest), shipped
+                                      # checkpoint name, or base model (plain decoding only)
+    mode = "confadapt"                # default decoding mode (config.MODE_GRAMMAR); optional
+    dtype = "bf16"                    # optional
+    description = "SmolLM2-135M, mask-token MTP, k_max 8"   # optional
+
+A directory without a manifest offers every checkpoint folder in it, named after the folder. Models
+load on their first request; when loading one would exceed the memory budget, the least recently used
+idle models are unloaded first. A model that is busy is never unloaded under a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..engine import Engine, PassStats
+from ..errors import UserError
+from ..model import META_FILE, MTPModel, load_model
+from .protocol import APIError
+
+MANIFEST = "models.toml"
+ENTRY_KEYS = {"id", "path", "mode", "dtype", "description"}
+
+
+@dataclass
+class Entry:
+    id: str
+    path: str
+    mode: str | None = None  # None: confadapt for converted checkpoints, ntp for base models
+    dtype: str = "bf16"
+    description: str = ""
+
+
+@dataclass
+class Loaded:
+    entry: Entry
+    model: MTPModel
+    engine: Engine
+    default_mode: str
+    nbytes: int
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def busy(self) -> bool:
+        waiting, running = self.engine.load
+        return bool(waiting or running)
+
+
+def read_manifest(directory: Path, dtype: str = "bf16") -> list[Entry]:
+    """The manifest's entries (or one entry per checkpoint folder); UserError on anything malformed."""
+    manifest = directory / MANIFEST
+    if not manifest.is_file():
+        if not directory.is_dir():
+            raise UserError(f"model repository {directory} does not exist: give a directory of checkpoints")
+        entries = [Entry(p.name, str(p), dtype=dtype) for p in sorted(directory.iterdir()) if (p / META_FILE).is_file()]
+        if not entries:
+            raise UserError(f"{directory} has no {MANIFEST} and no checkpoint folders (with {META_FILE})")
+        return entries
+    try:
+        table = tomllib.loads(manifest.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise UserError(f"cannot read {manifest}: {exc}") from None
+    rows = table.get("model")
+    if not isinstance(rows, list) or not rows:
+        raise UserError(f"{manifest} lists no models: add [[model]] tables with id and path")
+    entries = []
+    for number, row in enumerate(rows, 1):
+        unknown = set(row) - ENTRY_KEYS
+        if unknown or "id" not in row or "path" not in row:
+            raise UserError(f"{manifest}, model {number}: needs id and path; allowed keys are "
+                            f"{', '.join(sorted(ENTRY_KEYS))}" + (f" (unknown: {', '.join(sorted(unknown))})"
+                                                                   if unknown else ""))
+        path = Path(row["path"])
+        if not path.is_absolute() and (directory / path).exists():
+            path = directory / path
+        entries.append(Entry(str(row["id"]), str(path), row.get("mode"), row.get("dtype", dtype),
+                             row.get("description", "")))
+    ids = [e.id for e in entries]
+    if len(set(ids)) != len(ids):
+        raise UserError(f"{manifest} repeats a model id: each id must be unique")
+    return entries
+
+
+class Repository:
+    """Entries by id; `get` loads on demand within `budget_bytes` (0: no limit)."""
+
+    def __init__(self, entries: list[Entry], budget_bytes: int = 0, max_batch: int = 8,
+                 default_mode: str | None = None,
+                 on_pass: Callable[[str, PassStats], None] | None = None) -> None:
+        self.entries = {e.id: e for e in entries}
+        self.budget, self.max_batch, self.default_mode = budget_bytes, max_batch, default_mode
+        self.on_pass = on_pass
+        self.loaded: dict[str, Loaded] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._guard = threading.Lock()
+        self.closing = False
+
+    async def get(self, model_id: str) -> Loaded:
+        if model_id not in self.entries:
+            raise APIError(404, f"the model {model_id!r} does not exist: GET /v1/models lists the models served",
+                           "model", "model_not_found")
+        lock = self._locks.setdefault(model_id, asyncio.Lock())
+        async with lock:  # concurrent first requests load the model once
+            loaded = self.loaded.get(model_id)
+            if loaded is None:
+                loaded = await asyncio.to_thread(self._load, self.entries[model_id])
+            loaded.last_used = time.monotonic()
+            return loaded
+
+    def _load(self, entry: Entry) -> Loaded:
+        need = _estimate(entry)
+        with self._guard:
+            if self.budget and need > self.budget:
+                raise APIError(507, f"model {entry.id!r} needs about {need / 2**30:.1f} GB, more than this server's "
+                                    f"memory budget of {self.budget / 2**30:.1f} GB", "model", "insufficient_memory",
+                               "server_error")
+            self._make_room(need)
+        try:
+            model = load_model(entry.path, entry.dtype)
+        except (UserError, OSError, ValueError) as exc:
+            raise APIError(500, f"model {entry.id!r} failed to load: {exc}", "model", "model_load_failed",
+                           "server_error") from None
+        mode = entry.mode or self.default_mode or ("ntp" if model.meta is None else "confadapt")
+        callback = (lambda stats: self.on_pass(entry.id, stats)) if self.on_pass else None
+        engine = Engine(model, self.max_batch, on_pass=callback)
+        nbytes = sum(p.numel() * p.element_size() for p in model.hf.parameters())
+        loaded = Loaded(entry, model, engine, mode, nbytes)
+        with self._guard:
+            self.loaded[entry.id] = loaded
+        return loaded
+
+    def _make_room(self, need: int) -> None:
+        """Unload idle models, least recently used first, until `need` more bytes fit the budget."""
+        if not self.budget:
+            return
+        for victim in sorted(self.loaded.values(), key=lambda m: m.last_used):
+            if sum(m.nbytes for m in self.loaded.values()) + need <= self.budget:
+                return
+            if not victim.busy:
+                self._unload(victim.entry.id)
+        if sum(m.nbytes for m in self.loaded.values()) + need > self.budget:
+            raise APIError(503, "every loaded model is busy and no room is left in the memory budget for "
+                                "another: retry shortly", "model", "model_capacity", "server_error")
+
+    def _unload(self, model_id: str) -> None:
+        loaded = self.loaded.pop(model_id)
+        loaded.engine.close(grace_s=0)
+        del loaded
+        gc.collect()
+
+    def close(self, grace_s: float) -> None:
+        """Finish in-flight work for up to `grace_s` (all engines together), then fail what is left."""
+        self.closing = True
+        deadline = time.monotonic() + grace_s
+        for loaded in list(self.loaded.values()):
+            loaded.engine.close(max(0.0, deadline - time.monotonic()))
+
+
+def _estimate(entry: Entry) -> int:
+    """Bytes a model will take: its weight files (and its base model's, for a delta or heads checkpoint)."""
+    from ..assets import resolve_model
+    from ..model import _read_meta, _shipped
+
+    path = _shipped(entry.path) or Path(entry.path)
+    total = 0
+    for _ in range(3):  # a checkpoint, its base, at most one more level
+        try:
+            if not path.exists():
+                path = Path(resolve_model(str(path)))
+        except Exception:  # resolution errors surface, clearly, when the model loads
+            return total
+        total += sum(f.stat().st_size for f in path.rglob("*.safetensors")) + sum(
+            f.stat().st_size for f in path.rglob("*.gguf"))
+        if not (path / META_FILE).is_file():
+            break
+        meta = _read_meta(path)
+        if not (meta.delta or meta.method == "heads"):
+            break
+        path = _shipped(meta.base_model["spec"]) or Path(meta.base_model["spec"])
+    return total * (2 if entry.dtype == "fp32" else 1)
