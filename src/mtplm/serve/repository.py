@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import math
 import threading
 import time
 import tomllib
@@ -124,9 +125,9 @@ class Repository:
         need = _estimate(entry)
         with self._guard:
             if self.budget and need > self.budget:
-                raise APIError(507, f"model {entry.id!r} needs about {need / 2**30:.1f} GB, more than this server's "
-                                    f"memory budget of {self.budget / 2**30:.1f} GB", "model", "insufficient_memory",
-                               "server_error")
+                raise APIError(507, f"model {entry.id!r} needs about {_size(need)}, more than this server's memory "
+                                    f"budget of {_size(self.budget)}: raise --memory-budget-gb", "model",
+                               "insufficient_memory", "server_error")
             self._make_room(need)
         try:
             model = load_model(entry.path, entry.dtype)
@@ -170,24 +171,31 @@ class Repository:
 
 
 def _estimate(entry: Entry) -> int:
-    """Bytes a model will take: its weight files (and its base model's, for a delta or heads checkpoint)."""
+    """Bytes a model's weights will take in its dtype (counted from the safetensors headers, its base
+    model's included for a delta or heads checkpoint); 0 where that cannot be read before loading."""
+    from safetensors import safe_open
+
     from ..assets import resolve_model
     from ..model import _read_meta, _shipped
 
-    path = _shipped(entry.path) or Path(entry.path)
-    total = 0
+    path, numel = _shipped(entry.path) or Path(entry.path), 0
     for _ in range(3):  # a checkpoint, its base, at most one more level
         try:
             if not path.exists():
                 path = Path(resolve_model(str(path)))
-        except Exception:  # resolution errors surface, clearly, when the model loads
-            return total
-        total += sum(f.stat().st_size for f in path.rglob("*.safetensors")) + sum(
-            f.stat().st_size for f in path.rglob("*.gguf"))
+            for file in path.rglob("*.safetensors"):
+                with safe_open(file, "pt") as tensors:
+                    numel += sum(math.prod(tensors.get_slice(name).get_shape()) for name in tensors.keys())
+        except Exception:  # unresolvable or unreadable: the load itself reports it clearly
+            break
         if not (path / META_FILE).is_file():
             break
         meta = _read_meta(path)
         if not (meta.delta or meta.method == "heads"):
             break
         path = _shipped(meta.base_model["spec"]) or Path(meta.base_model["spec"])
-    return total * (2 if entry.dtype == "fp32" else 1)
+    return numel * (4 if entry.dtype == "fp32" else 2)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MB"
