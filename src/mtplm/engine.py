@@ -41,6 +41,7 @@ class Job:
     cfg: DecodeConfig
     emit: Callable[[Step | None, BaseException | None], None]
     label: str = ""  # the mode as the caller named it (metrics)
+    ignore_eos: bool = False  # decode max_new_tokens whatever the model emits (load tests)
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
     decoding: Decoding | None = None
@@ -77,8 +78,8 @@ class Engine:
     def submit(self, job: Job) -> Job:
         """Queue a job; raises UserError for a bad configuration, EngineClosed while shutting down."""
         strategy = make_strategy(job.cfg, self.thresholds)
-        job.decoding = Decoding(self.model, job.prompt_ids, strategy, job.cfg.max_new_tokens, self.stop_ids,
-                                job.cfg.seed)
+        job.decoding = Decoding(self.model, job.prompt_ids, strategy, job.cfg.max_new_tokens,
+                                set() if job.ignore_eos else self.stop_ids, job.cfg.seed)
         with self._wake:
             if self.closing:
                 raise EngineClosed("the server is shutting down")

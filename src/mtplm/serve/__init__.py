@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 import sys
 import threading
+import time
 from pathlib import Path
 
 from ..errors import UserError
@@ -56,17 +57,27 @@ def serve(repository: Repository, host: str, port: int, settings: Settings, shut
 
 
 class _GracefulServer:
-    """uvicorn's Server, with a shutdown that first drains and then cleanly fails in-flight requests."""
+    """uvicorn's Server with mtplm's shutdown: on the first signal, refuse new requests (503) but keep
+    the connections open, let in-flight requests finish for up to `grace_s`, fail the rest with an
+    error event or body, and only then stop uvicorn (exit status 0). A second signal exits at once."""
 
     def __new__(cls, config, repository: Repository, grace_s: float):
         import uvicorn
 
         class Server(uvicorn.Server):
             def handle_exit(self, sig, frame) -> None:
-                if not repository.closing:
-                    repository.closing = True  # refuse new work now; drain the rest off the event loop
-                    threading.Thread(target=repository.close, args=(grace_s,), daemon=True).start()
-                super().handle_exit(sig, frame)
+                if repository.closing:
+                    super().handle_exit(sig, frame)
+                    return
+                repository.closing = True
+                threading.Thread(target=self._drain, daemon=True).start()
+
+            def _drain(self) -> None:
+                repository.close(grace_s)
+                deadline = time.monotonic() + 10  # let the failed requests' last bytes go out
+                while repository.in_flight and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                self.should_exit = True
 
         return Server(config)
 

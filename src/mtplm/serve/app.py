@@ -185,12 +185,15 @@ async def _respond(request: Request, endpoint: str, req, loaded: Loaded, prompts
                    settings: Settings, metrics: Metrics):
     cfg = decode_config(req, loaded.default_mode, budget)
     label = req.mode or loaded.default_mode
-    run = Run(loaded, prompts, req.n, cfg, stops(req), label)
+    run = Run(loaded, prompts, req.n, cfg, stops(req), label, req.ignore_eos)
+    repository: Repository = request.app.state.repository
+    repository.in_flight += 1
     started = time.perf_counter()
     kind = "text_completion" if endpoint == "completions" else "chat.completion"
     head = {"id": new_id("cmpl" if endpoint == "completions" else "chatcmpl"), "created": now(), "model": req.model}
 
     def finished(status: int) -> None:
+        repository.in_flight -= 1
         metrics.requests.labels(endpoint, req.model, str(status)).inc()
         metrics.latency.labels(endpoint, req.model).observe(time.perf_counter() - started)
         if run.first_token_s is not None:

@@ -55,6 +55,7 @@ class _Sampling(BaseModel):
     user: Optional[str] = None
     mode: Optional[str] = Field(default=None, description=f"mtplm decoding mode: {MODE_GRAMMAR}")
     top_k: Optional[int] = None  # vLLM's extension, also through extra_body
+    ignore_eos: bool = False  # vLLM's extension: always decode max_tokens (load tests)
     # OpenAI parameters accepted only at their neutral values
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None

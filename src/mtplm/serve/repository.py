@@ -108,6 +108,7 @@ class Repository:
         self._locks: dict[str, asyncio.Lock] = {}
         self._guard = threading.Lock()
         self.closing = False
+        self.in_flight = 0  # requests between their first decoded block and their last byte (event loop only)
 
     async def get(self, model_id: str) -> Loaded:
         if model_id not in self.entries:

@@ -77,7 +77,7 @@ class Run:
     """Submit every (prompt, n) sequence; `pieces()` yields their text as it is decoded."""
 
     def __init__(self, loaded: Loaded, prompts: list[list[int]], n: int, cfg: DecodeConfig, stops: list[str],
-                 label: str) -> None:
+                 label: str, ignore_eos: bool = False) -> None:
         self.loaded, self.label = loaded, label
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -85,7 +85,8 @@ class Run:
         self.first_token_s: float | None = None
         self.choices = [Choice(i * n + j, len(ids), TextStream(loaded.model.tokenizer, stops))
                         for i, ids in enumerate(prompts) for j in range(n)]
-        jobs = [Job(ids, dataclasses.replace(cfg, seed=cfg.seed + j), self._emitter(i * n + j), label=label)
+        jobs = [Job(ids, dataclasses.replace(cfg, seed=cfg.seed + j), self._emitter(i * n + j), label=label,
+                    ignore_eos=ignore_eos)
                 for i, ids in enumerate(prompts) for j in range(n)]
         try:
             for choice, job in zip(self.choices, jobs):
