@@ -94,8 +94,9 @@ class Engine:
 
     @property
     def load(self) -> tuple[int, int]:
-        """(waiting, running) sequences."""
-        return len(self.waiting), len(self.running)
+        """(waiting, running) sequences; a finished or cancelled one counts as neither, even before the
+        engine thread retires it."""
+        return len(self.waiting), sum(not (job.cancelled or job.decoding.done) for job in list(self.running))
 
     def close(self, grace_s: float = 30.0) -> None:
         """Take no new jobs; let running and queued ones finish for up to `grace_s`, then fail the rest."""
