@@ -30,7 +30,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", help="a running server (else --start one)")
     p.add_argument("--start", action="store_true", help="start `mtplm serve` on a free loopback port")
-    p.add_argument("--model", default="smollm2-135m-mtp")
+    p.add_argument("--model", default="smollm2-135m-mtp", help="[ID=]SPEC, as for `mtplm serve --model`")
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--api-key", default=os.environ.get("MTPLM_API_KEY", "unused"))
@@ -82,7 +82,8 @@ def _prompts(name: str, n: int) -> list[str]:
 
 async def _run(args, url: str) -> dict:
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=args.api_key, max_retries=0, timeout=600)
-    model = args.model
+    name, sep, spec = args.model.partition("=")
+    model = name if sep else Path(args.model).name  # the id `mtplm serve --model [ID=]SPEC` gives it
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     prompts = _prompts(args.prompt_set, args.clients * args.requests)
     await _one(client, model, modes[0], prompts[0], 8)  # load the model, warm up
@@ -160,7 +161,8 @@ def _write(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "load.json").write_text(json.dumps(report, indent=2))
     lines = [f"# mtplm serve under load: {report['clients']} concurrent streaming clients", "",
-             f"Model `{report['model']}`, greedy, max_tokens {report['max_tokens']}. Machine: {report['machine']}.", "",
+             f"Model `{report['model']}`, greedy, max_tokens {report['max_tokens']}. Machine: "
+             + ", ".join(f"{k} {v}" for k, v in report["machine"].items()) + ".", "",
              f"Command: `{report['command']}`", "",
              "| mode | requests | errors | tokens/s | vs plain | tokens/forward | latency p50 / p99 (s) | TTFT p50 / p99 (s) |",
              "|---|---|---|---|---|---|---|---|"]
