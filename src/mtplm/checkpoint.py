@@ -1,4 +1,6 @@
-"""Resumable training state: everything `train` needs to continue a run exactly where it stopped.
+"""What a training run leaves on disk besides the model: its resumable state and its metrics log.
+
+The train_state holds everything `train` needs to continue a run exactly where it stopped.
 
 Layout of <out>/train_state/ (written whole into a temporary folder beside it, then renamed into place,
 so a crash or a full disk leaves either the previous state or the new one, never half of one):
@@ -126,6 +128,20 @@ def load_weights(hf: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
         raise UserError(f"the saved weights do not fit this model (missing {sorted(missing)[:3]}, unknown "
                         f"{sorted(unknown)[:3]}): was it saved with another model or trainable=?")
     hf.load_state_dict(weights, strict=False)
+
+
+class MetricsLog:
+    """A run's metrics.jsonl: one JSON object per line, stamped with the seconds since the run started."""
+
+    def __init__(self, run_dir: Path, started: float) -> None:
+        self.file, self.started = open(run_dir / "metrics.jsonl", "a"), started
+
+    def record(self, entry: dict) -> None:
+        self.file.write(json.dumps({**entry, "elapsed_s": round(time.perf_counter() - self.started, 1)}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
 
 
 def truncate_metrics(run_dir: Path, step: int) -> None:

@@ -221,20 +221,6 @@ def save_model(model: MTPModel, cfg: TrainConfig, run_dir: Path, final: bool) ->
         return model.save(run_dir / "checkpoint")
 
 
-class MetricsLog:
-    """A run's metrics.jsonl: one JSON object per line, stamped with the seconds since the run started."""
-
-    def __init__(self, run_dir: Path, started: float) -> None:
-        self.file, self.started = open(run_dir / "metrics.jsonl", "a"), started
-
-    def record(self, entry: dict) -> None:
-        self.file.write(json.dumps({**entry, "elapsed_s": round(time.perf_counter() - self.started, 1)}) + "\n")
-        self.file.flush()
-
-    def close(self) -> None:
-        self.file.close()
-
-
 def train(cfg: TrainConfig, progress: bool = True) -> Path | None:
     """Train, save and check a converted model; its checkpoint (None on ranks other than 0 under torchrun)."""
     cfg.validate()
@@ -249,7 +235,8 @@ def train(cfg: TrainConfig, progress: bool = True) -> Path | None:
         return train_heads(cfg, progress)
     world = init_world(cfg.device, cfg.parallel, cfg.batch_size)
     try:
-        return _train(cfg, world, progress and world.main)
+        with torch.device(world.device):  # every tensor the loop makes lives where the model does
+            return _train(cfg, world, progress and world.main)
     finally:
         shutdown(world)
 
@@ -260,11 +247,7 @@ def _train(cfg: TrainConfig, world: World, progress: bool) -> Path | None:
     resume_from = checkpoint.find_train_state(cfg)
     state = checkpoint.load_train_state(resume_from, cfg) if resume_from else None
     model = _load_model(cfg, world)
-    if world.main:  # rank 0 self-generates (and caches) the data first; the others then read its cache
-        samples = load_samples(cfg.data, model.tokenizer, model.hf, run_dir, cfg)
-    _barrier(world)
-    if not world.main:
-        samples = load_samples(cfg.data, model.tokenizer, model.hf, run_dir, cfg)
+    samples = _load_samples(cfg, model, world)
     _add_mask_token(model, cfg)
 
     pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else model.tokenizer.eos_token_id
@@ -292,7 +275,7 @@ def _train(cfg: TrainConfig, world: World, progress: bool) -> Path | None:
             checkpoint.truncate_metrics(run_dir, start)
             tqdm.write(f"resuming {run_dir} at step {start} from {resume_from}")
     started = time.perf_counter()
-    log = MetricsLog(run_dir, started) if world.main else None
+    log = checkpoint.MetricsLog(run_dir, started) if world.main else None
     record = log.record if log else lambda entry: None
     val = trainer.validate(val_batches)  # draws nothing from the training RNGs: safe to repeat on resume
     if not state:
@@ -335,6 +318,17 @@ def _train(cfg: TrainConfig, world: World, progress: bool) -> Path | None:
     return save_model(model, cfg, run_dir, final=True)
 
 
+def _load_samples(cfg: TrainConfig, model: MTPModel, world: World) -> list:
+    """Rank 0 loads (and for self:<set> generates and caches) the data first; the others then read its cache."""
+    if world.main:
+        samples = load_samples(cfg.data, model.tokenizer, model.hf, Path(cfg.out), cfg)
+    if world.size > 1:
+        dist.barrier()
+    if not world.main:
+        samples = load_samples(cfg.data, model.tokenizer, model.hf, Path(cfg.out), cfg)
+    return samples
+
+
 def _load_model(cfg: TrainConfig, world: World) -> MTPModel:
     compute = "fp32" if cfg.trainable == "full" else cfg.dtype  # full fine-tune keeps fp32 master weights
     model = MTPModel.load(cfg.model, dtype=compute)
@@ -373,11 +367,6 @@ def _save_progress(trainer: Trainer, stream: BatchStream, run_dir: Path, step: i
     if model_too and not world.sharded:
         save_model(trainer.model, trainer.cfg, run_dir, final=False)
     checkpoint.save_train_state(run_dir, trainer.cfg, trainer, stream, step, samples, weights, optimizer, world.size)
-
-
-def _barrier(world: World) -> None:
-    if world.size > 1:
-        dist.barrier()
 
 
 def decode_check(model: MTPModel, samples: list, cfg: TrainConfig, max_new_tokens: int = 96) -> dict:
