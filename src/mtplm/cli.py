@@ -9,10 +9,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tomllib
 from pathlib import Path
 
-from .config import DecodeConfig, TrainConfig, override
+from .config import DecodeConfig, load_train_config
 from .errors import UserError
 
 DEFAULT_CHECKPOINT = "smollm2-135m-mtp"  # the converted default model shipped inside the package
@@ -53,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
                                        "key=value, or in a TOML file with --config; key=value wins.")
     train.add_argument("settings", nargs="*", metavar="key=value", help="e.g. model=smollm2-135m steps=600 k_max=8")
     train.add_argument("--config", type=Path, help="TOML file of TrainConfig settings")
+    train.add_argument("--resume", nargs="?", const="auto", default=None, metavar="STATE",
+                       help="continue from out/train_state (or the train_state folder given); starts afresh "
+                            "when out has none. Same as resume=auto. Run under torchrun for several processes")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.set_defaults(run=_train)
 
@@ -173,16 +175,11 @@ def _setup(args) -> None:
 def _train(args) -> None:
     from .train import train
 
-    cfg = TrainConfig()
-    if args.config:
-        try:
-            table = tomllib.loads(args.config.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise UserError(f"cannot read config {args.config}: {exc}") from None
-        cfg = override(cfg, [f"{k}={v}" for k, v in table.items()])
-    cfg = override(cfg, args.settings).validate()
+    settings = args.settings + ([f"resume={args.resume}"] if args.resume else [])
+    cfg = load_train_config(args.config, settings).validate()
     checkpoint = train(cfg, progress=not args.quiet)
-    print(f"checkpoint: {checkpoint}")
+    if checkpoint is not None:  # None on the other ranks of a torchrun job: rank 0 writes the checkpoint
+        print(f"checkpoint: {checkpoint}")
 
 
 def _generate(args) -> None:

@@ -6,7 +6,10 @@ Nothing else in the package declares a default: the CLI and files only override 
 from __future__ import annotations
 
 import dataclasses
+import json
+import tomllib
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .errors import UserError
 
@@ -141,6 +144,9 @@ class TrainConfig:
     tau: float = 0.9  # threshold for the validation tokens/forward estimate
     seed: int = 0
     threads: int = 0  # torch threads; 0 = leave torch's default
+    device: str = "auto"  # auto (this rank's GPU when CUDA is available, else CPU) | cpu | cuda
+    parallel: str = "ddp"  # under torchrun: ddp (replicas) | fsdp (sharded; trainable=full only)
+    resume: str = ""  # "" fresh start | auto (out/train_state if present) | a train_state folder
     # method=heads (headtrain.py); k_max is K, the heads are 2..K
     head_form: str = "medusa"  # medusa (residual MLP) | sequential (DeepSeek-V3-style chain)
     head_alpha: str = "decay"  # loss weights: decay (0.9^k) | a number r (r^k) | deepseek (lambda/D, 0.3 -> 0.1)
@@ -181,6 +187,15 @@ class TrainConfig:
             raise UserError("steps must be >= 0, batch_size >= 1 and seq_len >= 2 * k_max")
         if self.dtype not in ("bf16", "fp32"):
             raise UserError(f"dtype must be bf16 or fp32, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise UserError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.parallel not in ("ddp", "fsdp"):
+            raise UserError(f"parallel must be ddp or fsdp, got {self.parallel!r}")
+        if self.parallel == "fsdp" and self.trainable != "full":
+            raise UserError(f"parallel=fsdp shards a full fine-tune; trainable={self.trainable} trains small "
+                            "adapters that fit every device: use parallel=ddp")
+        if self.save_every < 1 or self.log_every < 1 or self.val_every < 1:
+            raise UserError("save_every, log_every and val_every must be >= 1")
         return self
 
 
@@ -196,6 +211,38 @@ def override(cfg, pairs: list[str]):
             raise UserError(f"unknown setting {pair!r}: write key=value with key one of {known}")
         updates[key] = _parse(raw.strip(), getattr(cfg, key), key)
     return dataclasses.replace(cfg, **updates)
+
+
+def load_train_config(path: Path | None, pairs: list[str]) -> TrainConfig:
+    """TrainConfig defaults <- a TOML file (flat table of settings) <- key=value strings; unknown keys are errors."""
+    cfg = TrainConfig()
+    if path is not None:
+        try:
+            table = tomllib.loads(Path(path).read_text())
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+            raise UserError(f"cannot read config {path}: {exc}") from None
+        nested = [key for key, value in table.items() if isinstance(value, (dict, list))]
+        if nested:
+            raise UserError(f"config {path}: {', '.join(nested)} must be plain settings (key = value), "
+                            "not tables or lists")
+        try:
+            cfg = override(cfg, [f"{key}={value}" for key, value in table.items()])
+        except UserError as exc:
+            raise UserError(f"config {path}: {exc}") from None
+    return override(cfg, pairs)
+
+
+def to_toml(cfg) -> str:
+    """A dataclass of scalar settings as TOML that `load_train_config` reads back to an equal config."""
+    lines = []
+    for name, value in dataclasses.asdict(cfg).items():
+        if isinstance(value, bool):
+            lines.append(f"{name} = {str(value).lower()}")
+        elif isinstance(value, (int, float)):
+            lines.append(f"{name} = {value!r}")
+        else:
+            lines.append(f"{name} = {json.dumps(str(value))}")  # a JSON string is a valid TOML basic string
+    return "\n".join(lines) + "\n"
 
 
 def _parse(raw: str, current, key: str):
@@ -225,4 +272,4 @@ def as_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
-__all__ = ["DecodeConfig", "TrainConfig", "override", "as_dict", "field"]
+__all__ = ["DecodeConfig", "TrainConfig", "override", "load_train_config", "to_toml", "as_dict", "field"]

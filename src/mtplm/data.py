@@ -49,18 +49,27 @@ def load_samples(spec: str, tokenizer, hf_model, run_dir: Path, cfg) -> list[Sam
     else:
         raise UserError(f"unknown data spec {spec!r}: use self:<prompt set>, jsonl:<path> or text:<path>")
     samples = []
-    for row in rows:
-        if "text" in row:
-            ids = tokenizer(row["text"], add_special_tokens=False)["input_ids"]
-            prompt_ids, response_ids = ids[:1], ids[1:]
-        else:
-            prompt_ids = chat_prompt_ids(tokenizer, row["prompt"])
-            response_ids = tokenizer(row["response"], add_special_tokens=False)["input_ids"] + [eos]
-        if len(response_ids) >= 2:
-            samples.append(Sample(prompt_ids, response_ids))
+    for number, row in enumerate(rows, 1):
+        try:
+            samples.extend(_sample(row, tokenizer, eos))
+        except (AttributeError, TypeError, ValueError) as exc:  # UserError (an empty prompt) is a ValueError
+            raise UserError(f"data {spec!r}, row {number}: {exc}; every row needs non-empty text, or a "
+                            "non-empty prompt and a response") from None
     if not samples:
-        raise UserError(f"data {spec!r} holds no usable samples (every response was empty)")
+        raise UserError(f"data {spec!r} holds no usable samples: every text or response is shorter than 2 tokens "
+                        "(zero-length sequences); give rows with some text to learn from")
     return samples
+
+
+def _sample(row: dict, tokenizer, eos: int) -> list[Sample]:
+    """The row as a Sample, or none when it has fewer than 2 tokens to predict."""
+    if "text" in row:
+        ids = tokenizer(row["text"], add_special_tokens=False)["input_ids"]
+        prompt_ids, response_ids = ids[:1], ids[1:]
+    else:
+        prompt_ids = chat_prompt_ids(tokenizer, row["prompt"])
+        response_ids = tokenizer(row["response"], add_special_tokens=False)["input_ids"] + [eos]
+    return [Sample(prompt_ids, response_ids)] if len(response_ids) >= 2 else []
 
 
 def self_generate(hf_model, tokenizer, prompt_set_name: str, cfg, cache_file: Path) -> list[dict]:
@@ -96,15 +105,40 @@ def self_generate(hf_model, tokenizer, prompt_set_name: str, cfg, cache_file: Pa
     return done
 
 
-def batches(samples: list[Sample], batch_size: int, seq_len: int, pad_id: int, seed: int):
-    """Endless shuffled batches; each row = prompt tail + response, truncated to seq_len."""
-    rng = random.Random(seed)
-    order = list(range(len(samples)))
-    while True:
-        rng.shuffle(order)
-        for i in range(0, len(order) - batch_size + 1, batch_size):
-            chosen = order[i : i + batch_size]
-            yield collate([samples[j] for j in chosen], seq_len, pad_id, chosen)
+class BatchStream:
+    """Endless shuffled batches; each row = prompt tail + response, truncated to seq_len.
+
+    Its position (shuffle RNG, current order, index) is part of a training checkpoint, so a resumed run
+    draws exactly the batches the uninterrupted run would have drawn.
+    """
+
+    def __init__(self, samples: list[Sample], batch_size: int, seq_len: int, pad_id: int, seed: int) -> None:
+        self.samples, self.batch_size, self.seq_len, self.pad_id = samples, batch_size, seq_len, pad_id
+        self.rng = random.Random(seed)
+        self.order = list(range(len(samples)))
+        self.index = len(samples)  # past the end: the first batch shuffles
+
+    def __iter__(self) -> "BatchStream":
+        return self
+
+    def __next__(self) -> TokenBatch:
+        if self.index + self.batch_size > len(self.order):  # a new epoch; the incomplete last batch is dropped
+            self.rng.shuffle(self.order)
+            self.index = 0
+        chosen = self.order[self.index : self.index + self.batch_size]
+        self.index += self.batch_size
+        return collate([self.samples[j] for j in chosen], self.seq_len, self.pad_id, chosen)
+
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.getstate(), "order": list(self.order), "index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["order"]) != len(self.samples):
+            raise UserError(f"the saved data position covers {len(state['order'])} samples but the data now "
+                            f"holds {len(self.samples)}: resume with the data the run started with")
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+        self.order, self.index = list(state["order"]), state["index"]
 
 
 def row_ids(sample: Sample, seq_len: int) -> tuple[list[int], int]:

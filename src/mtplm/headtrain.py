@@ -235,7 +235,7 @@ def train_heads(cfg: TrainConfig, progress: bool = True) -> Path:
     from .assets import cache_dir, model_identity, resolve_model
     from .data import load_samples
     from .plots import training_curves
-    from .train import MetricsLog
+    from .checkpoint import MetricsLog
 
     torch.manual_seed(cfg.seed)
     run_dir = Path(cfg.out)

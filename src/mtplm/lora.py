@@ -104,3 +104,12 @@ def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None
     with torch.no_grad():
         for name, value in state.items():
             params[name].copy_(value)
+
+
+def attach_peft_lora(hf: nn.Module, rank: int, alpha: float) -> tuple[nn.Module, list[nn.Parameter]]:
+    """Plain (ungated) LoRA from peft on the same target layers: (the peft model, its adapter parameters)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(DEFAULT_TARGETS), lora_dropout=0.0, bias="none")
+    peft_model = get_peft_model(hf, config)
+    return peft_model, [p for n, p in peft_model.named_parameters() if "lora_" in n]

@@ -37,8 +37,18 @@ def slot_statistics(student_logits: torch.Tensor, labels: torch.Tensor, valid: t
     the mean leading run of slots that agree with the teacher (what verification would keep; slot 0 is the
     verifier's own next token, so the run is at least 1).
     """
-    probs = torch.softmax(student_logits.float(), -1)
-    confidence, argmax = probs.max(-1)  # [R, k]
+    confidence, argmax = top1(student_logits)
+    return run_statistics(confidence, argmax, labels, valid, tau)
+
+
+def top1(student_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-1 probability and token of logits [R, k, V]: ([R, k], [R, k]), all slot_statistics needs of them."""
+    return torch.softmax(student_logits.float(), -1).max(-1)
+
+
+def run_statistics(confidence: torch.Tensor, argmax: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+                   tau: float) -> dict[str, list[float] | float]:
+    """slot_statistics from top-1 confidences and tokens [R, k] (small enough to gather across processes)."""
     agree = (argmax == labels) & valid
     count = valid.sum(0).clamp(min=1)
     full = valid.all(-1)  # regions whose whole block lies inside the text

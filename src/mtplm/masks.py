@@ -64,7 +64,8 @@ def random_regions(starts: torch.Tensor, lengths: torch.Tensor, k: int, num: int
     """`num` regions per row with prefix ends drawn uniformly from [starts, lengths-2] (sorted)."""
     low = starts.clamp(min=0)
     span = (lengths - 1 - low).clamp(min=1)  # [B]
-    draws = torch.rand(len(starts), num, generator=generator)
+    # drawn where the generator lives (the CPU), so a run draws the same regions on any device
+    draws = torch.rand(len(starts), num, generator=generator, device=generator.device).to(starts.device)
     ends = (low.view(-1, 1) + (draws * span.view(-1, 1)).long()).sort(-1).values  # [B, M]
     return make_regions(ends, k, lengths)
 

@@ -84,6 +84,9 @@ class MTPModel:
                 base = cls.load(meta.base_model["spec"], dtype)
                 return base._apply_delta(path, meta)
             hf, tokenizer = _load_hf(path, dtype)
+            if meta.mask_id is not None and tokenizer.convert_tokens_to_ids(MASK_TOKEN) != meta.mask_id:
+                raise UserError(f"{path}: the tokenizer has no {MASK_TOKEN} token at id {meta.mask_id}, which "
+                                f"{META_FILE} expects: copy the tokenizer files that came with the checkpoint")
             model = cls(hf, tokenizer, meta)
             if meta.trainable == "gated-lora":
                 model._attach_gated(meta.lora_rank, meta.lora_alpha)
