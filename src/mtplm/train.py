@@ -26,8 +26,8 @@ from tqdm import tqdm
 from . import checkpoint, lora
 from .config import TrainConfig, as_dict
 from .data import BatchStream, collate, load_samples, row_ids
-from .distributed import (World, all_sum, full_weights, gather_rows, init_world, shard, shutdown, take_rows,
-                          trainable_state, wrap)
+from .distributed import (World, all_sum, full_weights, gather_rows, init_world, load_optimizer_state, shard,
+                          shutdown, take_rows, trainable_state, wrap)
 from .errors import UserError
 from .losses import entropy, hard_teacher_loss, run_statistics, soft_teacher_loss, top1
 from .masks import interleaved_regions, random_regions
@@ -184,8 +184,6 @@ class Trainer:
 
     def restore(self, state: dict, stream: BatchStream) -> int:
         """Continue a saved run: optimiser, schedule, data position and RNGs; returns the step to start at."""
-        from .distributed import load_optimizer_state
-
         load_optimizer_state(self.model.hf, self.optimizer, state["optimizer"], self.world)
         self.scheduler.load_state_dict(state["scheduler"])
         stream.load_state_dict(state["stream"])
