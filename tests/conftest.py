@@ -47,6 +47,19 @@ def tiny_mtp(seed: int = 0, gated: bool = False, k_max: int = 4) -> MTPModel:
     return model
 
 
+def with_random_heads(base_dir, form: str, k: int = 4) -> MTPModel:
+    """The tiny base with untrained heads, perturbed so they draft (mostly wrong) tokens."""
+    from mtplm.heads import Heads
+
+    model = MTPModel.load(str(base_dir))
+    heads = Heads(form, k, model.hf.config.hidden_size, 64)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    model.attach_heads(heads, {"name": "tiny"}, spec=str(base_dir))
+    return model
+
+
 @pytest.fixture
 def mtp() -> MTPModel:
     return tiny_mtp()

@@ -12,10 +12,10 @@ from mtplm.data import chat_prompt_ids
 from mtplm.decode import generate
 from mtplm.engine import Engine, EngineClosed, Job
 from mtplm.errors import UserError
-from mtplm.heads import Heads
 from mtplm.model import MTPModel
 from mtplm.ragged import RaggedCache
 
+from conftest import with_random_heads
 from synthetic import chain_rows
 
 MODES = [
@@ -89,12 +89,7 @@ def test_ragged_batches_decode_exactly_what_each_sequence_decodes_alone(chain_ch
 
 def test_heads_with_trees_batch_exactly_too(base_dir):
     """Tree verification moves KV inside its own slot: batched tree decoding is still plain greedy."""
-    model = MTPModel.load(str(base_dir))
-    heads = Heads("medusa", 4, model.hf.config.hidden_size, 64)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
-    model.attach_heads(heads, {"name": "tiny"}, spec=str(base_dir))
+    model = with_random_heads(base_dir, "medusa")
     prompts = [model.tokenizer(text)["input_ids"] for text in ("t1 t2 t3", "t5", "t9 t8 t7 t6 t5 t4", "t3 t3")]
     configs = [DecodeConfig(mode="verified", drafting="tree", tree_widths="2,2", max_new_tokens=16),
                DecodeConfig(mode="ntp", max_new_tokens=16)]

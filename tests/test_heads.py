@@ -18,7 +18,7 @@ from mtplm.headtrain import HeadBatch, HeadTrainer, TrunkRow, trunk_states
 from mtplm.heads import Heads
 from mtplm.model import MTPModel, load_model
 
-from conftest import tiny_llama, tiny_tokenizer
+from conftest import tiny_llama, tiny_tokenizer, with_random_heads
 
 
 @pytest.fixture(scope="session", params=["medusa", "sequential"])
@@ -88,12 +88,7 @@ def test_verified_decoding_with_heads_is_plain_greedy(heads_checkpoint):
 
 def test_untrained_heads_stay_lossless_and_lossy_modes_run(base_dir):
     """Random (untrained, perturbed) heads draft mostly wrong tokens: verified output is still plain greedy."""
-    model = MTPModel.load(str(base_dir))
-    heads = Heads("sequential", 4, model.hf.config.hidden_size, 64)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
-    model.attach_heads(heads, {"name": "tiny"}, spec=str(base_dir))
+    model = with_random_heads(base_dir, "sequential")
     ids = model.tokenizer("t1 t2 t3")["input_ids"]
     plain = generate(model, ids, DecodeConfig(mode="ntp", max_new_tokens=20)).tokens
     assert generate(model, ids, DecodeConfig(mode="verified", max_new_tokens=20)).tokens == plain
