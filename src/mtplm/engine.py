@@ -152,7 +152,7 @@ class Engine:
         return newcomers
 
     def _pass(self, kind: str, start: int, stop: int) -> None:
-        jobs = [job for job in self.running[start:stop]]
+        jobs = self.running[start:stop]
         began = time.perf_counter()
         try:
             feeds = [job.decoding.feed() for job in jobs]

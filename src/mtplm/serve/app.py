@@ -7,7 +7,7 @@ import asyncio
 import hmac
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -27,11 +27,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 class Settings:
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
-    limits: Limits = None  # type: ignore[assignment]
-    disconnect_poll_s: float = 0.25
-
-    def __post_init__(self) -> None:
-        self.limits = self.limits or Limits()
+    limits: Limits = field(default_factory=Limits)
+    disconnect_poll_s: float = 0.25  # how often a non-streaming request checks that its client is still there
 
 
 def create_app(repository: Repository, settings: Settings, metrics: Metrics | None = None) -> FastAPI:

@@ -129,21 +129,20 @@ def decode_config(req: _Sampling, default_mode: str, max_tokens: int) -> DecodeC
 
 def max_tokens(req: _Sampling, prompt_len: int, limits: Limits, context: int, default: int) -> int:
     """The request's token budget, checked against the server's limit and the model's context."""
-    value = getattr(req, "max_completion_tokens", None) or req.max_tokens
     param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
-    room = min(limits.context, context) - prompt_len
-    if room < 1:
-        raise APIError(400, f"the prompt has {prompt_len} tokens; this model accepts at most "
-                            f"{min(limits.context, context) - 1} prompt tokens", "messages" if param != "max_tokens"
-                       else "prompt", "context_length_exceeded")
+    value = getattr(req, param)
+    context = min(limits.context, context)
+    if prompt_len >= context:
+        raise APIError(400, f"the prompt has {prompt_len} tokens; this model accepts at most {context - 1} prompt "
+                            "tokens", "prompt" if isinstance(req, CompletionRequest) else "messages",
+                       "context_length_exceeded")
     if value is None:
-        return min(default, room)
+        return min(default, context - prompt_len)
     if not 1 <= value <= limits.max_tokens:
         raise APIError(400, f"{param} must lie in [1, {limits.max_tokens}], got {value}", param)
-    if value > room:
-        raise APIError(400, f"the prompt ({prompt_len} tokens) plus {param} ({value}) exceeds this model's "
-                            f"context of {min(limits.context, context)} tokens: lower {param}", param,
-                       "context_length_exceeded")
+    if prompt_len + value > context:
+        raise APIError(400, f"the prompt ({prompt_len} tokens) plus {param} ({value}) exceeds this model's context "
+                            f"of {context} tokens: lower {param}", param, "context_length_exceeded")
     return value
 
 
