@@ -2,28 +2,40 @@
 
 from __future__ import annotations
 
+CONTEXT_TOKENS = 6  # tokens decoded before the new ones, so tokenizers that space by context space right
+
 
 class StreamDecoder:
-    """Decodes the whole emitted sequence each time and hands out only the new, complete characters.
+    """Hands out the text of each new block of tokens as soon as its characters are complete.
 
-    A byte-level BPE token can end in the middle of a multi-byte character; the tokenizer then renders
-    U+FFFD at the end, so that tail is held back until the next block completes it (or `flush`).
+    Each push decodes only a short window: the last few tokens already handed out (for context) plus
+    the new ones, and emits what the new ones add. A byte-level BPE token can end in the middle of a
+    multi-byte character; the tokenizer then renders U+FFFD at the end, so those tokens wait for the
+    next block to complete them (or for `flush`). Cost per push is O(window), not O(text so far).
     """
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
         self.tokens: list[int] = []
-        self.sent = 0  # characters already handed out
+        self.prefix = 0  # first token of the context window
+        self.read = 0  # tokens whose text has been handed out
 
     def push(self, tokens: list[int]) -> str:
         self.tokens.extend(tokens)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=self.skip)
-        stable = len(text.rstrip("\ufffd"))
-        piece, self.sent = text[self.sent : stable], max(self.sent, stable)
-        return piece
+        return self._advance(final=False)
 
     def flush(self) -> str:
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=self.skip)
-        piece, self.sent = text[self.sent :], len(text)
-        return piece
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        before = self._decode(self.prefix, self.read)
+        text = self._decode(self.prefix, len(self.tokens))
+        if len(text) <= len(before) or (text.endswith("\ufffd") and not final):
+            return ""  # nothing new, or a character still incomplete: wait for more tokens
+        self.read = len(self.tokens)
+        self.prefix = max(0, self.read - CONTEXT_TOKENS)
+        return text[len(before):]
+
+    def _decode(self, start: int, stop: int) -> str:
+        return self.tokenizer.decode(self.tokens[start:stop], skip_special_tokens=self.skip) if stop > start else ""
