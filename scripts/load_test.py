@@ -33,6 +33,7 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m-mtp", help="[ID=]SPEC, as for `mtplm serve --model`")
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--k-by-batch", default=None, help="passed to `mtplm serve` with --start")
     p.add_argument("--api-key", default=os.environ.get("MTPLM_API_KEY", "unused"))
     p.add_argument("--modes", default="ntp,static:2,static:4,confadapt,verified")
     p.add_argument("--clients", type=int, default=8)
@@ -62,6 +63,7 @@ def _start(args) -> tuple[subprocess.Popen, str]:
         port = s.getsockname()[1]
     command = [sys.executable, "-m", "mtplm.cli", "serve", "--model", args.model, "--port", str(port),
                "--dtype", args.dtype, "--max-batch", str(args.max_batch)]
+    command += ["--k-by-batch", args.k_by_batch] if args.k_by_batch else []
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):

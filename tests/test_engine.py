@@ -99,6 +99,35 @@ def test_heads_with_trees_batch_exactly_too(base_dir):
     assert [c.tokens for c in collectors] == plain
 
 
+def test_the_load_policy_caps_k_and_keeps_verified_lossless(chain_checkpoint):
+    """k_by_batch {1: 2, 3: 1}: two tokens per pass at most, one (plain passes) once three sequences run."""
+    model = MTPModel.load(chain_checkpoint)
+    rows = chain_rows(3, seed=13)
+    jobs = [(chat_prompt_ids(model.tokenizer, row["prompt"]), cfg) for row, cfg in zip(rows, [
+        DecodeConfig(mode="verified", k_max=4, max_new_tokens=30),
+        DecodeConfig(mode="confadapt", tau=0.3, k_max=4, max_new_tokens=30),
+        DecodeConfig(mode="static", k=3, max_new_tokens=30)])]
+    engine = Engine(model, max_batch=3, k_by_batch={1: 2, 3: 1})
+    collectors = []
+    for ids, cfg in jobs:
+        collectors.append(Collector())
+        engine.submit(Job(ids, cfg, collectors[-1]))
+    try:
+        assert all(c.done.wait(60) for c in collectors)
+    finally:
+        engine.close(grace_s=5)
+    verified, confadapt, static = collectors
+    assert verified.tokens == generate(model, jobs[0][0], jobs[0][1]).tokens  # still the model's own output
+    assert max(len(s.tokens) for s in verified.steps + confadapt.steps) <= 2
+    assert max(len(s.tokens) for s in static.steps) == 3  # an explicit static k is the caller's: never capped
+    solo = Collector()
+    engine = Engine(model, max_batch=1, k_by_batch={1: 1})
+    engine.submit(Job(jobs[1][0], jobs[1][1], solo))
+    assert solo.done.wait(60)
+    engine.close(grace_s=5)
+    assert all(len(s.tokens) == 1 for s in solo.steps)
+
+
 def test_a_slot_holds_exactly_the_committed_kv(chain_checkpoint):
     """After rejected drafts and mask slots, a slot's first `past` positions equal a plain forward's KV."""
     model = MTPModel.load(chain_checkpoint)

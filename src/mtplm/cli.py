@@ -121,6 +121,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--default-mode", default=None,
                        help="decoding mode for requests that name none (default: confadapt with the checkpoint's "
                             "calibrated thresholds; ntp for base models); a request's `mode` field overrides it")
+    serve.add_argument("--k-by-batch", default=None, metavar="SIZE:K,...",
+                       help="load policy for ConfAdapt and verified: at most K tokens per pass once SIZE or more "
+                            "sequences run, e.g. 1:8,4:4,8:1 (pick it from scripts/pass_cost.py's curve and the "
+                            "modes' tokens per pass; default: no cap)")
     serve.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens accepted")
     serve.add_argument("--default-max-tokens", type=int, default=256, help="chat requests that give no max_tokens")
     serve.add_argument("--context", type=int, default=8192, help="prompt + max_tokens cap (also the model's own)")
@@ -267,7 +271,7 @@ def _serve(args) -> None:
         torch.set_num_threads(args.threads)
     models = args.model or ([] if args.repository else [DEFAULT_CHECKPOINT])
     repository = build_repository(models, args.repository, args.dtype, args.max_batch, args.memory_budget_gb,
-                                  args.default_mode)
+                                  args.default_mode, args.k_by_batch)
     settings = Settings(api_key=args.api_key or os.environ.get("MTPLM_API_KEY") or None,
                         limits=limits(args.max_tokens_limit, args.default_max_tokens, args.context))
     serve(repository, args.host, args.port, settings, args.shutdown_grace)

@@ -79,10 +79,12 @@ class Decoding:
         self.produced = 0
         self.done = False
         self.plan: Plan | None = None
+        self.cap: int | None = None  # most tokens one pass may emit, set from outside (the engine's load policy)
 
     def feed(self) -> Feed:
         """The next pass's rows: the pending tokens, the plan's drafts, and its mask blocks."""
-        plan = self.plan = self.strategy.plan(self.past + len(self.pending), self.max_new_tokens - self.produced)
+        budget = self.max_new_tokens - self.produced
+        plan = self.plan = self.strategy.plan(self.past + len(self.pending), min(budget, self.cap or budget))
         drafts = list(plan.drafts)
         if plan.parents is not None and self.model.heads is None:
             raise UserError("tree drafting needs a head-based checkpoint (mtplm train method=heads)")

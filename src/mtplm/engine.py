@@ -61,10 +61,11 @@ class PassStats:
 
 class Engine:
     def __init__(self, model: MTPModel, max_batch: int = 8,
-                 on_pass: Callable[[PassStats], None] | None = None) -> None:
+                 on_pass: Callable[[PassStats], None] | None = None, k_by_batch: dict[int, int] | None = None) -> None:
         if max_batch < 1:
             raise UserError(f"max_batch must be >= 1, got {max_batch}")
         self.model, self.max_batch, self.on_pass = model, max_batch, on_pass
+        self.k_by_batch = sorted((k_by_batch or {}).items())
         self.stop_ids, self.thresholds = stop_ids(model), _thresholds(model)
         self.cache = RaggedCache(max_batch)
         self.waiting: deque[Job] = deque()
@@ -129,6 +130,7 @@ class Engine:
                 return False
             newcomers = self._admit()
         old = len(self.running) - len(newcomers)
+        self._apply_caps()
         for slot in range(old, len(self.running)):
             self._pass("prefill", slot, slot + 1)
         if old:
@@ -137,6 +139,18 @@ class Engine:
             self._retire()
             self._wake.notify_all()
         return True
+
+    def _apply_caps(self) -> None:
+        """The load policy: with k_by_batch {batch size: k}, a ConfAdapt or verified sequence may emit at
+        most k tokens per pass while at least that many sequences run (the largest key not above the
+        batch size), so extra rows are fed only where the pass cost curve makes them pay. Verified output
+        does not change; ConfAdapt's then depends on the load, as in any engine with a batch-size k."""
+        if not self.k_by_batch:
+            return
+        cap = next((k for size, k in reversed(self.k_by_batch) if size <= len(self.running)), None)
+        for job in self.running:
+            if job.cfg.mode in ("confadapt", "verified"):
+                job.decoding.cap = cap
 
     def _admit(self) -> list[Job]:
         while self.waiting and self.waiting[0].cancelled:

@@ -24,7 +24,7 @@ __all__ = ["Settings", "create_app", "Repository", "Entry", "read_manifest", "se
 
 
 def build_repository(models: list[str], repository: Path | None, dtype: str, max_batch: int, budget_gb: float,
-                     default_mode: str | None) -> Repository:
+                     default_mode: str | None, k_by_batch: str | None = None) -> Repository:
     """The models to offer: a repository directory, and/or `--model` specs (id = the spec's last part)."""
     entries = read_manifest(repository, dtype) if repository else []
     for spec in models:
@@ -39,7 +39,23 @@ def build_repository(models: list[str], repository: Path | None, dtype: str, max
         from ..config import parse_mode
 
         parse_mode(default_mode)  # a bad default fails at start, not on the first request
-    return Repository(entries, int(budget_gb * 2**30), max_batch, default_mode)
+    return Repository(entries, int(budget_gb * 2**30), max_batch, default_mode,
+                      k_by_batch=parse_k_by_batch(k_by_batch))
+
+
+def parse_k_by_batch(spec: str | None) -> dict[int, int] | None:
+    """`1:8,4:4,8:1` -> {1: 8, 4: 4, 8: 1}: from 4 running sequences on, at most 4 tokens per pass, ..."""
+    if not spec:
+        return None
+    try:
+        pairs = [item.split(":") for item in spec.split(",") if item.strip()]
+        table = {int(size): int(k) for size, k in pairs}
+        if not table or min(table) < 1 or min(table.values()) < 1:
+            raise ValueError
+    except ValueError:
+        raise UserError(f"bad --k-by-batch {spec!r}: give batch-size:k pairs such as 1:8,4:4,8:1 "
+                        "(sizes and k >= 1)") from None
+    return table
 
 
 def serve(repository: Repository, host: str, port: int, settings: Settings, shutdown_grace_s: float,

@@ -100,9 +100,11 @@ class Repository:
 
     def __init__(self, entries: list[Entry], budget_bytes: int = 0, max_batch: int = 8,
                  default_mode: str | None = None,
-                 on_pass: Callable[[str, PassStats], None] | None = None) -> None:
+                 on_pass: Callable[[str, PassStats], None] | None = None,
+                 k_by_batch: dict[int, int] | None = None) -> None:
         self.entries = {e.id: e for e in entries}
         self.budget, self.max_batch, self.default_mode = budget_bytes, max_batch, default_mode
+        self.k_by_batch = k_by_batch
         self.on_pass = on_pass
         self.loaded: dict[str, Loaded] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -137,7 +139,7 @@ class Repository:
                            "server_error") from None
         mode = entry.mode or self.default_mode or ("ntp" if model.meta is None else "confadapt")
         callback = (lambda stats: self.on_pass(entry.id, stats)) if self.on_pass else None
-        engine = Engine(model, self.max_batch, on_pass=callback)
+        engine = Engine(model, self.max_batch, on_pass=callback, k_by_batch=self.k_by_batch)
         nbytes = sum(p.numel() * p.element_size() for p in model.hf.parameters())
         loaded = Loaded(entry, model, engine, mode, nbytes)
         with self._guard:
