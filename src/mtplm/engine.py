@@ -153,13 +153,11 @@ class Engine:
                 job.decoding.cap = cap
 
     def _admit(self) -> list[Job]:
-        while self.waiting and self.waiting[0].cancelled:
-            self.waiting.popleft()
+        """Move waiting jobs into free slots (cancelled ones are dropped wherever they wait)."""
+        self.waiting = deque(job for job in self.waiting if not job.cancelled)
         newcomers = []
         while self.waiting and len(self.running) < self.max_batch:
             job = self.waiting.popleft()
-            if job.cancelled:
-                continue
             job.kv = SlotKV(self.cache, len(self.running))
             self.running.append(job)
             newcomers.append(job)
