@@ -132,3 +132,22 @@ def test_replicas_behind_nginx_share_the_load(chain_checkpoint, tmp_path):
 def _requests(url: str) -> float:
     text = httpx.get(f"{url}/metrics").text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("mtplm_requests_total"))
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--repository", "/nonexistent/models"], "does not exist"),
+    (["--model", "a=x", "--model", "a=y"], "unique"),
+    (["--default-mode", "turbo"], "bad decoding mode"),
+    (["--k-by-batch", "8-1"], "bad --k-by-batch"),
+])
+def test_bad_serve_arguments_are_one_clear_line(args, needle, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "mtplm.cli", "serve", "--port", str(free_port()), *args],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and needle in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_manifest_with_unknown_keys_is_refused(tmp_path):
+    (tmp_path / "models.toml").write_text('[[model]]\nid = "a"\npath = "x"\nmdoe = "ntp"\n')
+    result = subprocess.run([sys.executable, "-m", "mtplm.cli", "serve", "--repository", str(tmp_path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "unknown: mdoe" in result.stderr
