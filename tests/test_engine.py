@@ -50,8 +50,9 @@ class Collector:
         return [t for step in self.steps for t in step.tokens]
 
 
-def _run_batched(model, jobs: list[tuple[list[int], DecodeConfig]], max_batch: int, passes: list):
-    engine = Engine(model, max_batch=max_batch, on_pass=passes.append)
+def _run_batched(model, jobs: list[tuple[list[int], DecodeConfig]], max_batch: int, passes: list,
+                 k_by_batch=None):
+    engine = Engine(model, max_batch=max_batch, on_pass=passes.append, k_by_batch=k_by_batch)
     collectors = []
     for ids, cfg in jobs:
         collector = Collector()
@@ -126,6 +127,14 @@ def test_the_load_policy_caps_k_and_keeps_verified_lossless(chain_checkpoint):
     assert solo.done.wait(60)
     engine.close(grace_s=5)
     assert all(len(s.tokens) == 1 for s in solo.steps)
+
+
+def test_the_measured_policy_leaves_verified_output_unchanged(chain_checkpoint):
+    model = MTPModel.load(chain_checkpoint)
+    jobs = [(chat_prompt_ids(model.tokenizer, row["prompt"]), DecodeConfig(mode="verified", k_max=4, max_new_tokens=40))
+            for row in chain_rows(4, seed=17)]
+    collectors = _run_batched(model, jobs, max_batch=4, passes=[], k_by_batch="auto")
+    assert [c.tokens for c in collectors] == [generate(model, ids, cfg).tokens for ids, cfg in jobs]
 
 
 def test_a_slot_holds_exactly_the_committed_kv(chain_checkpoint):

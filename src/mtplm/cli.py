@@ -121,10 +121,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--default-mode", default=None,
                        help="decoding mode for requests that name none (default: confadapt with the checkpoint's "
                             "calibrated thresholds; ntp for base models); a request's `mode` field overrides it")
-    serve.add_argument("--k-by-batch", default=None, metavar="SIZE:K,...",
-                       help="load policy for ConfAdapt and verified: at most K tokens per pass once SIZE or more "
-                            "sequences run, e.g. 1:8,4:4,8:1 (pick it from scripts/pass_cost.py's curve and the "
-                            "modes' tokens per pass; default: no cap)")
+    serve.add_argument("--k-by-batch", default=None, metavar="auto|SIZE:K,...",
+                       help="load policy for ConfAdapt and verified: 'auto' measures, per batch size, whether "
+                            "multi-token passes beat plain ones and keeps the faster; SIZE:K pairs cap them at K "
+                            "tokens per pass once SIZE or more sequences run, e.g. 1:8,4:4,8:1 (default: no cap)")
     serve.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens accepted")
     serve.add_argument("--default-max-tokens", type=int, default=256, help="chat requests that give no max_tokens")
     serve.add_argument("--context", type=int, default=8192, help="prompt + max_tokens cap (also the model's own)")

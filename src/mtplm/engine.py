@@ -25,6 +25,7 @@ from .config import DecodeConfig
 from .decode import Decoding, Step, _thresholds, stop_ids
 from .errors import UserError
 from .model import MTPModel
+from .policy import make_policy
 from .ragged import RaggedCache, SlotKV, ragged_pass
 from .strategies import make_strategy
 
@@ -61,11 +62,13 @@ class PassStats:
 
 class Engine:
     def __init__(self, model: MTPModel, max_batch: int = 8,
-                 on_pass: Callable[[PassStats], None] | None = None, k_by_batch: dict[int, int] | None = None) -> None:
+                 on_pass: Callable[[PassStats], None] | None = None,
+                 k_by_batch: dict[int, int] | str | None = None) -> None:
         if max_batch < 1:
             raise UserError(f"max_batch must be >= 1, got {max_batch}")
         self.model, self.max_batch, self.on_pass = model, max_batch, on_pass
-        self.k_by_batch = sorted((k_by_batch or {}).items())
+        self.policy = make_policy(k_by_batch)  # policy.py: {batch size: k}, "auto", or None (no cap)
+        self._measure: tuple[int, bool] | None = None  # (batch size, capped) of the coming decode pass
         self.stop_ids, self.thresholds = stop_ids(model), _thresholds(model)
         self.cache = RaggedCache(max_batch)
         self.waiting: deque[Job] = deque()
@@ -141,16 +144,16 @@ class Engine:
         return True
 
     def _apply_caps(self) -> None:
-        """The load policy: with k_by_batch {batch size: k}, a ConfAdapt or verified sequence may emit at
-        most k tokens per pass while at least that many sequences run (the largest key not above the
-        batch size), so extra rows are fed only where the pass cost curve makes them pay. Verified output
-        does not change; ConfAdapt's then depends on the load, as in any engine with a batch-size k."""
-        if not self.k_by_batch:
+        """The load policy (policy.py) sets how many tokens per pass ConfAdapt and verified sequences
+        may emit at the current batch size; explicit static k is the caller's and never capped."""
+        adaptive = [job for job in self.running if job.cfg.mode in ("confadapt", "verified")]
+        self._measure = None
+        if self.policy is None or not adaptive:
             return
-        cap = next((k for size, k in reversed(self.k_by_batch) if size <= len(self.running)), None)
-        for job in self.running:
-            if job.cfg.mode in ("confadapt", "verified"):
-                job.decoding.cap = cap
+        cap = self.policy.cap(len(self.running))
+        self._measure = (len(self.running), cap is not None)
+        for job in adaptive:
+            job.decoding.cap = cap
 
     def _admit(self) -> list[Job]:
         """Move waiting jobs into free slots (cancelled ones are dropped wherever they wait)."""
@@ -182,10 +185,13 @@ class Engine:
                 job.emit(None, exc)
                 job.cancelled = True
             return
+        seconds = time.perf_counter() - began
+        if kind == "decode" and self._measure is not None:
+            self.policy.observe(*self._measure, seconds, sum(len(s.tokens) for s in steps) / len(jobs))
         if self.on_pass is not None:
             rows = hidden.shape[1] * len(jobs)
             self.on_pass(PassStats(kind, len(jobs), rows, rows - sum(len(f.tokens) for f in feeds),
-                                   time.perf_counter() - began, tuple(steps), tuple(job.label for job in jobs)))
+                                   seconds, tuple(steps), tuple(job.label for job in jobs)))
         for job, step in zip(jobs, steps):
             job.emit(step, None)
 

@@ -43,17 +43,20 @@ def build_repository(models: list[str], repository: Path | None, dtype: str, max
                       k_by_batch=parse_k_by_batch(k_by_batch))
 
 
-def parse_k_by_batch(spec: str | None) -> dict[int, int] | None:
-    """`1:8,4:4,8:1` -> {1: 8, 4: 4, 8: 1}: from 4 running sequences on, at most 4 tokens per pass, ..."""
+def parse_k_by_batch(spec: str | None) -> dict[int, int] | str | None:
+    """`1:8,4:4,8:1` -> {1: 8, 4: 4, 8: 1}: from 4 running sequences on, at most 4 tokens per pass, ...;
+    `auto` -> measure per batch size whether multi-token passes pay (policy.Measured)."""
     if not spec:
         return None
+    if spec == "auto":
+        return spec
     try:
         pairs = [item.split(":") for item in spec.split(",") if item.strip()]
         table = {int(size): int(k) for size, k in pairs}
         if not table or min(table) < 1 or min(table.values()) < 1:
             raise ValueError
     except ValueError:
-        raise UserError(f"bad --k-by-batch {spec!r}: give batch-size:k pairs such as 1:8,4:4,8:1 "
+        raise UserError(f"bad --k-by-batch {spec!r}: give auto, or batch-size:k pairs such as 1:8,4:4,8:1 "
                         "(sizes and k >= 1)") from None
     return table
 

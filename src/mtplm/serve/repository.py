@@ -101,7 +101,7 @@ class Repository:
     def __init__(self, entries: list[Entry], budget_bytes: int = 0, max_batch: int = 8,
                  default_mode: str | None = None,
                  on_pass: Callable[[str, PassStats], None] | None = None,
-                 k_by_batch: dict[int, int] | None = None) -> None:
+                 k_by_batch: dict[int, int] | str | None = None) -> None:
         self.entries = {e.id: e for e in entries}
         self.budget, self.max_batch, self.default_mode = budget_bytes, max_batch, default_mode
         self.k_by_batch = k_by_batch
