@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -57,6 +58,8 @@ def parse_dtype(name: str) -> torch.dtype:
         raise UserError(f"unknown dtype {name!r}: use fp32 or bf16")
     return DTYPES[name]
 
+_LOADING = threading.RLock()  # MTPModel.load: one at a time (reentrant: a delta loads its base inside)
+
 
 class MTPModel:
     """A causal LM that can read several future tokens from mask slots appended to its input."""
@@ -72,7 +75,18 @@ class MTPModel:
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def load(cls, spec: str | os.PathLike, dtype: str = "fp32") -> "MTPModel":
-        """A converted checkpoint (full or delta), or a base model (plain decoding only)."""
+        """A converted checkpoint (full or delta), or a base model (plain decoding only).
+
+        One load at a time per process: Hugging Face model construction changes process-wide state
+        while it runs (torch's default dtype, patched torch functions), and two threads loading at once
+        (a server loading two models) can restore each other's changes in the wrong order. A test run
+        that did so left every model loaded afterwards with its weights on the meta device.
+        """
+        with _LOADING:
+            return cls._load(spec, dtype)
+
+    @classmethod
+    def _load(cls, spec: str | os.PathLike, dtype: str) -> "MTPModel":
         from .assets import resolve_model
 
         path = Path(spec)
