@@ -26,7 +26,8 @@ from tqdm import tqdm
 from .config import DecodeConfig
 from .decode import generate
 from .masks import make_regions
-from .model import META_FILE, MTPModel, atomic_file
+from .files import atomic_file
+from .model import META_FILE, MTPModel
 from .objective import TokenBatch, cached_slots
 from .strategies import make_strategy
 

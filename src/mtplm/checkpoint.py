@@ -26,7 +26,7 @@ import torch
 
 from .config import TrainConfig, load_train_config, to_toml
 from .errors import UserError
-from .model import atomic_dir, atomic_file
+from .files import atomic_dir, atomic_file
 
 STATE_DIR = "train_state"
 STATE_FILE = "state.pt"

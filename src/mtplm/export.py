@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from .errors import UserError
 from .heads import Heads
-from .model import atomic_dir, load_model
+from .files import atomic_dir
+from .model import load_model
 
 WEIGHTS = "model.safetensors"
 

@@ -36,7 +36,8 @@ from tqdm import tqdm
 from .config import TrainConfig, as_dict
 from .data import Sample, row_ids
 from .heads import Heads, head_lr_scale, head_weights
-from .model import MTPModel, atomic_file
+from .files import atomic_file
+from .model import MTPModel
 
 
 @dataclass(frozen=True)

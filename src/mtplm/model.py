@@ -13,8 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 import threading
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -25,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from . import lora
 from .errors import UserError
+from .files import atomic_dir
 
 MASK_TOKEN = "<mtp>"
 META_FILE = "mtplm.json"
@@ -358,41 +357,6 @@ def _read_meta(directory: Path) -> MTPMeta:
         return MTPMeta(**json.loads((directory / META_FILE).read_text()))
     except (OSError, ValueError, TypeError) as exc:
         raise UserError(f"{directory / META_FILE} is not a readable mtplm metadata file: {exc}") from None
-
-
-def atomic_file(target: Path, write) -> Path:
-    """`write(tmp)` to a unique file beside `target`, then rename it over `target` (never half a file)."""
-    descriptor, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    os.close(descriptor)
-    try:
-        write(Path(tmp))
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
-
-
-def atomic_dir(target: Path, write) -> Path:
-    """Write a directory next to `target`, then swap it in, so a crash never leaves half a checkpoint."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint is an ordinary shared folder
-        write(tmp)
-        if target.exists():
-            old = target.with_name(f".{target.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            target.rename(old)
-            tmp.rename(target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
 
 
 SHIPPED = Path(__file__).parent / "checkpoints"
