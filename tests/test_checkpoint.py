@@ -76,18 +76,12 @@ def test_toml_round_trip_and_unknown_keys(tmp_path):
     assert load_train_config(path, []) == cfg
     assert load_train_config(path, ["lr=3e-4"]).lr == 3e-4  # key=value wins over the file
 
-    path.write_text("lr = 1e-5\nlearning_rate = 1e-5\n")
-    with pytest.raises(UserError, match="learning_rate"):
-        load_train_config(path, [])
-    path.write_text("[train]\nlr = 1e-5\n")
-    with pytest.raises(UserError, match="train must be plain settings"):
-        load_train_config(path, [])
-    path.write_text("steps = 'many'\n")
-    with pytest.raises(UserError, match="expected a int"):
-        load_train_config(path, [])
-    path.write_text("lr = \n")
-    with pytest.raises(UserError, match="cannot read config"):
-        load_train_config(path, [])
+    for text, error in [("lr = 1e-5\nlearning_rate = 1e-5\n", "learning_rate"),
+                        ("[train]\nlr = 1e-5\n", "train must be plain settings"),
+                        ("steps = 'many'\n", "expected a int"), ("lr = \n", "cannot read config")]:
+        path.write_text(text)
+        with pytest.raises(UserError, match=error):
+            load_train_config(path, [])
 
 
 def test_cli_config_errors_are_one_clean_line(tmp_path):

@@ -219,6 +219,8 @@ def test_memory_budget_unloads_the_idle_model(chain_checkpoint, base_dir, tmp_pa
         assert set(live.repository.loaded) == {"a"}
         plain.completions.create(model="b", prompt="t1", max_tokens=2)
         assert set(live.repository.loaded) == {"b"}  # a was idle: unloaded to make room
+        loaded = live.repository.loaded["b"]
+        assert loaded.nbytes == loaded.weight_bytes + loaded.engine.cache.nbytes() > loaded.weight_bytes  # KV counts
 
 
 def test_utf8_is_never_split_across_stream_chunks(tmp_path):

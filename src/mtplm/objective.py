@@ -55,6 +55,10 @@ class GroundTruthStore:
         hidden = model.decoder_states(torch.tensor([ids]), cache=cache)[0]  # [n, D]
         self.states[index] = GroundTruthStates([(k.clone(), v.clone()) for k, v in cache_layers(cache)], hidden)
 
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for s in self.states.values()
+                   for t in [s.hidden, *[x for kv in s.layers for x in kv]])
+
     def batch(self, model: MTPModel, batch: TokenBatch):
         """(cache over the padded batch, hidden [B, L, D]) for the batch's samples."""
         length = batch.ids.shape[1]

@@ -89,7 +89,7 @@ class Trainer:
         for index, sample in enumerate(tqdm(samples, desc="cache ground truth", unit="text", disable=not progress)):
             store.add(self.model, index, row_ids(sample, self.cfg.seq_len)[0])
             if index == 7:
-                per_token = _nbytes(store) / sum(s.hidden.shape[0] for s in store.states.values())
+                per_token = store.nbytes() / sum(s.hidden.shape[0] for s in store.states.values())
                 needed = per_token * sum(len(row_ids(x, self.cfg.seq_len)[0]) for x in samples)
                 if needed > budget:
                     tqdm.write(f"ground-truth KV would take {needed / 2**30:.1f} GB > ground_truth_cache_gb: "
@@ -388,11 +388,6 @@ def _describe(step: int, val: dict, tau: float) -> str:
     conf = " ".join(f"{c:.2f}" for c in val["confidence"][:6])
     return (f"[val step {step}] agreement by slot {agree} | confidence {conf} | est tokens/forward "
             f"@tau={tau}: {val['est_tokens_per_forward']:.2f} | verified est {val['est_verified_per_forward']:.2f}")
-
-
-def _nbytes(store: GroundTruthStore) -> int:
-    return sum(t.numel() * t.element_size() for s in store.states.values()
-               for t in [s.hidden, *[x for kv in s.layers for x in kv]])
 
 
 @contextmanager

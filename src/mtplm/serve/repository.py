@@ -51,8 +51,13 @@ class Loaded:
     model: MTPModel
     engine: Engine
     default_mode: str
-    nbytes: int
+    weight_bytes: int
     last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def nbytes(self) -> int:
+        """Weights plus the engine's KV store, which grows with the longest context it has served."""
+        return self.weight_bytes + self.engine.cache.nbytes()
 
     @property
     def busy(self) -> bool:
