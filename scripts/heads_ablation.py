@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from mtplm.config import TrainConfig
-from mtplm.train import train
+from mtplm.train.trainer import train
 
 VARIANTS = {
     "baseline (alpha 0.9^k, curriculum, per-head LR, no consistency)": {},

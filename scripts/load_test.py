@@ -77,7 +77,7 @@ def _start(args) -> tuple[subprocess.Popen, str]:
 
 
 def _prompts(name: str, n: int) -> list[str]:
-    from mtplm.datasets import prompt_set
+    from mtplm.assets.datasets import prompt_set
 
     return [example.prompt for example in prompt_set(name, n, split="eval")]
 
@@ -109,7 +109,7 @@ async def _run(args, url: str) -> dict:
     plain = next((r for r in rows if r["mode"] == "ntp"), rows[0])
     for row in rows:
         row["throughput_vs_plain"] = row["tokens_per_s"] / max(plain["tokens_per_s"], 1e-9)
-    from mtplm.machine import machine
+    from mtplm.bench.machine import machine
 
     return {"command": " ".join(sys.argv), "url": url, "model": model, "clients": args.clients,
             "max_tokens": args.max_tokens, "machine": machine(), "rows": rows}

@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from mtplm.decode import Feed
+from mtplm.decode.loop import Feed
 from mtplm.model import load_model
-from mtplm.ragged import RaggedCache, ragged_pass
+from mtplm.decode.ragged import RaggedCache, ragged_pass
 
 
 def main() -> None:

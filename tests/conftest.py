@@ -49,7 +49,7 @@ def tiny_mtp(seed: int = 0, gated: bool = False, k_max: int = 4) -> MTPModel:
 
 def with_random_heads(base_dir, form: str, k: int = 4) -> MTPModel:
     """The tiny base with untrained heads, perturbed so they draft (mostly wrong) tokens."""
-    from mtplm.heads import Heads
+    from mtplm.heads.forms import Heads
 
     model = MTPModel.load(str(base_dir))
     heads = Heads(form, k, model.hf.config.hidden_size, 64)
@@ -89,6 +89,6 @@ def data_file(tmp_path_factory):
 def chain_checkpoint(base_dir, data_file, tmp_path_factory):
     """A gated-LoRA conversion (k_max 4, 300 steps) of the tiny base: its mask slots have learned the language."""
     from synthetic import train_config
-    from mtplm.train import train
+    from mtplm.train.trainer import train
 
     return train(train_config(base_dir, data_file, tmp_path_factory.mktemp("chain") / "run"), progress=False)

@@ -8,10 +8,10 @@ import torch
 
 from mtplm.calibrate import Blocks, calibrate, choose_thresholds, store_thresholds, token_agreement
 from mtplm.config import DecodeConfig
-from mtplm.data import chat_prompt_ids
-from mtplm.decode import _thresholds, generate
+from mtplm.train.data import chat_prompt_ids
+from mtplm.decode.loop import _thresholds, generate
 from mtplm.model import MTPModel
-from mtplm.strategies import make_strategy
+from mtplm.decode.strategies import make_strategy
 
 from synthetic import chain_rows
 

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from mtplm.config import DecodeConfig
-from mtplm.data import chat_prompt_ids
-from mtplm.decode import generate
+from mtplm.train.data import chat_prompt_ids
+from mtplm.decode.loop import generate
 from mtplm.model import MTPModel
-from mtplm.train import train
+from mtplm.train.trainer import train
 
 from synthetic import chain_rows, train_config
 

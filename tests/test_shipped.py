@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mtplm import assets
+from mtplm.assets import models as assets
 from mtplm.config import DecodeConfig
-from mtplm.data import chat_prompt_ids
-from mtplm.decode import generate
+from mtplm.train.data import chat_prompt_ids
+from mtplm.decode.loop import generate
 from mtplm.model import SHIPPED, load_model
 
 pytestmark = pytest.mark.slow

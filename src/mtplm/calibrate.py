@@ -23,13 +23,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .config import DecodeConfig
-from .decode import generate
-from .masks import make_regions
-from .files import atomic_file
-from .model import META_FILE, MTPModel
-from .objective import TokenBatch, cached_slots
-from .strategies import make_strategy
+from mtplm.config import DecodeConfig
+from mtplm.decode.loop import generate
+from mtplm.masks import make_regions
+from mtplm.files import atomic_file
+from mtplm.model import META_FILE, MTPModel
+from mtplm.train.slots import TokenBatch, cached_slots
+from mtplm.decode.strategies import make_strategy
 
 GRID = tuple(round(0.05 * i, 2) for i in range(1, 19)) + (0.92, 0.94, 0.96, 0.97, 0.98, 0.99, 0.995, 0.999, 1.0)
 

@@ -11,8 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from .config import DecodeConfig, load_train_config
-from .errors import UserError
+from mtplm.config import DecodeConfig, load_train_config
+from mtplm.errors import UserError
 
 DEFAULT_CHECKPOINT = "smollm2-135m-mtp"  # the converted default model shipped inside the package
 
@@ -100,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     export.set_defaults(run=_export)
 
     bench = sub.add_parser("bench", help="speed and quality of every decoding mode on held-out prompts")
-    from .bench import add_arguments
+    from mtplm.bench.run import add_arguments
 
     add_arguments(bench)
     bench.set_defaults(run=_bench)
@@ -166,8 +166,8 @@ def decode_config(args) -> DecodeConfig:
 
 
 def _setup(args) -> None:
-    from .assets import install_model
-    from .datasets import install_data
+    from mtplm.assets.models import install_model
+    from mtplm.assets.datasets import install_data
 
     for name in args.model or ["smollm2-135m"]:
         print(f"{name}: {install_model(name)}")
@@ -177,7 +177,7 @@ def _setup(args) -> None:
 
 
 def _train(args) -> None:
-    from .train import train
+    from mtplm.train.trainer import train
 
     settings = args.settings + ([f"resume={args.resume}"] if args.resume else [])
     cfg = load_train_config(args.config, settings).validate()
@@ -187,10 +187,10 @@ def _train(args) -> None:
 
 
 def _generate(args) -> None:
-    from .data import chat_prompt_ids
-    from .decode import generate
-    from .model import load_model
-    from .text import StreamDecoder
+    from mtplm.train.data import chat_prompt_ids
+    from mtplm.decode.loop import generate
+    from mtplm.model import load_model
+    from mtplm.text import StreamDecoder
 
     prompt = args.prompt
     if args.prompt_file:
@@ -215,16 +215,16 @@ def _generate(args) -> None:
 
 
 def _demo(args) -> None:
-    from .demo import run_demo
+    from mtplm.bench.demo import run_demo
 
     run_demo(args.model, args.dtype, args.max_new_tokens, args.tau)
 
 
 def _calibrate(args) -> None:
-    from .calibrate import calibrate, store_thresholds
-    from .data import chat_prompt_ids
-    from .datasets import prompt_set
-    from .model import checkpoint_dir, load_model
+    from mtplm.calibrate import calibrate, store_thresholds
+    from mtplm.train.data import chat_prompt_ids
+    from mtplm.assets.datasets import prompt_set
+    from mtplm.model import checkpoint_dir, load_model
 
     if not 0.0 < args.target <= 1.0:
         raise UserError(f"--target must lie in (0, 1], got {args.target}")
@@ -248,13 +248,13 @@ def _calibrate(args) -> None:
 
 
 def _export(args) -> None:
-    from .export import export_medusa
+    from mtplm.heads.export import export_medusa
 
     print(f"Medusa heads written to {export_medusa(args.checkpoint, args.out)}")
 
 
 def _bench(args) -> None:
-    from .bench import run_bench
+    from mtplm.bench.run import run_bench
 
     args.argv = sys.argv[2:]
     run_bench(args)
@@ -266,7 +266,7 @@ def _serve(args) -> None:
     import torch
 
     try:
-        from .serve import Settings, build_repository, limits, serve
+        from mtplm.serve import Settings, build_repository, limits, serve
     except ImportError as exc:
         raise UserError(f"mtplm serve needs the serve extra ({exc.name} is missing): "
                         "pip install 'mtplm[serve]'") from None

@@ -11,7 +11,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import UserError
+from mtplm.errors import UserError
 
 TRAINABLE = ("gated-lora", "lora", "full")
 OBJECTIVES = ("hard", "soft", "ground-truth")

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from . import lora
-from .errors import UserError
-from .files import atomic_dir
+from mtplm import lora
+from mtplm.errors import UserError
+from mtplm.files import atomic_dir
 
 MASK_TOKEN = "<mtp>"
 META_FILE = "mtplm.json"
@@ -86,7 +86,7 @@ class MTPModel:
 
     @classmethod
     def _load(cls, spec: str | os.PathLike, dtype: str) -> "MTPModel":
-        from .assets import resolve_model
+        from mtplm.assets.models import resolve_model
 
         path = Path(spec)
         if (path / META_FILE).is_file():
@@ -156,7 +156,7 @@ class MTPModel:
                             base_model={**base_identity, "spec": spec}, delta=True, heads=heads.config())
 
     def _load_heads(self, path: Path, meta: MTPMeta) -> "MTPModel":
-        from .heads import Heads
+        from mtplm.heads.forms import Heads
 
         heads = Heads(**meta.heads)
         try:

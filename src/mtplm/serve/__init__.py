@@ -15,10 +15,10 @@ import threading
 import time
 from pathlib import Path
 
-from ..errors import UserError
-from .app import Settings, create_app
-from .protocol import Limits
-from .repository import Entry, Repository, read_manifest
+from mtplm.errors import UserError
+from mtplm.serve.app import Settings, create_app
+from mtplm.serve.protocol import Limits
+from mtplm.serve.repository import Entry, Repository, read_manifest
 
 __all__ = ["Settings", "create_app", "Repository", "Entry", "read_manifest", "serve", "build_repository"]
 
@@ -36,7 +36,7 @@ def build_repository(models: list[str], repository: Path | None, dtype: str, max
     if len(set(ids)) != len(ids):
         raise UserError(f"model ids must be unique, got {', '.join(ids)}: name them with --model ID=SPEC")
     if default_mode is not None:
-        from ..config import parse_mode
+        from mtplm.config import parse_mode
 
         parse_mode(default_mode)  # a bad default fails at start, not on the first request
     return Repository(entries, int(budget_gb * 2**30), max_batch, default_mode,

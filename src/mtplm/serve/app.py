@@ -14,11 +14,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from .metrics import Metrics
-from .protocol import (APIError, ChatRequest, CompletionRequest, Limits, decode_config, max_tokens, message_text,
+from mtplm.serve.metrics import Metrics
+from mtplm.serve.protocol import (APIError, ChatRequest, CompletionRequest, Limits, decode_config, max_tokens, message_text,
                        new_id, now, stops)
-from .repository import Loaded, Repository
-from .run import Piece, Run
+from mtplm.serve.repository import Loaded, Repository
+from mtplm.serve.run import Piece, Run
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 

@@ -15,8 +15,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..config import DecodeConfig, MODE_GRAMMAR, parse_mode
-from ..errors import UserError
+from mtplm.config import DecodeConfig, MODE_GRAMMAR, parse_mode
+from mtplm.errors import UserError
 
 MAX_CHOICES = 8
 MAX_STOPS = 4

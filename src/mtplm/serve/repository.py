@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..engine import Engine, PassStats
-from ..errors import UserError
-from ..model import META_FILE, MTPModel, load_model
-from .protocol import APIError
+from mtplm.decode.engine import Engine, PassStats
+from mtplm.errors import UserError
+from mtplm.model import META_FILE, MTPModel, load_model
+from mtplm.serve.protocol import APIError
 
 MANIFEST = "models.toml"
 ENTRY_KEYS = {"id", "path", "mode", "dtype", "description"}
@@ -183,8 +183,8 @@ def _estimate(entry: Entry) -> int:
     model's included for a delta or heads checkpoint); 0 where that cannot be read before loading."""
     from safetensors import safe_open
 
-    from ..assets import resolve_model
-    from ..model import _read_meta, _shipped
+    from mtplm.assets.models import resolve_model
+    from mtplm.model import _read_meta, _shipped
 
     path, numel = _shipped(entry.path) or Path(entry.path), 0
     for _ in range(3):  # a checkpoint, its base, at most one more level

@@ -14,13 +14,13 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from ..config import DecodeConfig
-from ..decode import Step
-from ..engine import EngineClosed, Job
-from ..errors import UserError
-from ..text import StreamDecoder
-from .protocol import APIError
-from .repository import Loaded
+from mtplm.config import DecodeConfig
+from mtplm.decode.loop import Step
+from mtplm.decode.engine import EngineClosed, Job
+from mtplm.errors import UserError
+from mtplm.text import StreamDecoder
+from mtplm.serve.protocol import APIError
+from mtplm.serve.repository import Loaded
 
 
 class TextStream:

@@ -1,0 +1,211 @@
+"""The batch engine: one thread that decodes every running sequence of one model together.
+
+Each loop iteration admits waiting jobs into free slots, runs each newcomer's first pass (the prompt
+and its first block) on its own, then runs one ragged pass (ragged.py) over every other running
+sequence, whatever its mode, its k this step or its context length. Every sequence keeps its own
+strategy (plain, static k, ConfAdapt, verified) and its own seed, so a sequence emits the same tokens
+alone or batched. A finished or cancelled sequence leaves at once; the last slot moves into its hole,
+so the running sequences always fill slots [0, n) and a pass reads one contiguous slice of the store.
+
+Callers talk to the engine from other threads: `submit` (validates the job, raises UserError),
+`cancel`, `close`. Results go to each job's `emit(step, error)` callback, called on the engine thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from mtplm.config import DecodeConfig
+from mtplm.decode.loop import Decoding, Step, _thresholds, stop_ids
+from mtplm.errors import UserError
+from mtplm.model import MTPModel
+from mtplm.decode.policy import make_policy
+from mtplm.decode.ragged import RaggedCache, SlotKV, ragged_pass
+from mtplm.decode.strategies import make_strategy
+
+
+class EngineClosed(RuntimeError):
+    """The engine stopped before this job finished (server shutdown)."""
+
+
+@dataclass
+class Job:
+    """One sequence to decode. `emit(step, None)` per step; `emit(None, error)` if it fails."""
+
+    prompt_ids: list[int]
+    cfg: DecodeConfig
+    emit: Callable[[Step | None, BaseException | None], None]
+    label: str = ""  # the mode as the caller named it (metrics)
+    ignore_eos: bool = False  # decode max_new_tokens whatever the model emits (load tests)
+    cancelled: bool = False
+    submitted: float = field(default_factory=time.perf_counter)
+    decoding: Decoding | None = None
+    kv: SlotKV | None = None
+
+
+@dataclass(frozen=True)
+class PassStats:
+    kind: str  # "prefill" (a newcomer's first pass) or "decode" (the batched pass)
+    sequences: int
+    rows: int  # fed rows, padding included
+    padding: int  # of which padding
+    seconds: float
+    steps: tuple[Step, ...]
+    labels: tuple[str, ...]  # each step's job label
+
+
+class Engine:
+    def __init__(self, model: MTPModel, max_batch: int = 8,
+                 on_pass: Callable[[PassStats], None] | None = None,
+                 k_by_batch: dict[int, int] | str | None = None) -> None:
+        if max_batch < 1:
+            raise UserError(f"max_batch must be >= 1, got {max_batch}")
+        self.model, self.max_batch, self.on_pass = model, max_batch, on_pass
+        self.policy = make_policy(k_by_batch)  # policy.py: {batch size: k}, "auto", or None (no cap)
+        self._measure: tuple[int, bool] | None = None  # (batch size, capped) of the coming decode pass
+        self.stop_ids, self.thresholds = stop_ids(model), _thresholds(model)
+        self.cache = RaggedCache(max_batch)
+        self.waiting: deque[Job] = deque()
+        self.running: list[Job] = []  # running[i] decodes in slot i
+        self.closing = self.stopped = False
+        self._wake = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name="mtplm-engine", daemon=True)
+        self._thread.start()
+
+    # ---- callers' side ----------------------------------------------------------------------------
+    def submit(self, job: Job) -> Job:
+        """Queue a job; raises UserError for a bad configuration, EngineClosed while shutting down."""
+        strategy = make_strategy(job.cfg, self.thresholds)
+        job.decoding = Decoding(self.model, job.prompt_ids, strategy, job.cfg.max_new_tokens,
+                                set() if job.ignore_eos else self.stop_ids, job.cfg.seed)
+        with self._wake:
+            if self.closing:
+                raise EngineClosed("the server is shutting down")
+            self.waiting.append(job)
+            self._wake.notify()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        job.cancelled = True
+        with self._wake:
+            self._wake.notify()
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """(waiting, running) sequences; a finished or cancelled one counts as neither, even before the
+        engine thread retires it."""
+        return len(self.waiting), sum(not (job.cancelled or job.decoding.done) for job in list(self.running))
+
+    def close(self, grace_s: float = 30.0) -> None:
+        """Take no new jobs; let running and queued ones finish for up to `grace_s`, then fail the rest."""
+        with self._wake:
+            self.closing = True
+            self._wake.notify()
+        deadline = time.monotonic() + grace_s
+        with self._wake:
+            while (self.waiting or self.running) and time.monotonic() < deadline:
+                self._wake.wait(timeout=0.05)
+            self.stopped = True
+            self._wake.notify()
+        self._thread.join(timeout=60)
+        for job in list(self.waiting) + self.running:
+            job.emit(None, EngineClosed("the server shut down before this request finished"))
+        self.waiting.clear()
+        self.running.clear()
+
+    # ---- the engine thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        with torch.inference_mode():  # the KV store is made and edited here only
+            while self._iterate():
+                pass
+
+    def _iterate(self) -> bool:
+        with self._wake:
+            while not self.stopped and not self.waiting and not self.running:
+                self._wake.wait()
+            if self.stopped:
+                return False
+            newcomers = self._admit()
+        old = len(self.running) - len(newcomers)
+        self._apply_caps()
+        for slot in range(old, len(self.running)):
+            self._pass("prefill", slot, slot + 1)
+        if old:
+            self._pass("decode", 0, old)
+        with self._wake:
+            self._retire()
+            self._wake.notify_all()
+        return True
+
+    def _apply_caps(self) -> None:
+        """The load policy (policy.py) sets how many tokens per pass ConfAdapt and verified sequences
+        may emit at the current batch size; explicit static k is the caller's and never capped."""
+        adaptive = [job for job in self.running if job.cfg.mode in ("confadapt", "verified")]
+        self._measure = None
+        if self.policy is None or not adaptive:
+            return
+        cap = self.policy.cap(len(self.running))
+        self._measure = (len(self.running), cap is not None)
+        for job in adaptive:
+            job.decoding.cap = cap
+
+    def _admit(self) -> list[Job]:
+        """Move waiting jobs into free slots (cancelled ones are dropped wherever they wait)."""
+        self.waiting = deque(job for job in self.waiting if not job.cancelled)
+        newcomers = []
+        while self.waiting and len(self.running) < self.max_batch:
+            job = self.waiting.popleft()
+            job.kv = SlotKV(self.cache, len(self.running))
+            self.running.append(job)
+            newcomers.append(job)
+        return newcomers
+
+    def _pass(self, kind: str, start: int, stop: int) -> None:
+        jobs = self.running[start:stop]
+        began = time.perf_counter()
+        try:
+            feeds = [job.decoding.feed() for job in jobs]
+            lengths = [job.decoding.past for job in jobs]
+            hidden = ragged_pass(self.model, self.cache, start, feeds, lengths)
+            # the LM head once for every sequence's tail rows (the last pending token onwards): one read
+            # of its weights per pass, not one per sequence
+            tails = [hidden[i, feed.pending - 1: len(feed.tokens)] for i, feed in enumerate(feeds)]
+            logits = self.model.head(torch.cat(tails)).split([len(t) for t in tails])
+            steps = []
+            for i, (job, feed) in enumerate(zip(jobs, feeds)):
+                steps.append(job.decoding.advance(hidden[i, : len(feed.tokens)], job.kv, logits[i]))
+        except Exception as exc:  # a failed pass fails its sequences, never the engine
+            for job in jobs:
+                job.emit(None, exc)
+                job.cancelled = True
+            return
+        seconds = time.perf_counter() - began
+        if kind == "decode" and self._measure is not None:
+            self.policy.observe(*self._measure, seconds, sum(len(s.tokens) for s in steps) / len(jobs))
+        if self.on_pass is not None:
+            rows = hidden.shape[1] * len(jobs)
+            self.on_pass(PassStats(kind, len(jobs), rows, rows - sum(len(f.tokens) for f in feeds),
+                                   seconds, tuple(steps), tuple(job.label for job in jobs)))
+        for job, step in zip(jobs, steps):
+            job.emit(step, None)
+
+    def _retire(self) -> None:
+        """Drop finished and cancelled sequences; the last running sequence moves into each hole."""
+        slot = 0
+        while slot < len(self.running):
+            job = self.running[slot]
+            if not (job.cancelled or job.decoding.done):
+                slot += 1
+                continue
+            last = self.running.pop()
+            if last is not job:
+                self.cache.move(last.kv.slot, slot, last.decoding.past)
+                last.kv.slot = slot
+                self.running[slot] = last
+

@@ -1,0 +1,193 @@
+"""The generation loop: one forward pass per step, then the cache is cropped to the committed tokens.
+
+Each step feeds the tokens whose KV is not cached yet (the prompt, then the previous step's new
+tokens), the strategy's drafts, and its mask blocks (masks.draft_layout). The strategy reads the
+pass's logits and returns how many drafts it keeps and which new tokens follow them; the cache keeps
+the fed committed tokens and the kept drafts, and drops everything after them (rejected drafts, mask
+slots). Invariant after every step: cache length == prompt + emitted - the step's new tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from mtplm.cache import SequenceKV, new_cache
+from mtplm.config import DecodeConfig
+from mtplm.errors import UserError
+from mtplm.masks import draft_layout, step_layout, tree_layout
+from mtplm.model import MTPModel
+from mtplm.decode.strategies import PassLogits, Plan, Strategy, make_strategy
+
+
+@dataclass(frozen=True)
+class Step:
+    tokens: list[int]  # emitted this step (ends with the stop token if one was hit)
+    offered: int  # k: the most tokens this pass could emit (Plan.k)
+    cache_len: int  # cached positions after the step's crop
+    stopped: bool
+    drafted: int = 0  # drafts verified by this pass (verified mode)
+    accepted: int = 0  # of which kept
+    last: bool = False  # the generation ends here (a stop token, or max_new_tokens reached)
+
+
+@dataclass
+class Generation:
+    prompt_len: int
+    tokens: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)  # tokens emitted per forward pass
+    drafts: list[tuple[int, int]] = field(default_factory=list)  # (drafted, kept) per pass that verified drafts
+    ttft_s: float = 0.0
+    elapsed_s: float = 0.0
+    stopped: bool = False
+
+    @property
+    def forwards(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return len(self.tokens) / max(1, self.forwards)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.tokens) / max(self.elapsed_s, 1e-9)
+
+
+class Decoding:
+    """One generation between forward passes: what the next pass feeds, and what its rows decide.
+
+    `feed()` asks the strategy for a plan and returns the rows to run; `advance(hidden, kv)` reads the
+    pass's final hidden states for those rows, lets the strategy choose, commits the kept drafts in `kv`
+    (any object with keep_rows(start, rows) and crop_to(length)) and returns the step. The single-sequence
+    loop (`stream`) and the ragged batch engine (engine.py) drive the same object, so a sequence decodes
+    the same tokens alone or batched.
+    """
+
+    def __init__(self, model: MTPModel, prompt_ids: list[int], strategy: Strategy, max_new_tokens: int,
+                 stop_ids: set[int], seed: int = 0) -> None:
+        if not prompt_ids:
+            raise UserError("the prompt is empty: give at least one token of input")
+        self.model, self.strategy, self.stop_ids = model, strategy, stop_ids
+        self.max_new_tokens = max_new_tokens
+        self.generator = torch.Generator().manual_seed(seed)
+        self.past = 0  # positions in the cache
+        self.pending = list(prompt_ids)  # committed tokens not yet in the cache
+        self.produced = 0
+        self.done = False
+        self.plan: Plan | None = None
+        self.cap: int | None = None  # most tokens one pass may emit, set from outside (the engine's load policy)
+
+    def feed(self) -> Feed:
+        """The next pass's rows: the pending tokens, the plan's drafts, and its mask blocks."""
+        budget = self.max_new_tokens - self.produced
+        plan = self.plan = self.strategy.plan(self.past + len(self.pending), min(budget, self.cap or budget))
+        drafts = list(plan.drafts)
+        if plan.parents is not None and self.model.heads is None:
+            raise UserError("tree drafting needs a head-based checkpoint (mtplm train method=heads)")
+        slots = 0 if self.model.heads is not None else plan.slots  # heads read the block from real rows
+        blocks = (len(drafts) + 1 if plan.quadratic else 1) if slots else 0
+        tokens = self.pending + drafts + ([self.model.mask_id] * (blocks * slots) if blocks else [])
+        return Feed(tokens, len(self.pending), len(drafts), slots, plan.quadratic, plan.parents)
+
+    def advance(self, hidden: torch.Tensor, kv, logits: torch.Tensor | None = None) -> Step:
+        """Decide the step from the fed rows' hidden states [Q, D] (and, if the caller computed them, the
+        LM head's logits for rows pending-1 onwards); commit it in `kv`."""
+        plan, pending = self.plan, len(self.pending)
+        tail = hidden[pending - 1:]  # the last pending token, the drafts, the mask blocks
+        drafter = self.model.draft_block if self.model.heads is not None else None
+        logits = PassLogits(self.model.head, tail, len(plan.drafts), plan.slots, plan.quadratic, drafter, logits)
+        outcome = self.strategy.choose(logits, self.generator)
+        start = self.past + pending
+        if outcome.rows is None:  # the kept drafts are a prefix: they already sit where they belong
+            kept = list(plan.drafts[: outcome.accepted])
+        else:  # a tree path: move its KV up behind the committed tokens
+            kv.keep_rows(start, list(outcome.rows))
+            kept = [plan.drafts[i] for i in outcome.rows]
+        self.past = start + outcome.accepted
+        kv.crop_to(self.past)
+        new = kept + list(outcome.new)
+        stop_at = next((i for i, t in enumerate(new) if t in self.stop_ids), None)
+        stopped = stop_at is not None
+        new = new[: stop_at + 1] if stopped else new[: self.max_new_tokens - self.produced]
+        self.produced += len(new)
+        self.pending = list(outcome.new)
+        self.done = stopped or self.produced >= self.max_new_tokens
+        return Step(new, plan.k, self.past, stopped, len(plan.drafts), outcome.accepted, self.done)
+
+
+@dataclass(frozen=True)
+class Feed:
+    tokens: list[int]  # the rows to run: pending tokens, drafts, mask blocks
+    pending: int
+    drafts: int
+    slots: int  # mask slots per block actually fed (0 for a head-based model)
+    quadratic: bool
+    parents: tuple[int, ...] | None  # a draft tree's parent pointers
+
+    def layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Position offsets [Q] and allowed [Q, Q] among the fed rows (masks.step_layout)."""
+        parents = list(self.parents) if self.parents is not None else None
+        return step_layout(self.pending, self.drafts, self.slots, self.quadratic, parents)
+
+
+def stream(model: MTPModel, prompt_ids: list[int], strategy: Strategy, max_new_tokens: int,
+           stop_ids: set[int], seed: int = 0) -> Iterator[Step]:
+    """Yield each step's emitted tokens as soon as they are chosen (one sequence, a DynamicCache)."""
+    sequence = Decoding(model, prompt_ids, strategy, max_new_tokens, stop_ids, seed)
+    cache = new_cache(model.hf)
+    kv = SequenceKV(cache)
+    with torch.inference_mode():
+        while not sequence.done:
+            feed = sequence.feed()
+            positions, mask = _single_layout(feed, sequence.past, model.dtype)
+            hidden = model.decoder_states(torch.tensor([feed.tokens]), positions, cache, mask)[0]
+            yield sequence.advance(hidden, kv)
+
+
+def _single_layout(feed: Feed, past: int, dtype: torch.dtype):
+    """A plain causal step needs no positions or mask (HF's fast causal path); others get them built."""
+    if feed.parents is not None:
+        return tree_layout(past, feed.pending, list(feed.parents), dtype)
+    return draft_layout(past, feed.pending, feed.drafts, feed.slots, feed.quadratic, dtype)
+
+
+def generate(model: MTPModel, prompt_ids: list[int], cfg: DecodeConfig, strategy: Strategy | None = None,
+             on_step: Callable[[Step], None] | None = None) -> Generation:
+    """Run the loop to the end (calling `on_step` as each block arrives); TTFT and wall-clock measured here."""
+    strategy = strategy or make_strategy(cfg, _thresholds(model))
+    result = Generation(prompt_len=len(prompt_ids))
+    start = time.perf_counter()
+    for step in stream(model, prompt_ids, strategy, cfg.max_new_tokens, stop_ids(model), cfg.seed):
+        if not result.tokens:
+            result.ttft_s = time.perf_counter() - start
+        result.tokens.extend(step.tokens)
+        result.accepted.append(len(step.tokens))
+        if step.drafted:
+            result.drafts.append((step.drafted, step.accepted))
+        result.stopped = step.stopped
+        if on_step is not None:
+            on_step(step)
+    result.elapsed_s = time.perf_counter() - start
+    return result
+
+
+def stop_ids(model: MTPModel) -> set[int]:
+    """End-of-sequence ids from the generation config and the tokenizer (e.g. <|im_end|>)."""
+    ids: set[int] = set()
+    for source in (getattr(model.hf, "generation_config", None), model.hf.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        ids.update([value] if isinstance(value, int) else (value or []))
+    if model.tokenizer.eos_token_id is not None:
+        ids.add(model.tokenizer.eos_token_id)
+    return ids
+
+
+def _thresholds(model: MTPModel) -> dict | None:
+    if model.meta is None:
+        return None
+    return {"k_max": model.meta.k_max, **model.meta.thresholds}
+

@@ -1,0 +1,154 @@
+"""Lossless decoding: mask-slot drafts, verified by the model's own next-token path one pass later.
+
+Each pass feeds the committed tokens not yet cached, the previous pass's drafts, and fresh mask slots.
+The next-token logits at the last committed token and at each draft say which drafts the model would
+itself have produced; the longest agreeing run is kept plus one token from the model (the correction,
+or a bonus after a full match), and the loop crops everything else off the cache. Greedy output is
+therefore token-for-token the model's plain greedy output; with temperature > 0 the speculative-sampling
+rule (sampling.speculative_accept) keeps the output distribution exactly the model's. With gated LoRA
+the next-token path is the untouched base model, so the output is the *original* model's.
+
+Drafting: linear feeds one mask block after the last draft, which is useful only if every draft
+survives; quadratic feeds a block after the last committed token and after each draft (tree attention),
+so the next pass always has drafts conditioned on exactly the kept prefix.
+
+The window (how many tokens one pass may emit, k) is a policy:
+    fixed      k_max
+    context    min(k_max, len(context) // 2 + 1)  (doc 002 §4.1)
+    adaptive   one more after a pass that keeps all its drafts, back to kept + 2 after a rejection
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mtplm.config import DecodeConfig
+from mtplm.decode.sampling import leading_run, sample, speculative_accept, warp
+from mtplm.decode.strategies import Outcome, PassLogits, Plan
+
+
+class FixedWindow:
+    def __init__(self, k_max: int) -> None:
+        self.k_max = k_max
+
+    def size(self, context_len: int) -> int:
+        return self.k_max
+
+    def update(self, drafted: int, kept: int) -> None:
+        pass
+
+
+class ContextWindow(FixedWindow):
+    def size(self, context_len: int) -> int:
+        return min(self.k_max, context_len // 2 + 1)
+
+
+class AdaptiveWindow(FixedWindow):
+    def __init__(self, k_max: int) -> None:
+        super().__init__(k_max)
+        self.k = k_max
+
+    def size(self, context_len: int) -> int:
+        return self.k
+
+    def update(self, drafted: int, kept: int) -> None:
+        if kept == drafted and drafted >= self.k - 1:
+            self.k = min(self.k_max, self.k + 1)
+        elif kept < drafted:
+            self.k = max(2, min(self.k_max, kept + 2))
+
+
+WINDOWS = {"fixed": FixedWindow, "context": ContextWindow, "adaptive": AdaptiveWindow}
+
+
+class Verified:
+    """Draft from mask slots, keep what the next-token path confirms (greedy match or exact sampling)."""
+
+    def __init__(self, cfg: DecodeConfig) -> None:
+        self.cfg = cfg
+        self.window = WINDOWS[cfg.window](cfg.k_max)
+        self.quadratic = cfg.drafting == "quadratic"
+        self.drafts: list[int] = []
+        self.proposal: torch.Tensor | None = None  # [len(drafts), V]: what each draft was drawn from
+        self.fed = 0
+
+    def plan(self, context_len: int, budget: int) -> Plan:
+        k = max(1, min(self.window.size(context_len), budget))
+        self.fed = min(len(self.drafts), k - 1)
+        return Plan(k, tuple(self.drafts[: self.fed]), k - 1, self.quadratic)
+
+    def choose(self, logits: PassLogits, generator: torch.Generator) -> Outcome:
+        m = self.fed
+        drafts = torch.tensor(self.drafts[:m], dtype=torch.long)
+        if self.cfg.temperature == 0:
+            target = logits.next_token.argmax(-1)  # [m+1]
+            kept = leading_run(target[:m] == drafts)
+            token = int(target[kept])
+        else:
+            probs = self._warp(logits.next_token)
+            proposal = self.proposal[:m] if m else probs[:0]
+            kept, token = speculative_accept(probs, drafts, proposal, generator)
+        if m:
+            self.window.update(m, kept)
+        self._draft(logits.block(kept, token), generator)
+        return Outcome(kept, (token,))
+
+    def _draft(self, block: torch.Tensor | None, generator: torch.Generator) -> None:
+        """The next pass's drafts: the block conditioned on exactly the committed text (if any)."""
+        if block is None or not len(block):
+            self.drafts, self.proposal = [], None
+        elif self.cfg.temperature == 0:
+            self.drafts, self.proposal = block.argmax(-1).tolist(), None
+        else:
+            self.proposal = self._warp(block)
+            self.drafts = sample(self.proposal, generator).tolist()
+
+    def _warp(self, logits: torch.Tensor) -> torch.Tensor:
+        return warp(logits, self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
+
+
+class TreeVerified:
+    """Greedy verification of a draft tree built from the heads' top choices (Medusa-style).
+
+    Depth d offers the top tree_widths[d] tokens of head d+2 (1 beyond the list) under every node of
+    depth d-1; one pass checks every node against its parent's next-token argmax and keeps the longest
+    agreeing path, whose KV the loop moves up and keeps (cache.keep_rows). The output is plain greedy.
+    """
+
+    def __init__(self, cfg: DecodeConfig) -> None:
+        self.window = WINDOWS[cfg.window](cfg.k_max)
+        self.widths = [int(w) for w in cfg.tree_widths.split(",")]
+        self.block: torch.Tensor | None = None  # [n, V]: the heads' logits after the last committed token
+        self.nodes: list[tuple[int, int]] = []  # (token, parent) of this pass's tree
+        self.levels = 0  # its depth
+
+    def plan(self, context_len: int, budget: int) -> Plan:
+        k = max(1, min(self.window.size(context_len), budget))
+        self.levels = min(k - 1, 0 if self.block is None else len(self.block))
+        self.nodes, frontier = [], [-1]
+        for d in range(self.levels):
+            width = self.widths[d] if d < len(self.widths) else 1
+            top = self.block[d].topk(width).indices.tolist()
+            frontier = [self._add(token, parent) for parent in frontier for token in top]
+        tokens, parents = tuple(t for t, _ in self.nodes), tuple(p for _, p in self.nodes)
+        return Plan(k, tokens, k - 1, parents=parents if self.nodes else None)
+
+    def _add(self, token: int, parent: int) -> int:
+        self.nodes.append((token, parent))
+        return len(self.nodes) - 1
+
+    def choose(self, logits: PassLogits, generator: torch.Generator) -> Outcome:
+        target = logits.next_token.argmax(-1).tolist()  # row 0: the last committed token; row i+1: node i
+        path, current = [], -1
+        while True:
+            child = next((i for i, (token, parent) in enumerate(self.nodes)
+                          if parent == current and token == target[current + 1]), None)
+            if child is None:
+                break
+            path.append(child)
+            current = child
+        token = target[current + 1]
+        if self.nodes:
+            self.window.update(self.levels, len(path))
+        self.block = logits.block(current + 1, token)
+        return Outcome(len(path), (token,), rows=tuple(path))

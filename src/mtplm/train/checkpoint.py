@@ -1,0 +1,159 @@
+"""What a training run leaves on disk besides the model: its resumable state and its metrics log.
+
+The train_state holds everything `train` needs to continue a run exactly where it stopped.
+
+Layout of <out>/train_state/ (written whole into a temporary folder beside it, then renamed into place,
+so a crash or a full disk leaves either the previous state or the new one, never half of one):
+    state.pt      trainable weights (by name), optimiser and LR-schedule state, the data stream's position,
+                  the python / torch / CUDA RNG states and the trainer's own generators, the step
+    config.toml   the resolved TrainConfig of the run (loadable with `mtplm train --config`)
+    state.json    step, sample count, world size, when: for people and scripts, not read back
+
+Resuming reloads the same model and data, restores this state, drops metrics logged after the saved step
+(a killed run may have logged a few more), and continues: the same batches, k, regions and losses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from mtplm.config import TrainConfig, load_train_config, to_toml
+from mtplm.errors import UserError
+from mtplm.files import atomic_dir, atomic_file
+
+STATE_DIR = "train_state"
+STATE_FILE = "state.pt"
+CONFIG_FILE = "config.toml"
+# settings that may change between a run and its resumption without changing what the next step computes
+# (steps only moves the end of training; under schedule=cosine it also stretches the rest of the schedule)
+RESUMABLE_CHANGES = {"out", "resume", "steps", "save_every", "log_every", "val_every", "threads", "device",
+                     "parallel"}
+
+
+@contextmanager
+def disk_errors(target: Path):
+    """An OSError while writing `target` (a full disk, a read-only folder) becomes a UserError that says the
+    previous checkpoint is intact (atomic writes guarantee it) and how to carry on."""
+    try:
+        yield
+    except OSError as exc:
+        raise UserError(f"could not write {target}: {exc.strerror or exc}. Nothing was half-written: the "
+                        f"previous checkpoint there (if any) is unchanged. Free some space (or choose another "
+                        f"out=) and continue with `mtplm train ... --resume`") from None
+
+
+def save_train_state(run_dir: Path, cfg: TrainConfig, trainer, stream, step: int, samples: int,
+                     weights: dict, optimizer: dict, world_size: int) -> Path:
+    """Write <run_dir>/train_state atomically (rank 0; `weights` / `optimizer` come from
+    distributed.trainable_state, which every rank of an FSDP run has to call)."""
+    state = {
+        "step": step,
+        "samples": samples,
+        "weights": weights,
+        "optimizer": optimizer,
+        "scheduler": trainer.scheduler.state_dict(),
+        "stream": stream.state_dict(),
+        "trainer_rng": trainer.rng.getstate(),
+        "regions_rng": trainer.regions_gen.get_state(),
+        "python_rng": random.getstate(),
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+    summary = {"step": step, "samples": samples, "world_size": world_size, "saved": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+    def write(tmp: Path) -> None:
+        torch.save(state, tmp / STATE_FILE)
+        (tmp / CONFIG_FILE).write_text(to_toml(cfg))
+        (tmp / "state.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+    target = run_dir / STATE_DIR
+    with disk_errors(target):
+        return atomic_dir(target, write)
+
+
+def find_train_state(cfg: TrainConfig) -> Path | None:
+    """The state `cfg.resume` names: '' none; auto/true <out>/train_state if there is one (else a fresh
+    start, so a preemptible job can always pass --resume); anything else a train_state folder that must exist."""
+    if not cfg.resume:
+        return None
+    if cfg.resume.lower() in ("auto", "true"):
+        run_dir = Path(cfg.out)
+        for candidate in (run_dir / STATE_DIR, run_dir / f".{STATE_DIR}.old"):  # .old: a crash mid-swap
+            if (candidate / STATE_FILE).is_file():
+                return candidate
+        return None
+    path = Path(cfg.resume)
+    if not (path / STATE_FILE).is_file():
+        raise UserError(f"resume={cfg.resume}: no {STATE_FILE} there; give a run's {STATE_DIR} folder, or "
+                        "resume=auto to continue the run in out=")
+    return path
+
+
+def load_train_state(path: Path, cfg: TrainConfig) -> dict:
+    """The saved state, after checking that `cfg` would continue the same run."""
+    saved = load_train_config(path / CONFIG_FILE, [])
+    changed = [f"{name} ({getattr(saved, name)!r} -> {getattr(cfg, name)!r})"
+               for name in (f.name for f in dataclasses.fields(cfg))
+               if name not in RESUMABLE_CHANGES and getattr(saved, name) != getattr(cfg, name)]
+    if changed:
+        raise UserError(f"cannot resume from {path}: settings differ from the saved run: {', '.join(changed)}. "
+                        f"Use the saved settings (--config {path / CONFIG_FILE}) or start a new run")
+    try:
+        return torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError) as exc:
+        raise UserError(f"cannot read {path / STATE_FILE}: {exc}") from None
+
+
+def restore_rngs(state: dict, trainer) -> None:
+    trainer.rng.setstate(_tuples(state["trainer_rng"]))
+    trainer.regions_gen.set_state(state["regions_rng"])
+    random.setstate(_tuples(state["python_rng"]))
+    torch.set_rng_state(state["torch_rng"])
+    if state["cuda_rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+
+
+def load_weights(hf: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Put saved trainable weights back (before any sharding); every trainable parameter must be there."""
+    trainable = {name for name, p in hf.named_parameters() if p.requires_grad}
+    missing, unknown = trainable - weights.keys(), weights.keys() - dict(hf.named_parameters()).keys()
+    if missing or unknown:
+        raise UserError(f"the saved weights do not fit this model (missing {sorted(missing)[:3]}, unknown "
+                        f"{sorted(unknown)[:3]}): was it saved with another model or trainable=?")
+    hf.load_state_dict(weights, strict=False)
+
+
+class MetricsLog:
+    """A run's metrics.jsonl: one JSON object per line, stamped with the seconds since the run started."""
+
+    def __init__(self, run_dir: Path, started: float) -> None:
+        self.file, self.started = open(run_dir / "metrics.jsonl", "a"), started
+
+    def record(self, entry: dict) -> None:
+        self.file.write(json.dumps({**entry, "elapsed_s": round(time.perf_counter() - self.started, 1)}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop metrics logged after `step`: the resumed run logs those steps again."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    with disk_errors(path):
+        atomic_file(path, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
+
+
+def _tuples(value):
+    """random.Random states are nested tuples; a saved one may come back with lists inside."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value

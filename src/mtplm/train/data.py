@@ -1,0 +1,182 @@
+"""Training text: prompt/response pairs, plain text, or the base model's own answers (self-generation).
+
+Data specs (TrainConfig.data):
+    self:<prompt set>   the base model answers prompts of that set (datasets.prompt_set, 'train' split)
+                        greedily, in batches; cached as selfgen.jsonl in the run folder
+    jsonl:<path>        rows {"prompt": ..., "response": ...} (chat formatted) or {"text": ...}
+    text:<path>         a plain-text file (or a folder of .txt files), cut into pieces
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from mtplm.errors import UserError
+from mtplm.train.slots import TokenBatch
+
+
+@dataclass(frozen=True)
+class Sample:
+    prompt_ids: list[int]  # chat-formatted prompt (empty for plain text)
+    response_ids: list[int]  # the text to learn to predict, ending with EOS
+
+
+def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    if not prompt.strip():
+        raise UserError("the prompt is empty: give some text to answer")
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(prompt)["input_ids"]
+
+
+def load_samples(spec: str, tokenizer, hf_model, run_dir: Path, cfg) -> list[Sample]:
+    kind, _, arg = spec.partition(":")
+    eos = tokenizer.eos_token_id
+    if kind == "self":
+        rows = self_generate(hf_model, tokenizer, arg or "mixed", cfg, run_dir / "selfgen.jsonl")
+    elif kind == "jsonl":
+        rows = _read_jsonl(Path(arg))
+    elif kind == "text":
+        rows = [{"text": piece} for piece in _read_text(Path(arg))]
+    else:
+        raise UserError(f"unknown data spec {spec!r}: use self:<prompt set>, jsonl:<path> or text:<path>")
+    samples = []
+    for number, row in enumerate(rows, 1):
+        try:
+            samples.extend(_sample(row, tokenizer, eos))
+        except (AttributeError, TypeError, ValueError) as exc:  # UserError (an empty prompt) is a ValueError
+            raise UserError(f"data {spec!r}, row {number}: {exc}; every row needs non-empty text, or a "
+                            "non-empty prompt and a response") from None
+    if not samples:
+        raise UserError(f"data {spec!r} holds no usable samples: every text or response is shorter than 2 tokens "
+                        "(zero-length sequences); give rows with some text to learn from")
+    return samples
+
+
+def _sample(row: dict, tokenizer, eos: int) -> list[Sample]:
+    """The row as a Sample, or none when it has fewer than 2 tokens to predict."""
+    if "text" in row:
+        ids = tokenizer(row["text"], add_special_tokens=False)["input_ids"]
+        prompt_ids, response_ids = ids[:1], ids[1:]
+    else:
+        prompt_ids = chat_prompt_ids(tokenizer, row["prompt"])
+        response_ids = tokenizer(row["response"], add_special_tokens=False)["input_ids"] + [eos]
+    return [Sample(prompt_ids, response_ids)] if len(response_ids) >= 2 else []
+
+
+def self_generate(hf_model, tokenizer, prompt_set_name: str, cfg, cache_file: Path) -> list[dict]:
+    """The base model's greedy answers to `cfg.self_gen_prompts` training prompts (cached, resumable)."""
+    from mtplm.assets.datasets import prompt_set
+
+    done = _read_jsonl(cache_file) if cache_file.exists() else []
+    examples = prompt_set(prompt_set_name, cfg.self_gen_prompts, cfg.seed, split="train")
+    todo = examples[len(done):]
+    if not todo:
+        return done
+    tokenizer.padding_side = "left"
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(cache_file, "a") as sink, tqdm(total=len(examples), initial=len(done), desc="self-generate",
+                                               unit="prompt") as bar:
+        for i in range(0, len(todo), cfg.self_gen_batch):
+            chunk = todo[i : i + cfg.self_gen_batch]
+            prompts = [chat_prompt_ids(tokenizer, e.prompt)[-cfg.seq_len // 2 :] for e in chunk]
+            width = max(map(len, prompts))
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+            attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            with torch.inference_mode():
+                out = hf_model.generate(ids, attention_mask=attention, max_new_tokens=cfg.self_gen_max_new_tokens,
+                                        do_sample=False, pad_token_id=pad)
+            for example, row in zip(chunk, out[:, width:]):
+                text = tokenizer.decode(row, skip_special_tokens=True)
+                record = {"prompt": example.prompt, "response": text, "id": example.id}
+                sink.write(json.dumps(record) + "\n")
+                done.append(record)
+            sink.flush()
+            bar.update(len(chunk))
+    return done
+
+
+class BatchStream:
+    """Endless shuffled batches; each row = prompt tail + response, truncated to seq_len.
+
+    Its position (shuffle RNG, current order, index) is part of a training checkpoint, so a resumed run
+    draws exactly the batches the uninterrupted run would have drawn.
+    """
+
+    def __init__(self, samples: list[Sample], batch_size: int, seq_len: int, pad_id: int, seed: int) -> None:
+        self.samples, self.batch_size, self.seq_len, self.pad_id = samples, batch_size, seq_len, pad_id
+        self.rng = random.Random(seed)
+        self.order = list(range(len(samples)))
+        self.index = len(samples)  # past the end: the first batch shuffles
+
+    def __iter__(self) -> "BatchStream":
+        return self
+
+    def __next__(self) -> TokenBatch:
+        if self.index + self.batch_size > len(self.order):  # a new epoch; the incomplete last batch is dropped
+            self.rng.shuffle(self.order)
+            self.index = 0
+        chosen = self.order[self.index : self.index + self.batch_size]
+        self.index += self.batch_size
+        return collate([self.samples[j] for j in chosen], self.seq_len, self.pad_id, chosen)
+
+    def state_dict(self) -> dict:
+        return {"rng": self.rng.getstate(), "order": list(self.order), "index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["order"]) != len(self.samples):
+            raise UserError(f"the saved data position covers {len(state['order'])} samples but the data now "
+                            f"holds {len(self.samples)}: resume with the data the run started with")
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+        self.order, self.index = list(state["order"]), state["index"]
+
+
+def row_ids(sample: Sample, seq_len: int) -> tuple[list[int], int]:
+    """The token row a sample trains on (prompt tail + response, at most seq_len) and its prompt length."""
+    prompt = sample.prompt_ids[-(seq_len // 2):]  # keep room for the response
+    return (prompt + sample.response_ids)[:seq_len], len(prompt)
+
+
+def collate(samples: list[Sample], seq_len: int, pad_id: int, indices: list[int] | None = None) -> TokenBatch:
+    rows, lengths, starts = [], [], []
+    for s in samples:
+        ids, prompt_len = row_ids(s, seq_len)
+        rows.append(ids + [pad_id] * (seq_len - len(ids)))
+        lengths.append(len(ids))
+        starts.append(max(0, prompt_len - 1))
+    width = max(lengths)  # no all-padding columns
+    return TokenBatch(torch.tensor(rows)[:, :width], torch.tensor(lengths), torch.tensor(starts),
+                      None if indices is None else torch.tensor(indices))
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    try:
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read training data {path}: {exc}") from None
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict) or not ("text" in row or {"prompt", "response"} <= row.keys()):
+            raise UserError(f"{path} line {i + 1}: expected {{'prompt','response'}} or {{'text'}} keys")
+    return rows
+
+
+def _read_text(path: Path, piece_chars: int = 1500) -> list[str]:
+    files = sorted(path.glob("*.txt")) if path.is_dir() else [path]
+    try:
+        text = "\n".join(f.read_text(errors="replace") for f in files)
+    except OSError as exc:
+        raise UserError(f"cannot read training text {path}: {exc}") from None
+    if not text.strip():
+        raise UserError(f"training text {path} is empty")
+    return [text[i : i + piece_chars] for i in range(0, len(text), piece_chars)]

@@ -1,0 +1,400 @@
+"""train(cfg): convert a causal LM into a mask-token multi-token predictor by online self-distillation.
+
+One loop, steps in order: draw k ~ U[2, k_max] and the regions; student forward; student-forced teacher
+forward (hard labels by default); loss; backward; optimiser and schedule step; log; validate; save.
+The same loop runs as one process or as N under torchrun (distributed.py says how N match one), and
+continues from a saved train_state (checkpoint.py) with the losses an uninterrupted run would have had.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import random
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from mtplm.train import checkpoint
+from mtplm import lora
+from mtplm.config import TrainConfig, as_dict
+from mtplm.train.data import BatchStream, collate, load_samples, row_ids
+from mtplm.train.distributed import (World, all_sum, full_weights, gather_rows, init_world, load_optimizer_state, shard,
+                          shutdown, take_rows, trainable_state, wrap)
+from mtplm.errors import UserError
+from mtplm.train.losses import entropy, hard_teacher_loss, run_statistics, soft_teacher_loss, top1
+from mtplm.masks import interleaved_regions, random_regions
+from mtplm.model import MTPModel
+from mtplm.train.slots import GroundTruthStore, SlotOutputs, TokenBatch, cached_slots, packed_slots
+from mtplm.bench.plots import training_curves
+
+
+class Trainer:
+    """The model being converted, its teacher and optimiser; `step` and `validate` are the loop's parts."""
+
+    def __init__(self, cfg: TrainConfig, model: MTPModel, world: World = World(),
+                 weights: dict[str, torch.Tensor] | None = None) -> None:
+        """`weights`: trainable weights of a saved train_state, put back before any sharding."""
+        self.cfg, self.model, self.world = cfg, model, world
+        self.rng = random.Random(cfg.seed)
+        self.regions_gen = torch.Generator().manual_seed(cfg.seed)
+        self._frozen_teacher = None
+        self.store: GroundTruthStore | None = None
+        model.meta.trainable = cfg.trainable
+        if cfg.trainable == "gated-lora":
+            model.attach_gated_lora(cfg.lora_rank, cfg.lora_alpha)
+            params = lora.adapter_parameters(model.hf)
+        elif cfg.trainable == "lora":
+            model.hf, params = lora.attach_peft_lora(model.hf, cfg.lora_rank, cfg.lora_alpha)
+        else:
+            self._frozen_teacher = MTPModel(copy.deepcopy(model.hf).to(torch.bfloat16 if cfg.dtype == "bf16"
+                                                                        else torch.float32).eval(),
+                                            model.tokenizer, model.meta)
+            self._frozen_teacher.hf.requires_grad_(False)
+            params = list(model.hf.parameters())
+        for p in model.hf.parameters():
+            p.requires_grad_(False)
+        for p in params:
+            p.requires_grad_(True)
+        if weights is not None:
+            checkpoint.load_weights(model.hf, weights)
+        if world.sharded:
+            shard(model.hf, world)
+            if self._frozen_teacher is not None:
+                shard(self._frozen_teacher.hf, world)
+        self.params = [p for p in model.hf.parameters() if p.requires_grad]  # sharding replaces them
+        self.student = wrap(StudentLoss(self), world)
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+
+    def _lr_factor(self, step: int) -> float:
+        cfg = self.cfg
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    def cache_ground_truth(self, samples: list, progress: bool) -> None:
+        """Gated LoRA: run every training text through the base model once and keep its KV (if it fits)."""
+        store, budget = GroundTruthStore(), self.cfg.ground_truth_cache_gb * 2**30
+        for index, sample in enumerate(tqdm(samples, desc="cache ground truth", unit="text", disable=not progress)):
+            store.add(self.model, index, row_ids(sample, self.cfg.seq_len)[0])
+            if index == 7:
+                per_token = store.nbytes() / sum(s.hidden.shape[0] for s in store.states.values())
+                needed = per_token * sum(len(row_ids(x, self.cfg.seq_len)[0]) for x in samples)
+                if needed > budget:
+                    tqdm.write(f"ground-truth KV would take {needed / 2**30:.1f} GB > ground_truth_cache_gb: "
+                               "recomputing it every step instead")
+                    return
+        self.store = store
+
+    @contextmanager
+    def teacher(self):
+        if self._frozen_teacher is not None:
+            yield self._frozen_teacher
+        else:
+            with self.model.adapters_disabled() as base:
+                yield base
+
+    def forward(self, batch: TokenBatch, k: int, objective: str, offset: int | None = None,
+                rows: slice = slice(None)) -> tuple[SlotOutputs, TokenBatch]:
+        """Slot outputs for `rows` of the global batch, and those rows. Regions are drawn over the whole
+        batch first: their draws and layout depend on it, and every rank must draw the same."""
+        cfg, use_teacher = self.cfg, objective != "ground-truth"
+        if cfg.trainable == "gated-lora":
+            num = max(1, cfg.slots_per_seq // (k - 1))
+            regions = random_regions(batch.starts, batch.lengths, k, num, self.regions_gen)
+            batch, regions = take_rows(batch, regions, rows)
+            store = self.store if batch.indices is not None else None
+            return cached_slots(self.model, batch, regions, use_teacher, store), batch
+        if offset is None:
+            offset = self.rng.randrange(cfg.region_width - (k - 1))
+        regions = interleaved_regions(batch.starts, batch.lengths, k, cfg.region_width, offset, batch.ids.shape[1])
+        batch, regions = take_rows(batch, regions, rows)
+        with _autocast(self.cfg, self.world.device.type):
+            return packed_slots(self.model, self.teacher, batch, regions, use_teacher, cfg.ntp_weight > 0), batch
+
+    def loss(self, out: SlotOutputs, batch: TokenBatch, objective: str) -> torch.Tensor:
+        """This rank's share of the loss of the global batch: means over supervised predictions, weighted by
+        this rank's part of them (one process: the plain mean)."""
+        cfg, first = self.cfg, out.first_trainable
+        valid = out.valid[:, :, first:]
+        student = out.student_logits[:, :, first:][valid]  # [N, V]
+        if student.shape[0] == 0:  # nothing supervised in these rows: a zero that still reaches every weight
+            loss = out.student_logits.sum() * 0.0
+        elif objective == "soft":
+            loss = soft_teacher_loss(student, out.teacher_logits[:, :, first:][valid])
+        else:
+            loss = hard_teacher_loss(student, out.labels[:, :, first:][valid])
+        if cfg.entropy_weight and student.shape[0]:
+            loss = loss + cfg.entropy_weight * entropy(student)
+        loss = loss * self._share(student.shape[0])
+        if cfg.ntp_weight and out.prefix_logits is not None:
+            real = torch.arange(batch.ids.shape[1] - 1) < (batch.lengths - 1).unsqueeze(1)  # [B, L-1]
+            ntp = F.cross_entropy(out.prefix_logits[:, :-1][real], batch.ids[:, 1:][real])
+            loss = loss + cfg.ntp_weight * ntp * self._share(int(real.sum()))
+        return loss
+
+    def _share(self, count: int) -> float:
+        """count / (the count summed over ranks): this rank's weight in a mean over the global batch."""
+        if self.world.size == 1:
+            return 1.0
+        total = float(all_sum(torch.tensor(float(count), device=self.world.device), self.world))  # every rank calls
+        return count / total if total else 0.0
+
+    def step(self, batch: TokenBatch, step: int) -> dict:
+        """One optimisation step on the global batch (this rank computes its rows)."""
+        cfg, world = self.cfg, self.world
+        k = self.rng.randint(2, cfg.k_max)
+        objective = "ground-truth" if step < cfg.warmup_ground_truth_steps else cfg.objective
+        self.model.hf.train()
+        loss, out = self.student(batch, k, objective, world.rows(len(batch.lengths)))
+        (loss * world.size).backward()  # DDP / FSDP average gradients over ranks; the sum of shares is the mean
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        keep = out.valid.any(-1)  # [b, M] regions with at least one supervised prediction
+        confidence, argmax = top1(out.student_logits.detach()[keep])  # [R, k] each
+        stats = run_statistics(*gather_rows([confidence, argmax, out.labels[keep], out.valid[keep]], world), cfg.tau)
+        return {"loss": float(all_sum(loss, world)), "k": k, "lr": self.scheduler.get_last_lr()[0], **stats}
+
+    @torch.no_grad()
+    def validate(self, val_batches: list[TokenBatch]) -> dict:
+        """Teacher agreement, confidence and estimated tokens/forward at k = k_max on held-out text."""
+        self.model.hf.eval()
+        saved = self.regions_gen.get_state()
+        self.regions_gen.manual_seed(12345)  # the same regions at every validation
+        logits, labels, valid = [], [], []
+        for batch in val_batches:  # every rank runs all of them (distributed.py)
+            out, _ = self.forward(batch, self.cfg.k_max, "hard", offset=0)
+            keep = out.valid.any(-1)  # [B, M]
+            logits.append(out.student_logits[keep]), labels.append(out.labels[keep]), valid.append(out.valid[keep])
+        self.regions_gen.set_state(saved)
+        return run_statistics(*top1(torch.cat(logits)), torch.cat(labels), torch.cat(valid), self.cfg.tau)
+
+    def restore(self, state: dict, stream: BatchStream) -> int:
+        """Continue a saved run: optimiser, schedule, data position and RNGs; returns the step to start at."""
+        load_optimizer_state(self.model.hf, self.optimizer, state["optimizer"], self.world)
+        self.scheduler.load_state_dict(state["scheduler"])
+        stream.load_state_dict(state["stream"])
+        checkpoint.restore_rngs(state, self)
+        return state["step"]
+
+
+class StudentLoss(nn.Module):
+    """The differentiable part of a step as one module forward, so that DDP / FSDP hook it: this rank's rows
+    of the global batch in, its share of the loss (and the slot outputs) out. The teacher's forwards inside
+    run without gradients and are invisible to the wrappers."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        super().__init__()
+        self.hf = trainer.model.hf  # registered: the parameters DDP synchronises
+        self.trainer = trainer
+
+    def forward(self, batch: TokenBatch, k: int, objective: str, rows: slice) -> tuple[torch.Tensor, SlotOutputs]:
+        out, local = self.trainer.forward(batch, k, objective, rows=rows)
+        return self.trainer.loss(out, local, objective), out
+
+
+def save_model(model: MTPModel, cfg: TrainConfig, run_dir: Path, final: bool) -> Path:
+    """The converted model: merged LoRA, a gated-LoRA delta (+ full checkpoint when final), or the full weights."""
+    with checkpoint.disk_errors(run_dir):
+        if cfg.trainable == "lora":
+            merged = MTPModel(copy.deepcopy(model.hf).merge_and_unload(), model.tokenizer, model.meta)
+            return merged.save(run_dir / "checkpoint")
+        if cfg.trainable == "gated-lora":
+            model.save_delta(run_dir / "delta", cfg.model)
+            if not final:
+                return run_dir / "delta"
+        return model.save(run_dir / "checkpoint")
+
+
+def train(cfg: TrainConfig, progress: bool = True) -> Path | None:
+    """Train, save and check a converted model; its checkpoint (None on ranks other than 0 under torchrun)."""
+    cfg.validate()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if cfg.method == "heads":
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise UserError("method=heads trains small heads on cached trunk states in one process: run it "
+                            "without torchrun")
+        from mtplm.heads.train import train_heads
+
+        return train_heads(cfg, progress)
+    world = init_world(cfg.device, cfg.parallel, cfg.batch_size)
+    try:
+        with torch.device(world.device):  # every tensor the loop makes lives where the model does
+            return _train(cfg, world, progress and world.main)
+    finally:
+        shutdown(world)
+
+
+def _train(cfg: TrainConfig, world: World, progress: bool) -> Path | None:
+    torch.manual_seed(cfg.seed)
+    run_dir = Path(cfg.out)
+    resume_from = checkpoint.find_train_state(cfg)
+    state = checkpoint.load_train_state(resume_from, cfg) if resume_from else None
+    model = _load_model(cfg, world)
+    samples = _load_samples(cfg, model, world)
+    _add_mask_token(model, cfg)
+
+    pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else model.tokenizer.eos_token_id
+    num_val = max(1, int(len(samples) * cfg.val_fraction))
+    train_samples, val_samples = samples[:-num_val], samples[-num_val:]
+    if not train_samples:
+        train_samples = samples
+    val_batches = [collate(val_samples[i : i + cfg.batch_size], cfg.seq_len, pad)
+                   for i in range(0, len(val_samples), cfg.batch_size)]
+    batch_size = min(cfg.batch_size, len(train_samples))
+    if batch_size % world.size:
+        raise UserError(f"{len(train_samples)} training samples cannot fill a global batch of {cfg.batch_size} "
+                        f"split over {world.size} processes: give more data or a smaller batch_size")
+    stream = BatchStream(train_samples, batch_size, cfg.seq_len, pad, cfg.seed)
+
+    trainer = Trainer(cfg, model, world, weights=state["weights"] if state else None)
+    if cfg.trainable == "gated-lora":
+        trainer.cache_ground_truth(train_samples, progress)
+    start = trainer.restore(state, stream) if state else 0
+    if world.main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with checkpoint.disk_errors(run_dir / "config.json"):
+            (run_dir / "config.json").write_text(json.dumps(as_dict(cfg), indent=2) + "\n")
+        if state:
+            checkpoint.truncate_metrics(run_dir, start)
+            tqdm.write(f"resuming {run_dir} at step {start} from {resume_from}")
+    started = time.perf_counter()
+    log = checkpoint.MetricsLog(run_dir, started) if world.main else None
+    record = log.record if log else lambda entry: None
+    val = trainer.validate(val_batches)  # draws nothing from the training RNGs: safe to repeat on resume
+    if not state:
+        record({"step": 0, "val": val})
+    bar = tqdm(range(start, cfg.steps), desc="train", unit="step", disable=not progress,
+               initial=start, total=cfg.steps)
+    for step in bar:
+        stats = trainer.step(next(stream), step)
+        if step % cfg.log_every == 0 or step == cfg.steps - 1:
+            record({"step": step + 1, **stats})
+        agree = stats["agreement"]
+        bar.set_postfix(loss=f"{stats['loss']:.3f}", slot1=f"{agree[1]:.2f}" if len(agree) > 1 else "-",
+                        val_tpf=f"{val['est_tokens_per_forward']:.2f}")
+        if (step + 1) % cfg.val_every == 0 or step == cfg.steps - 1:
+            val = trainer.validate(val_batches)
+            record({"step": step + 1, "val": val})
+            if world.main:
+                tqdm.write(_describe(step + 1, val, cfg.tau))
+        if (step + 1) % cfg.save_every == 0 and step != cfg.steps - 1:
+            _save_progress(trainer, stream, run_dir, step + 1, len(samples), model_too=True)
+    _save_progress(trainer, stream, run_dir, max(cfg.steps, start), len(samples), model_too=False)
+    if world.sharded:  # rank 0 checks and saves an ordinary, unsharded copy of the trained model
+        weights = full_weights(model.hf, world)
+        if world.main:
+            model = _unsharded(cfg, world, model, weights)
+    if not world.main:
+        return None
+
+    model.meta.training = {"config": as_dict(cfg), "steps": cfg.steps, "samples": len(samples),
+                           "world_size": world.size, "cpu_time_s": round(time.perf_counter() - started, 1),
+                           "final_val": val}
+    save_model(model, cfg, run_dir, final=True)  # the trained weights are safe before anything else can fail
+    check = decode_check(model, val_samples[:8], cfg)
+    record({"step": cfg.steps, "decode_check": check})
+    tqdm.write(f"[decode check] ConfAdapt tau={cfg.tau}, k_max={cfg.k_max} on {check['prompts']} held-out prompts: "
+               f"{check['tokens_per_forward']:.2f} tokens/forward, {check['identical']:.0%} identical to plain greedy")
+    model.meta.training["decode_check"] = check
+    log.close()
+    training_curves(run_dir)
+    return save_model(model, cfg, run_dir, final=True)
+
+
+def _load_samples(cfg: TrainConfig, model: MTPModel, world: World) -> list:
+    """Rank 0 loads (and for self:<set> generates and caches) the data first; the others then read its cache."""
+    if world.main:
+        samples = load_samples(cfg.data, model.tokenizer, model.hf, Path(cfg.out), cfg)
+    if world.size > 1:
+        dist.barrier()
+    if not world.main:
+        samples = load_samples(cfg.data, model.tokenizer, model.hf, Path(cfg.out), cfg)
+    return samples
+
+
+def _load_model(cfg: TrainConfig, world: World) -> MTPModel:
+    compute = "fp32" if cfg.trainable == "full" else cfg.dtype  # full fine-tune keeps fp32 master weights
+    model = MTPModel.load(cfg.model, dtype=compute)
+    model.hf.to(world.device)
+    return model
+
+
+def _add_mask_token(model: MTPModel, cfg: TrainConfig) -> None:
+    from mtplm.assets.models import model_identity, resolve_model
+
+    model.add_mask_token(cfg.k_max, model_identity(resolve_model(cfg.model)), seed=cfg.seed)
+    model.meta.thresholds = {"tau": cfg.tau, "confidence": "top1", "k_max": cfg.k_max}
+
+
+def _unsharded(cfg: TrainConfig, world: World, sharded: MTPModel, weights: dict) -> MTPModel:
+    """A plain model with the gathered weights of an FSDP run (the sharded one only runs in lockstep)."""
+    model = _load_model(cfg, world)
+    _add_mask_token(model, cfg)
+    model.hf.load_state_dict(weights)
+    model.meta = sharded.meta
+    return model
+
+
+def _save_progress(trainer: Trainer, stream: BatchStream, run_dir: Path, step: int, samples: int,
+                   model_too: bool) -> None:
+    """The train_state to resume from (and, when asked, the converted model so far); rank 0 writes.
+
+    Under FSDP every rank takes part in gathering the state, and the model is left to the final save.
+    """
+    world = trainer.world
+    if not (world.main or world.sharded):
+        return
+    weights, optimizer = trainable_state(trainer.model.hf, trainer.optimizer, world)
+    if not world.main:
+        return
+    if model_too and not world.sharded:
+        save_model(trainer.model, trainer.cfg, run_dir, final=False)
+    checkpoint.save_train_state(run_dir, trainer.cfg, trainer, stream, step, samples, weights, optimizer, world.size)
+
+
+def decode_check(model: MTPModel, samples: list, cfg: TrainConfig, max_new_tokens: int = 96) -> dict:
+    """Real ConfAdapt decoding on held-out prompts: tokens/forward and agreement with plain greedy."""
+    from mtplm.config import DecodeConfig
+    from mtplm.decode.loop import generate
+
+    model.hf.eval()
+    tokens = forwards = identical = 0
+    for sample in samples:
+        fast = generate(model, sample.prompt_ids, DecodeConfig(mode="confadapt", k_max=cfg.k_max, tau=cfg.tau,
+                                                                max_new_tokens=max_new_tokens))
+        plain = generate(model, sample.prompt_ids, DecodeConfig(mode="ntp", max_new_tokens=max_new_tokens))
+        tokens, forwards, identical = tokens + len(fast.tokens), forwards + fast.forwards, identical + (fast.tokens == plain.tokens)
+    return {"prompts": len(samples), "tokens_per_forward": tokens / max(1, forwards),
+            "identical": identical / max(1, len(samples))}
+
+
+def _describe(step: int, val: dict, tau: float) -> str:
+    agree = " ".join(f"{a:.2f}" for a in val["agreement"][:6])
+    conf = " ".join(f"{c:.2f}" for c in val["confidence"][:6])
+    return (f"[val step {step}] agreement by slot {agree} | confidence {conf} | est tokens/forward "
+            f"@tau={tau}: {val['est_tokens_per_forward']:.2f} | verified est {val['est_verified_per_forward']:.2f}")
+
+
+@contextmanager
+def _autocast(cfg: TrainConfig, device_type: str):
+    if cfg.trainable == "full" and cfg.dtype == "bf16":
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            yield
+    else:
+        yield

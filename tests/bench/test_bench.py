@@ -1,0 +1,80 @@
+"""`mtplm bench` runs end to end on a tiny checkpoint and writes its report (it measures; it never asserts)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from mtplm.bench.run import add_arguments, run_bench
+from mtplm.assets.datasets import data_file
+
+from conftest import tiny_mtp
+
+
+def _data_installed() -> bool:
+    try:
+        data_file("gsm8k")
+        return True
+    except Exception:  # noqa: BLE001  (any failure means: not installed here)
+        return False
+
+
+@pytest.mark.skipif(not _data_installed(), reason="data packages not installed (mtplm setup --data)")
+def test_bench_writes_json_markdown_and_plot(tmp_path):
+    checkpoint = tiny_mtp(seed=0, gated=True).save(tmp_path / "ckpt")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", str(checkpoint), "--prompts", "4", "--prompt-set", "gsm8k,structured",
+                              "--max-new-tokens", "6", "--dtype", "fp32", "--modes", "static:2,confadapt:0.5,verified:quadratic",
+                              "--out", str(tmp_path / "bench")])
+    run_bench(args)
+    report = json.loads((tmp_path / "bench" / "report.json").read_text())
+    assert [r["mode"] for r in report["rows"]] == ["ntp", "static:2", "confadapt:0.5", "verified:quadratic",
+                                                   "hf-generate", "hf-prompt-lookup"]
+    plain, static = report["rows"][0], report["rows"][1]
+    assert plain["identical_outputs"] == 1.0 and plain["tokens_per_forward"] == 1.0
+    assert static["tokens_per_forward"] > 1.0
+    assert set(report["by_source"]) == {"gsm8k", "structured"}
+    assert (tmp_path / "bench" / "report.md").read_text().startswith("# mtplm bench")
+    assert (tmp_path / "bench" / "bench.png").stat().st_size > 0
+    verified = report["rows"][3]
+    assert verified["identical_outputs"] == 1.0  # fp32: lossless
+    assert report["rows"][5]["identical_outputs"] == 1.0  # HF prompt lookup is lossless too
+    scores = plain["task_scores"]  # every output was scored, 0 or 1 each
+    assert scores["gsm8k"]["n"] == 2 and sum(scores[k]["n"] for k in ("json", "sql") if k in scores) == 2
+    passed = sum(s["mean"] * s["n"] for s in scores.values())
+    assert plain["task_accuracy"] == pytest.approx(passed / 4)
+    assert "Cost to serve" in (tmp_path / "bench" / "report.md").read_text()
+
+
+def test_cost_table_scales_with_measured_speed():
+    from mtplm.bench.cost import Assumptions, cost_rows
+
+    assume = Assumptions(daily_tokens=1e8, utilization=0.5, machine_watts=100, machine_usd_per_hour=0.1)
+    slow, fast = cost_rows([{"mode": "ntp", "tokens_per_s": 20.0}, {"mode": "fast", "tokens_per_s": 40.0}], assume)
+    assert slow["machines"] == 116  # 1e8 / (20 * 86400 * 0.5) = 115.7 -> 116
+    assert fast["machines"] == 58
+    assert abs(slow["kwh_per_day"] - 116 * 2.4) < 1e-9  # 100 W * 24 h = 2.4 kWh per machine
+
+
+@pytest.mark.skipif(not _data_installed(), reason="data packages not installed (mtplm setup --data)")
+def test_assisted_decoding_baseline_is_compared_with_its_own_target(tmp_path):
+    from conftest import tiny_llama, tiny_tokenizer
+
+    checkpoint = tiny_mtp(seed=0, gated=True).save(tmp_path / "ckpt")  # vocabulary 64 + <mtp>
+    target = tmp_path / "target"
+    tiny_llama(seed=5, vocab=65, layers=3).save_pretrained(target)  # a different model, same tokens
+    tiny_tokenizer().save_pretrained(target)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", str(checkpoint), "--prompts", "2", "--prompt-set", "gsm8k",
+                              "--max-new-tokens", "8", "--dtype", "fp32", "--modes", "ntp", "--lookup-tokens", "0",
+                              "--assisted", str(target), "--out", str(tmp_path / "bench"), "--no-score"])
+    report = run_bench(args)
+    rows = {r["mode"]: r for r in report["rows"]}
+    assisted = rows[f"hf-assisted[{target}]"]
+    assert report["compared_with"][f"hf-assisted[{target}]"] == f"hf-generate[{target}]"
+    assert assisted["identical_outputs"] == 1.0  # assisted greedy decoding is lossless against its target
+    assert rows["ntp"]["identical_outputs"] == 1.0

@@ -1,0 +1,171 @@
+"""Lossless decoding: verified output == plain greedy, exact sampling, gated base path, cache rollback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtplm.cache import cache_layers, crop_to, new_cache
+from mtplm.config import DecodeConfig
+from mtplm.train.data import chat_prompt_ids
+from mtplm.decode.loop import generate, stream
+from mtplm.masks import draft_layout
+from mtplm.model import MTPModel
+from mtplm.decode.sampling import speculative_accept
+from mtplm.decode.strategies import make_strategy
+
+from conftest import tiny_mtp
+from synthetic import chain_rows
+
+
+def _verified(model, prompt, n, **knobs):
+    cfg = DecodeConfig(mode="verified", max_new_tokens=n, **knobs)
+    return generate(model, prompt, cfg, strategy=make_strategy(cfg, {}))
+
+
+def _random_prompts(n: int, seed: int, vocab: int = 60):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(torch.randint(1, 14, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("drafting", ["linear", "quadratic"])
+@pytest.mark.parametrize("window", ["fixed", "context", "adaptive"])
+def test_verified_greedy_equals_plain_greedy_on_a_trained_model(chain_checkpoint, drafting, window):
+    """Walks of the chain language (drafts mostly right) and random token soup (drafts mostly wrong)."""
+    model = MTPModel.load(chain_checkpoint)
+    walks = [chat_prompt_ids(model.tokenizer, row["prompt"]) for row in chain_rows(6, seed=123)]
+    prompts = walks + _random_prompts(6, seed=hash((drafting, window)) % 1000)
+    rates = []
+    for i, prompt in enumerate(prompts):
+        k_max = 2 + i % 4  # windows 2..5 (the model was trained with k_max 4)
+        plain = generate(model, prompt, DecodeConfig(mode="ntp", max_new_tokens=28))
+        fast = _verified(model, prompt, 28, k_max=k_max, drafting=drafting, window=window)
+        assert fast.tokens == plain.tokens, f"prompt {i}, k_max {k_max}"
+        rates.append(fast.tokens_per_forward)
+        assert all(kept <= drafted for drafted, kept in fast.drafts)
+    assert sum(rates[:6]) / 6 > 1.5  # drafts really were accepted on the language it learned
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("drafting", ["linear", "quadratic"])
+def test_verified_greedy_equals_plain_greedy_on_random_models(gated, drafting):
+    for seed in range(3):
+        model = tiny_mtp(seed=seed, gated=gated, k_max=6)
+        for i, prompt in enumerate(_random_prompts(5, seed)):
+            plain = generate(model, prompt, DecodeConfig(mode="ntp", max_new_tokens=20))
+            fast = _verified(model, prompt, 20, k_max=2 + (i + seed) % 5, drafting=drafting)
+            assert fast.tokens == plain.tokens
+
+
+def test_quadratic_drafting_accepts_at_least_as_much_as_linear(chain_checkpoint):
+    model = MTPModel.load(chain_checkpoint)
+    linear = quadratic = 0
+    for row in chain_rows(8, seed=321):
+        prompt = chat_prompt_ids(model.tokenizer, row["prompt"])
+        linear += _verified(model, prompt, 24, k_max=4, drafting="linear", window="fixed").forwards
+        quadratic += _verified(model, prompt, 24, k_max=4, drafting="quadratic", window="fixed").forwards
+    assert quadratic <= linear
+
+
+def test_gated_mtp_logits_equal_base_logits_at_real_token_positions():
+    model = tiny_mtp(seed=8, gated=True, k_max=4)
+    prompt, drafts, slots = [5, 9, 2, 7], [11, 3, 40], 3
+    positions, mask = draft_layout(0, len(prompt), len(drafts), slots, quadratic=True)
+    fed = torch.tensor([prompt + drafts + [model.mask_id] * (slots * (len(drafts) + 1))])
+    real = len(prompt) + len(drafts)
+    with torch.no_grad():
+        with_adapters = model.logits(fed, positions, attention_mask=mask)[0]
+        with model.adapters_disabled():
+            base = model.logits(fed, positions, attention_mask=mask)[0]
+        with model.pristine():
+            plain = model.logits(torch.tensor([prompt + drafts]))[0]
+    assert torch.equal(with_adapters[:real], base[:real])  # bit for bit
+    torch.testing.assert_close(with_adapters[:real], plain, rtol=1e-5, atol=1e-5)  # same maths, other shapes
+    assert not torch.allclose(with_adapters[real:], base[real:])  # while the mask slots are adapted
+
+
+@pytest.mark.parametrize("drafting", ["linear", "quadratic"])
+def test_rollback_leaves_the_cache_as_if_rejected_tokens_were_never_fed(drafting):
+    model = tiny_mtp(seed=9, gated=True, k_max=4)
+    prompt, drafts = [4, 8, 15, 16], (23, 42, 7)
+    with torch.no_grad():
+        cache = new_cache(model.hf)
+        quadratic = drafting == "quadratic"
+        fed = prompt + list(drafts) + [model.mask_id] * (3 * (len(drafts) + 1 if quadratic else 1))
+        positions, mask = draft_layout(0, len(prompt), len(drafts), 3, quadratic)
+        model.decoder_states(torch.tensor([fed]), positions, cache, mask)
+        crop_to(cache, len(prompt) + 1)  # keep the first draft, reject the rest and every mask slot
+        reference = new_cache(model.hf)
+        model.logits(torch.tensor([prompt + [drafts[0]]]), cache=reference)
+        for (k, v), (k_ref, v_ref) in zip(cache_layers(cache), cache_layers(reference)):
+            assert k.shape == k_ref.shape and v.shape == v_ref.shape
+            torch.testing.assert_close(k, k_ref, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-6)
+        after = model.logits(torch.tensor([[30, 31]]), cache=cache)
+        expected = model.logits(torch.tensor([[30, 31]]), cache=reference)
+    torch.testing.assert_close(after, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_cache_bookkeeping_and_budget_in_verified_mode(chain_checkpoint):
+    model = MTPModel.load(chain_checkpoint)
+    prompt = chat_prompt_ids(model.tokenizer, chain_rows(1, seed=5)[0]["prompt"])
+    strategy = make_strategy(DecodeConfig(mode="verified", k_max=4, drafting="quadratic"), {})
+    emitted = 0
+    for step in stream(model, prompt, strategy, 23, stop_ids=set()):
+        assert step.cache_len == len(prompt) + emitted + step.accepted  # kept drafts are cached, the new token not
+        assert len(step.tokens) == step.accepted + 1 or emitted + len(step.tokens) == 23
+        emitted += len(step.tokens)
+    assert emitted == 23
+
+
+@pytest.mark.parametrize("drafts_from", ["proposal", "argmax"])
+def test_acceptance_rule_reproduces_the_target_distribution(drafts_from):
+    """Hand-built targets p1, p2 and proposals q1, q2: the emitted tokens follow p, whatever q is."""
+    p = torch.tensor([[0.5, 0.2, 0.2, 0.1, 0.0], [0.1, 0.1, 0.1, 0.3, 0.4], [0.2, 0.2, 0.2, 0.2, 0.2]])
+    q = torch.tensor([[0.1, 0.1, 0.6, 0.1, 0.1], [0.25, 0.25, 0.25, 0.25, 0.0]])
+    if drafts_from == "argmax":
+        q = torch.nn.functional.one_hot(q.argmax(-1), 5).float()
+    g = torch.Generator().manual_seed(0)
+    n, first, second, kept_total = 40_000, torch.zeros(5), torch.zeros(5), 0
+    for _ in range(n):
+        drafts = torch.multinomial(q, 1, generator=g).view(-1)
+        kept, token = speculative_accept(p, drafts, q, g)
+        emitted = drafts[:kept].tolist() + [token]
+        first[emitted[0]] += 1
+        if len(emitted) > 1:
+            second[emitted[1]] += 1
+        kept_total += kept
+    assert 0.5 * (first / n - p[0]).abs().sum() < 0.01
+    assert 0.5 * (second / second.sum() - p[1]).abs().sum() < 0.015
+    assert 0 < kept_total < 2 * n  # both acceptance and rejection happened
+    # and a rule that always kept the drafts would be far off: the first token would follow q1
+    assert 0.5 * (q[0] - p[0]).abs().sum() > 0.2
+
+
+def test_verified_sampling_is_seeded_and_matches_the_models_distribution():
+    """Second token over many seeds vs its exact distribution sum_t1 p(t1) p(t2 | t1), at temperature 1."""
+    model = tiny_mtp(seed=10, gated=True, k_max=4)
+    with torch.no_grad():  # sharper distributions, so drafts (mask slots) and targets really differ
+        model.hf.lm_head.weight.mul_(6)
+    prompt, vocab = [3, 1, 4], model.hf.config.vocab_size
+    cfg = dict(mode="verified", k_max=4, temperature=1.0, max_new_tokens=3)
+
+    def sample_two(seed: int) -> tuple[list[int], int]:  # no stop tokens: every run yields the tokens
+        steps = list(stream(model, prompt, make_strategy(DecodeConfig(**cfg), {}), 3, set(), seed))
+        return [t for s in steps for t in s.tokens], sum(s.accepted for s in steps)
+
+    assert sample_two(7) == sample_two(7)
+    with torch.no_grad():
+        p1 = torch.softmax(model.logits(torch.tensor([prompt]))[0, -1], -1)
+        seqs = torch.tensor([prompt + [t] for t in range(vocab)])
+        p2 = torch.softmax(model.logits(seqs)[:, -1], -1)  # [V (t1), V (t2)]
+    exact = p1 @ p2
+    counts, n, drafted = torch.zeros(vocab), 3000, 0
+    for seed in range(n):
+        tokens, kept = sample_two(seed)
+        counts[tokens[1]] += 1
+        drafted += kept
+    assert drafted > 0.3 * n  # the second token often came from an accepted draft
+    # sampling noise alone gives ~0.06 here; keeping every draft (no acceptance test) gives ~0.24
+    assert 0.5 * (counts / n - exact).abs().sum() < 0.1
