@@ -11,15 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_mtp, tiny_tokenizer
+from synthetic import chain_rows, train_config, write_rows
 
-from mtplm.train.checkpoint import STATE_DIR, load_train_state
 from mtplm.config import TrainConfig, load_train_config, to_toml
 from mtplm.errors import UserError
 from mtplm.model import MTPModel
+from mtplm.train.checkpoint import STATE_DIR, load_train_state
 from mtplm.train.trainer import train
-
-from conftest import tiny_mtp, tiny_tokenizer
-from synthetic import chain_rows, train_config, write_rows
 
 QUICK = dict(k_max=4, batch_size=8, seq_len=32, slots_per_seq=12, region_width=8, lora_rank=4, lora_alpha=8.0,
              val_every=1000, warmup_steps=2)

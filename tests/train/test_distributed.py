@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from synthetic import train_config
 
 from mtplm.train.trainer import train
-
-from synthetic import train_config
 
 # fp32 on one thread per process. 2 ranks split each batch's rows, so their matrix products run on other
 # shapes than one process's and round differently (measured: <= 2e-7 relative over 4 steps); 1e-4 leaves

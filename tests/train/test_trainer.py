@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from synthetic import chain_rows, train_config
 
 from mtplm.config import DecodeConfig
-from mtplm.train.data import chat_prompt_ids
 from mtplm.decode.loop import generate
 from mtplm.model import MTPModel
+from mtplm.train.data import chat_prompt_ids
 from mtplm.train.trainer import train
-
-from synthetic import chain_rows, train_config
 
 
 def _tokens_per_forward(model: MTPModel, tau: float) -> tuple[float, float]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mtplm.registry import CONFIDENCE
+
 
 def hard_teacher_loss(student_logits: torch.Tensor, teacher_labels: torch.Tensor) -> torch.Tensor:
     """Cross-entropy to the teacher's argmax tokens: student [N, V], labels [N] -> scalar."""
@@ -42,8 +44,9 @@ def slot_statistics(student_logits: torch.Tensor, labels: torch.Tensor, valid: t
 
 
 def top1(student_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-1 probability and token of logits [R, k, V]: ([R, k], [R, k]), all slot_statistics needs of them."""
-    return torch.softmax(student_logits.float(), -1).max(-1)
+    """Top-1 probability (the CONFIDENCE registry's "top1", the measure decoding thresholds) and token of
+    logits [R, k, V]: ([R, k], [R, k]), all slot_statistics needs of them."""
+    return CONFIDENCE.get("top1")(student_logits), student_logits.argmax(-1)
 
 
 def run_statistics(confidence: torch.Tensor, argmax: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,

@@ -8,13 +8,11 @@ continues from a saved train_state (checkpoint.py) with the losses an uninterrup
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
 import random
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -23,22 +21,35 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from mtplm.train import checkpoint
-from mtplm import lora
-from mtplm.config import TrainConfig, as_dict
-from mtplm.train.data import BatchStream, collate, load_samples, row_ids
-from mtplm.train.distributed import (World, all_sum, full_weights, gather_rows, init_world, load_optimizer_state, shard,
-                          shutdown, take_rows, trainable_state, wrap)
-from mtplm.errors import UserError
-from mtplm.train.losses import entropy, hard_teacher_loss, run_statistics, soft_teacher_loss, top1
-from mtplm.masks import interleaved_regions, random_regions
-from mtplm.model import MTPModel
-from mtplm.train.slots import GroundTruthStore, SlotOutputs, TokenBatch, cached_slots, packed_slots
 from mtplm.bench.plots import training_curves
+from mtplm.config import TrainConfig, as_dict
+from mtplm.errors import UserError
+from mtplm.model import MTPModel
+from mtplm.registry import OBJECTIVES, TRAINABLE
+from mtplm.train import checkpoint
+from mtplm.train.data import BatchStream, collate, load_samples
+from mtplm.train.distributed import (
+    World,
+    all_sum,
+    full_weights,
+    gather_rows,
+    init_world,
+    load_optimizer_state,
+    shard,
+    shutdown,
+    take_rows,
+    trainable_state,
+    wrap,
+)
+from mtplm.train.losses import entropy, run_statistics, top1
+from mtplm.train.objectives import Supervised
+from mtplm.train.recipes import Recipe
+from mtplm.train.slots import SlotOutputs, TokenBatch
 
 
 class Trainer:
-    """The model being converted, its teacher and optimiser; `step` and `validate` are the loop's parts."""
+    """The model being converted, its recipe (recipes.py: the trainable variant) and optimiser; `step` and
+    `validate` are the loop's parts."""
 
     def __init__(self, cfg: TrainConfig, model: MTPModel, world: World = World(),
                  weights: dict[str, torch.Tensor] | None = None) -> None:
@@ -46,20 +57,9 @@ class Trainer:
         self.cfg, self.model, self.world = cfg, model, world
         self.rng = random.Random(cfg.seed)
         self.regions_gen = torch.Generator().manual_seed(cfg.seed)
-        self._frozen_teacher = None
-        self.store: GroundTruthStore | None = None
+        self.recipe: Recipe = TRAINABLE.get(cfg.trainable)(cfg)
         model.meta.trainable = cfg.trainable
-        if cfg.trainable == "gated-lora":
-            model.attach_gated_lora(cfg.lora_rank, cfg.lora_alpha)
-            params = lora.adapter_parameters(model.hf)
-        elif cfg.trainable == "lora":
-            model.hf, params = lora.attach_peft_lora(model.hf, cfg.lora_rank, cfg.lora_alpha)
-        else:
-            self._frozen_teacher = MTPModel(copy.deepcopy(model.hf).to(torch.bfloat16 if cfg.dtype == "bf16"
-                                                                        else torch.float32).eval(),
-                                            model.tokenizer, model.meta)
-            self._frozen_teacher.hf.requires_grad_(False)
-            params = list(model.hf.parameters())
+        params = self.recipe.attach(model)
         for p in model.hf.parameters():
             p.requires_grad_(False)
         for p in params:
@@ -68,8 +68,7 @@ class Trainer:
             checkpoint.load_weights(model.hf, weights)
         if world.sharded:
             shard(model.hf, world)
-            if self._frozen_teacher is not None:
-                shard(self._frozen_teacher.hf, world)
+            self.recipe.shard(world)
         self.params = [p for p in model.hf.parameters() if p.requires_grad]  # sharding replaces them
         self.student = wrap(StudentLoss(self), world)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -84,58 +83,25 @@ class Trainer:
         progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
-    def cache_ground_truth(self, samples: list, progress: bool) -> None:
-        """Gated LoRA: run every training text through the base model once and keep its KV (if it fits)."""
-        store, budget = GroundTruthStore(), self.cfg.ground_truth_cache_gb * 2**30
-        for index, sample in enumerate(tqdm(samples, desc="cache ground truth", unit="text", disable=not progress)):
-            store.add(self.model, index, row_ids(sample, self.cfg.seq_len)[0])
-            if index == 7:
-                per_token = store.nbytes() / sum(s.hidden.shape[0] for s in store.states.values())
-                needed = per_token * sum(len(row_ids(x, self.cfg.seq_len)[0]) for x in samples)
-                if needed > budget:
-                    tqdm.write(f"ground-truth KV would take {needed / 2**30:.1f} GB > ground_truth_cache_gb: "
-                               "recomputing it every step instead")
-                    return
-        self.store = store
-
-    @contextmanager
-    def teacher(self):
-        if self._frozen_teacher is not None:
-            yield self._frozen_teacher
-        else:
-            with self.model.adapters_disabled() as base:
-                yield base
-
     def forward(self, batch: TokenBatch, k: int, objective: str, offset: int | None = None,
                 rows: slice = slice(None)) -> tuple[SlotOutputs, TokenBatch]:
         """Slot outputs for `rows` of the global batch, and those rows. Regions are drawn over the whole
         batch first: their draws and layout depend on it, and every rank must draw the same."""
-        cfg, use_teacher = self.cfg, objective != "ground-truth"
-        if cfg.trainable == "gated-lora":
-            num = max(1, cfg.slots_per_seq // (k - 1))
-            regions = random_regions(batch.starts, batch.lengths, k, num, self.regions_gen)
-            batch, regions = take_rows(batch, regions, rows)
-            store = self.store if batch.indices is not None else None
-            return cached_slots(self.model, batch, regions, use_teacher, store), batch
-        if offset is None:
-            offset = self.rng.randrange(cfg.region_width - (k - 1))
-        regions = interleaved_regions(batch.starts, batch.lengths, k, cfg.region_width, offset, batch.ids.shape[1])
+        regions = self.recipe.draw_regions(batch, k, self.rng, self.regions_gen, offset)
         batch, regions = take_rows(batch, regions, rows)
-        with _autocast(self.cfg, self.world.device.type):
-            return packed_slots(self.model, self.teacher, batch, regions, use_teacher, cfg.ntp_weight > 0), batch
+        with self.recipe.autocast(self.world.device.type):
+            return self.recipe.slots(batch, regions, OBJECTIVES.get(objective).uses_teacher), batch
 
     def loss(self, out: SlotOutputs, batch: TokenBatch, objective: str) -> torch.Tensor:
         """This rank's share of the loss of the global batch: means over supervised predictions, weighted by
         this rank's part of them (one process: the plain mean)."""
-        cfg, first = self.cfg, out.first_trainable
-        valid = out.valid[:, :, first:]
-        student = out.student_logits[:, :, first:][valid]  # [N, V]
+        cfg = self.cfg
+        supervised = Supervised.of(out)
+        student = supervised.student  # [N, V]
         if student.shape[0] == 0:  # nothing supervised in these rows: a zero that still reaches every weight
             loss = out.student_logits.sum() * 0.0
-        elif objective == "soft":
-            loss = soft_teacher_loss(student, out.teacher_logits[:, :, first:][valid])
-        else:
-            loss = hard_teacher_loss(student, out.labels[:, :, first:][valid])
+        else:  # the objective's loss (objectives.py)
+            loss = OBJECTIVES.get(objective)(supervised)
         if cfg.entropy_weight and student.shape[0]:
             loss = loss + cfg.entropy_weight * entropy(student)
         loss = loss * self._share(student.shape[0])
@@ -207,19 +173,6 @@ class StudentLoss(nn.Module):
         return self.trainer.loss(out, local, objective), out
 
 
-def save_model(model: MTPModel, cfg: TrainConfig, run_dir: Path, final: bool) -> Path:
-    """The converted model: merged LoRA, a gated-LoRA delta (+ full checkpoint when final), or the full weights."""
-    with checkpoint.disk_errors(run_dir):
-        if cfg.trainable == "lora":
-            merged = MTPModel(copy.deepcopy(model.hf).merge_and_unload(), model.tokenizer, model.meta)
-            return merged.save(run_dir / "checkpoint")
-        if cfg.trainable == "gated-lora":
-            model.save_delta(run_dir / "delta", cfg.model)
-            if not final:
-                return run_dir / "delta"
-        return model.save(run_dir / "checkpoint")
-
-
 def train(cfg: TrainConfig, progress: bool = True) -> Path | None:
     """Train, save and check a converted model; its checkpoint (None on ranks other than 0 under torchrun)."""
     cfg.validate()
@@ -248,31 +201,13 @@ def _train(cfg: TrainConfig, world: World, progress: bool) -> Path | None:
     model = _load_model(cfg, world)
     samples = _load_samples(cfg, model, world)
     _add_mask_token(model, cfg)
-
-    pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else model.tokenizer.eos_token_id
-    num_val = max(1, int(len(samples) * cfg.val_fraction))
-    train_samples, val_samples = samples[:-num_val], samples[-num_val:]
-    if not train_samples:
-        train_samples = samples
-    val_batches = [collate(val_samples[i : i + cfg.batch_size], cfg.seq_len, pad)
-                   for i in range(0, len(val_samples), cfg.batch_size)]
-    batch_size = min(cfg.batch_size, len(train_samples))
-    if batch_size % world.size:
-        raise UserError(f"{len(train_samples)} training samples cannot fill a global batch of {cfg.batch_size} "
-                        f"split over {world.size} processes: give more data or a smaller batch_size")
-    stream = BatchStream(train_samples, batch_size, cfg.seq_len, pad, cfg.seed)
+    train_samples, val_samples, val_batches, stream = _split(cfg, world, model, samples)
 
     trainer = Trainer(cfg, model, world, weights=state["weights"] if state else None)
-    if cfg.trainable == "gated-lora":
-        trainer.cache_ground_truth(train_samples, progress)
+    trainer.recipe.prepare(train_samples, progress)
     start = trainer.restore(state, stream) if state else 0
     if world.main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with checkpoint.disk_errors(run_dir / "config.json"):
-            (run_dir / "config.json").write_text(json.dumps(as_dict(cfg), indent=2) + "\n")
-        if state:
-            checkpoint.truncate_metrics(run_dir, start)
-            tqdm.write(f"resuming {run_dir} at step {start} from {resume_from}")
+        _start_run(cfg, run_dir, start if state else None, resume_from)
     started = time.perf_counter()
     log = checkpoint.MetricsLog(run_dir, started) if world.main else None
     record = log.record if log else lambda entry: None
@@ -306,7 +241,7 @@ def _train(cfg: TrainConfig, world: World, progress: bool) -> Path | None:
     model.meta.training = {"config": as_dict(cfg), "steps": cfg.steps, "samples": len(samples),
                            "world_size": world.size, "cpu_time_s": round(time.perf_counter() - started, 1),
                            "final_val": val}
-    save_model(model, cfg, run_dir, final=True)  # the trained weights are safe before anything else can fail
+    trainer.recipe.save(model, run_dir, final=True)  # the trained weights are safe before anything else can fail
     check = decode_check(model, val_samples[:8], cfg)
     record({"step": cfg.steps, "decode_check": check})
     tqdm.write(f"[decode check] ConfAdapt tau={cfg.tau}, k_max={cfg.k_max} on {check['prompts']} held-out prompts: "
@@ -314,7 +249,34 @@ def _train(cfg: TrainConfig, world: World, progress: bool) -> Path | None:
     model.meta.training["decode_check"] = check
     log.close()
     training_curves(run_dir)
-    return save_model(model, cfg, run_dir, final=True)
+    return trainer.recipe.save(model, run_dir, final=True)
+
+
+def _split(cfg: TrainConfig, world: World, model: MTPModel,
+           samples: list) -> tuple[list, list, list[TokenBatch], BatchStream]:
+    """(training samples, held-out samples, held-out batches, the training batch stream)."""
+    pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else model.tokenizer.eos_token_id
+    num_val = max(1, int(len(samples) * cfg.val_fraction))
+    train_samples, val_samples = samples[:-num_val], samples[-num_val:]
+    if not train_samples:
+        train_samples = samples
+    val_batches = [collate(val_samples[i : i + cfg.batch_size], cfg.seq_len, pad)
+                   for i in range(0, len(val_samples), cfg.batch_size)]
+    batch_size = min(cfg.batch_size, len(train_samples))
+    if batch_size % world.size:
+        raise UserError(f"{len(train_samples)} training samples cannot fill a global batch of {cfg.batch_size} "
+                        f"split over {world.size} processes: give more data or a smaller batch_size")
+    return train_samples, val_samples, val_batches, BatchStream(train_samples, batch_size, cfg.seq_len, pad, cfg.seed)
+
+
+def _start_run(cfg: TrainConfig, run_dir: Path, resumed_at: int | None, resume_from: Path | None) -> None:
+    """Rank 0: the run folder and its config.json; on resume, metrics past the saved step go."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with checkpoint.disk_errors(run_dir / "config.json"):
+        (run_dir / "config.json").write_text(json.dumps(as_dict(cfg), indent=2) + "\n")
+    if resumed_at is not None:
+        checkpoint.truncate_metrics(run_dir, resumed_at)
+        tqdm.write(f"resuming {run_dir} at step {resumed_at} from {resume_from}")
 
 
 def _load_samples(cfg: TrainConfig, model: MTPModel, world: World) -> list:
@@ -329,8 +291,7 @@ def _load_samples(cfg: TrainConfig, model: MTPModel, world: World) -> list:
 
 
 def _load_model(cfg: TrainConfig, world: World) -> MTPModel:
-    compute = "fp32" if cfg.trainable == "full" else cfg.dtype  # full fine-tune keeps fp32 master weights
-    model = MTPModel.load(cfg.model, dtype=compute)
+    model = MTPModel.load(cfg.model, dtype=TRAINABLE.get(cfg.trainable)(cfg).compute_dtype)
     model.hf.to(world.device)
     return model
 
@@ -364,7 +325,7 @@ def _save_progress(trainer: Trainer, stream: BatchStream, run_dir: Path, step: i
     if not world.main:
         return
     if model_too and not world.sharded:
-        save_model(trainer.model, trainer.cfg, run_dir, final=False)
+        trainer.recipe.save(trainer.model, run_dir, final=False)
     checkpoint.save_train_state(run_dir, trainer.cfg, trainer, stream, step, samples, weights, optimizer, world.size)
 
 
@@ -379,7 +340,8 @@ def decode_check(model: MTPModel, samples: list, cfg: TrainConfig, max_new_token
         fast = generate(model, sample.prompt_ids, DecodeConfig(mode="confadapt", k_max=cfg.k_max, tau=cfg.tau,
                                                                 max_new_tokens=max_new_tokens))
         plain = generate(model, sample.prompt_ids, DecodeConfig(mode="ntp", max_new_tokens=max_new_tokens))
-        tokens, forwards, identical = tokens + len(fast.tokens), forwards + fast.forwards, identical + (fast.tokens == plain.tokens)
+        tokens, forwards = tokens + len(fast.tokens), forwards + fast.forwards
+        identical += fast.tokens == plain.tokens
     return {"prompts": len(samples), "tokens_per_forward": tokens / max(1, forwards),
             "identical": identical / max(1, len(samples))}
 
@@ -389,12 +351,3 @@ def _describe(step: int, val: dict, tau: float) -> str:
     conf = " ".join(f"{c:.2f}" for c in val["confidence"][:6])
     return (f"[val step {step}] agreement by slot {agree} | confidence {conf} | est tokens/forward "
             f"@tau={tau}: {val['est_tokens_per_forward']:.2f} | verified est {val['est_verified_per_forward']:.2f}")
-
-
-@contextmanager
-def _autocast(cfg: TrainConfig, device_type: str):
-    if cfg.trainable == "full" and cfg.dtype == "bf16":
-        with torch.autocast(device_type, dtype=torch.bfloat16):
-            yield
-    else:
-        yield
