@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from synthetic import train_config
 
 from mtplm.config import TrainConfig
 from mtplm.errors import UserError
@@ -14,8 +15,6 @@ from mtplm.registry import CONFIDENCE, OBJECTIVES, TRAINABLE
 from mtplm.train.losses import top1
 from mtplm.train.objectives import Supervised, hard, objective
 from mtplm.train.trainer import train
-
-from synthetic import train_config
 
 QUICK = dict(k_max=4, batch_size=8, seq_len=32, slots_per_seq=12, region_width=8, lora_rank=4, lora_alpha=8.0,
              val_every=1000, warmup_steps=2, log_every=1)
