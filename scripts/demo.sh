@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One command: set up, then answer a few prompts in plain and ConfAdapt mode with the shipped converted
-# SmolLM2-135M, printing tokens/s, tokens per forward and the speedup.
+# One command: set up, then answer a few prompts in plain, ConfAdapt and verified (lossless) mode with the
+# shipped converted SmolLM2-135M, printing tokens/s, tokens per forward and the speedup.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

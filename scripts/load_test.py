@@ -166,7 +166,8 @@ def _write(report: dict, out: Path) -> None:
              f"Model `{report['model']}`, greedy, max_tokens {report['max_tokens']}. Machine: "
              + ", ".join(f"{k} {v}" for k, v in report["machine"].items()) + ".", "",
              f"Command: `{report['command']}`", "",
-             "| mode | requests | errors | tokens/s | vs plain | tokens/forward | latency p50 / p99 (s) | TTFT p50 / p99 (s) |",
+             "| mode | requests | errors | tokens/s | vs plain | tokens/forward | latency p50 / p99 (s) "
+             "| TTFT p50 / p99 (s) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         lines.append(f"| {r['mode']} | {r['requests']} | {r['errors']} | {r['tokens_per_s']:.1f} | "

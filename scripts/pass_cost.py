@@ -15,8 +15,8 @@ import time
 import torch
 
 from mtplm.decode.loop import Feed
-from mtplm.model import load_model
 from mtplm.decode.ragged import RaggedCache, ragged_pass
+from mtplm.model import load_model
 
 
 def main() -> None:
@@ -51,7 +51,7 @@ def main() -> None:
                     best = min(best, time.perf_counter() - began)
                 times.append(best)
         print(f"batch {batch:3d}: " + "  ".join(f"{w} rows {1000 * t:6.1f} ({t / times[0]:.2f}x)"
-                                               for w, t in zip(rows, times)))
+                                               for w, t in zip(rows, times, strict=False)))
 
 
 if __name__ == "__main__":

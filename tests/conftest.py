@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from mtplm.model import MTPModel
 
@@ -89,6 +89,7 @@ def data_file(tmp_path_factory):
 def chain_checkpoint(base_dir, data_file, tmp_path_factory):
     """A gated-LoRA conversion (k_max 4, 300 steps) of the tiny base: its mask slots have learned the language."""
     from synthetic import train_config
+
     from mtplm.train.trainer import train
 
     return train(train_config(base_dir, data_file, tmp_path_factory.mktemp("chain") / "run"), progress=False)

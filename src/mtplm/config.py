@@ -7,29 +7,54 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mtplm.errors import UserError
+import tomllib
 
-TRAINABLE = ("gated-lora", "lora", "full")
-OBJECTIVES = ("hard", "soft", "ground-truth")
-MODES = ("ntp", "static", "confadapt", "verified")
-CONFIDENCES = ("top1", "entropy")
+from mtplm.errors import UserError
+from mtplm.registry import CONFIDENCE, HEAD_FORMS, OBJECTIVES, STRATEGIES, TRAINABLE, WINDOWS
+
 DRAFTING = ("linear", "quadratic", "tree")
-WINDOWS = ("fixed", "context", "adaptive")
 METHODS = ("mask", "heads")
-HEAD_FORMS = ("medusa", "sequential")
+DTYPES = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """A checkpoint's decoding defaults (mtplm.json's `thresholds`, with the checkpoint's k_max), typed."""
+
+    tau: float = 0.9  # ConfAdapt threshold when neither the user nor calibration sets one
+    k_max: int = 8  # tokens per pass of ConfAdapt and verified (the checkpoint's one k_max)
+    confidence: str = "top1"  # the measure tau and tau_per_position apply to
+    tau_per_position: tuple[float, ...] | None = None  # calibrated, one per block position
+    calibration: dict | None = None  # what `mtplm calibrate` measured: target, calibration, held_out
+
+    @classmethod
+    def from_json(cls, raw: dict, k_max: int) -> Thresholds:
+        taus = raw.get("tau_per_position")
+        return cls(tau=float(raw.get("tau", cls.tau)), k_max=int(raw.get("k_max", k_max)),
+                   confidence=str(raw.get("confidence", cls.confidence)),
+                   tau_per_position=tuple(float(t) for t in taus) if taus else None,
+                   calibration=raw.get("calibration"))
+
+    def to_json(self) -> dict:
+        """The `thresholds` table of mtplm.json (k_max lives once, beside it)."""
+        out: dict = {"tau": self.tau, "confidence": self.confidence}
+        if self.tau_per_position is not None:
+            out["tau_per_position"] = list(self.tau_per_position)
+        if self.calibration is not None:
+            out["calibration"] = self.calibration
+        return out
 
 
 @dataclass
 class DecodeConfig:
-    mode: str = "confadapt"  # ntp | static | confadapt | verified (lossless)
+    mode: str = "confadapt"  # a STRATEGIES registry name: ntp | static | confadapt | verified (lossless)
     k: int = 4  # static mode: tokens emitted per forward
     k_max: int | None = None  # confadapt: block size; verified: most tokens per pass; None -> the checkpoint's
     tau: float | None = None  # confadapt threshold; None -> the checkpoint's calibrated value
-    confidence: str = "top1"  # top1 | entropy
+    confidence: str = "top1"  # a CONFIDENCE registry name
     backoff: bool = False  # lower k_max after repeated single-token steps, raise it when confidence returns
     backoff_patience: int = 3  # consecutive single-token steps before halving k_max
     backoff_floor: int = 2
@@ -38,24 +63,23 @@ class DecodeConfig:
     drafting: str = "linear"  # linear (one mask block, after the last draft) | quadratic (a block after every draft)
     #                           | tree (heads only: candidates from each head's top choices, verified at once)
     tree_widths: str = "2,2"  # tree drafting: candidates per depth from the heads' top choices; deeper depths 1
-    window: str = "adaptive"  # fixed (k_max) | context (min(k_max, len(context)//2 + 1)) | adaptive (by acceptance)
+    window: str = "adaptive"  # a WINDOWS registry name (decode/windows.py)
     temperature: float = 0.0  # 0 = greedy; > 0 samples (verified: exactly the model's distribution)
     top_k: int = 0
     top_p: float = 1.0
     max_new_tokens: int = 256
     seed: int = 0
 
-    def validate(self) -> "DecodeConfig":
-        if self.mode not in MODES:
-            raise UserError(f"unknown decoding mode {self.mode!r}: choose one of {', '.join(MODES)}")
+    def validate(self) -> DecodeConfig:
+        STRATEGIES.check(self.mode)
         if self.k < 1:
             raise UserError(f"k must be >= 1, got {self.k}")
         if self.k_max is not None and self.k_max < 2:
-            raise UserError(f"k_max must be >= 2 (it counts the next token plus at least one mask slot), got {self.k_max}")
+            raise UserError("k_max must be >= 2 (it counts the next token plus at least one mask slot), "
+                            f"got {self.k_max}")
         if self.tau is not None and not 0.0 < self.tau <= 1.0:
             raise UserError(f"tau must lie in (0, 1], got {self.tau}")
-        if self.confidence not in CONFIDENCES:
-            raise UserError(f"unknown confidence measure {self.confidence!r}: choose one of {', '.join(CONFIDENCES)}")
+        CONFIDENCE.check(self.confidence)
         if self.drafting not in DRAFTING:
             raise UserError(f"unknown drafting {self.drafting!r}: choose one of {', '.join(DRAFTING)}")
         if self.drafting == "tree":
@@ -68,8 +92,7 @@ class DecodeConfig:
             if self.temperature > 0:
                 raise UserError("tree drafting verifies greedy decoding only: use --drafting linear or quadratic "
                                 "to sample with --temperature")
-        if self.window not in WINDOWS:
-            raise UserError(f"unknown window policy {self.window!r}: choose one of {', '.join(WINDOWS)}")
+        WINDOWS.check(self.window)
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise UserError("temperature must be >= 0, top_p in (0, 1] and top_k >= 0")
         if self.max_new_tokens < 1:
@@ -77,13 +100,29 @@ class DecodeConfig:
         return self
 
 
-MODE_GRAMMAR = ("ntp, static:K, confadapt[:TAU[:top1|entropy]][@K] or "
-                "verified[:linear|quadratic|tree[:fixed|context|adaptive]][@K]")
+def mode_grammar() -> str:
+    """How a decoding mode is written as one string (CLI --modes, the server's `mode` field), from the registries."""
+    return (f"ntp, static:K, confadapt[:TAU[:{'|'.join(CONFIDENCE.names())}]][@K] or "
+            f"verified[:{'|'.join(DRAFTING)}[:{'|'.join(WINDOWS.names())}]][@K]")
+
+
+def add_dtype_argument(parser, default: str = "bf16", help: str | None = None) -> None:
+    """The one --dtype option of every command that loads a model."""
+    parser.add_argument("--dtype", default=default, choices=DTYPES, help=help or "compute dtype (default: %(default)s)")
+
+
+@dataclass
+class Limits:
+    """The server's bounds on one request (`mtplm serve` options override them)."""
+
+    max_tokens: int = 4096  # largest max_tokens accepted
+    default_max_tokens: int = 256  # chat requests that give none (completions default to OpenAI's 16)
+    context: int = 8192  # prompt + max_tokens must fit (further capped by the model's own context)
 
 
 def parse_mode(spec: str, window: str = "adaptive", k_max: int | None = None,
                confidence: str = "top1") -> DecodeConfig:
-    """A decoding mode written as one string (MODE_GRAMMAR), e.g. `confadapt:0.9@8` or `verified:tree`.
+    """A decoding mode written as one string (mode_grammar()), e.g. `confadapt:0.9@8` or `verified:tree`.
 
     Parts left out keep DecodeConfig's defaults (a confadapt tau or k_max left out: the checkpoint's
     calibrated values); `window`, `k_max` and `confidence` are the caller's defaults for those parts.
@@ -106,7 +145,7 @@ def parse_mode(spec: str, window: str = "adaptive", k_max: int | None = None,
             raise ValueError
         return cfg.validate()
     except (ValueError, UserError):
-        raise UserError(f"bad decoding mode {spec!r}: use {MODE_GRAMMAR}") from None
+        raise UserError(f"bad decoding mode {spec!r}: use {mode_grammar()}") from None
 
 
 @dataclass
@@ -157,11 +196,10 @@ class TrainConfig:
     far_heads_bf16: bool = True  # heads 5+ compute their logits in bfloat16
     head_window: int = 64  # response rows per sequence and step (heads read one row each); 0 = whole rows
 
-    def validate(self) -> "TrainConfig":
+    def validate(self) -> TrainConfig:
         if self.method not in METHODS:
             raise UserError(f"unknown method {self.method!r}: choose one of {', '.join(METHODS)}")
-        if self.head_form not in HEAD_FORMS:
-            raise UserError(f"unknown head_form {self.head_form!r}: choose one of {', '.join(HEAD_FORMS)}")
+        HEAD_FORMS.check(self.head_form)
         if self.head_alpha not in ("decay", "deepseek"):
             try:
                 if not 0.0 < float(self.head_alpha) <= 1.0:
@@ -173,10 +211,8 @@ class TrainConfig:
             raise UserError(f"head_lr must be distance or flat, got {self.head_lr!r}")
         if not 0.0 < self.curriculum_fraction <= 1.0 or self.consistency_weight < 0:
             raise UserError("curriculum_fraction must lie in (0, 1] and consistency_weight be >= 0")
-        if self.trainable not in TRAINABLE:
-            raise UserError(f"unknown trainable {self.trainable!r}: choose one of {', '.join(TRAINABLE)}")
-        if self.objective not in OBJECTIVES:
-            raise UserError(f"unknown objective {self.objective!r}: choose one of {', '.join(OBJECTIVES)}")
+        TRAINABLE.check(self.trainable)
+        OBJECTIVES.check(self.objective)
         if self.k_max < 2:
             raise UserError(f"k_max must be >= 2 (the next token plus at least one mask slot), got {self.k_max}")
         if self.region_width <= self.k_max:
@@ -185,7 +221,7 @@ class TrainConfig:
             raise UserError(f"tau must lie in (0, 1], got {self.tau}")
         if self.steps < 0 or self.batch_size < 1 or self.seq_len < 2 * self.k_max:
             raise UserError("steps must be >= 0, batch_size >= 1 and seq_len >= 2 * k_max")
-        if self.dtype not in ("bf16", "fp32"):
+        if self.dtype not in DTYPES:
             raise UserError(f"dtype must be bf16 or fp32, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise UserError(f"device must be auto, cpu or cuda, got {self.device!r}")
@@ -272,4 +308,5 @@ def as_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
-__all__ = ["DecodeConfig", "TrainConfig", "override", "load_train_config", "to_toml", "as_dict", "field"]
+__all__ = ["DecodeConfig", "TrainConfig", "Thresholds", "Limits", "mode_grammar", "add_dtype_argument", "override",
+           "load_train_config", "to_toml", "as_dict", "field"]

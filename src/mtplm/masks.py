@@ -175,9 +175,3 @@ def draft_layout(past: int, pending: int, drafts: int, slots: int, quadratic: bo
     if not (quadratic and drafts and slots):
         return None, None
     return with_cache(past, *step_layout(pending, drafts, slots, quadratic), dtype)
-
-
-def tree_layout(past: int, pending: int, parents: list[int],
-                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """`step_layout` of `pending` committed tokens and a draft tree, behind `past` cached positions."""
-    return with_cache(past, *_tree_rows(pending, parents), dtype)

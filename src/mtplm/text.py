@@ -1,6 +1,9 @@
-"""Token blocks -> text for streaming: never split a UTF-8 character, never drop or repeat a token."""
+"""Text <-> tokens: a prompt in the model's chat format, and token blocks -> text for streaming (never split a
+UTF-8 character, never drop or repeat a token)."""
 
 from __future__ import annotations
+
+from mtplm.errors import UserError
 
 CONTEXT_TOKENS = 6  # tokens decoded before the new ones, so tokenizers that space by context space right
 
@@ -39,3 +42,13 @@ class StreamDecoder:
 
     def _decode(self, start: int, stop: int) -> str:
         return self.tokenizer.decode(self.tokens[start:stop], skip_special_tokens=self.skip) if stop > start else ""
+
+
+def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    if not prompt.strip():
+        raise UserError("the prompt is empty: give some text to answer")
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(prompt)["input_ids"]

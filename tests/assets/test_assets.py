@@ -159,5 +159,6 @@ def test_installed_default_model_has_a_chat_template() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                         add_generation_prompt=True)
     assert "hi" in text and model_identity(folder)["sha256"] == assets.MODELS[assets.DEFAULT_MODEL].sha256

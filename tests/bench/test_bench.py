@@ -6,11 +6,10 @@ import argparse
 import json
 
 import pytest
-
-from mtplm.bench.run import add_arguments, run_bench
-from mtplm.assets.datasets import data_file
-
 from conftest import tiny_mtp
+
+from mtplm.assets.datasets import data_file
+from mtplm.bench.run import add_arguments, run_bench
 
 
 def _data_installed() -> bool:
@@ -27,7 +26,8 @@ def test_bench_writes_json_markdown_and_plot(tmp_path):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--model", str(checkpoint), "--prompts", "4", "--prompt-set", "gsm8k,structured",
-                              "--max-new-tokens", "6", "--dtype", "fp32", "--modes", "static:2,confadapt:0.5,verified:quadratic",
+                              "--max-new-tokens", "6", "--dtype", "fp32",
+                              "--modes", "static:2,confadapt:0.5,verified:quadratic",
                               "--out", str(tmp_path / "bench")])
     run_bench(args)
     report = json.loads((tmp_path / "bench" / "report.json").read_text())

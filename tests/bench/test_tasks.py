@@ -8,7 +8,6 @@ import pytest
 
 from mtplm.assets import datasets
 from mtplm.assets.datasets import Example
-from mtplm.errors import UserError
 from mtplm.bench.tasks import (
     code_blocks,
     gsm8k_correct,
@@ -22,6 +21,7 @@ from mtplm.bench.tasks import (
     sql_valid,
     strip_code_fences,
 )
+from mtplm.errors import UserError
 
 # ---- GSM8K -----------------------------------------------------------------------------------------
 
@@ -151,7 +151,8 @@ def test_malformed_json_is_rejected(completion: str) -> None:
 
 @pytest.mark.parametrize("completion", [
     "SELECT name FROM users WHERE id = 1;",  # users does not exist: still a valid statement
-    "Here is the query:\n```sql\nSELECT u.name, COUNT(*) FROM users u\nJOIN orders o ON o.uid = u.id GROUP BY u.name;\n```",
+    "Here is the query:\n```sql\nSELECT u.name, COUNT(*) FROM users u\n"
+    "JOIN orders o ON o.uid = u.id GROUP BY u.name;\n```",
     "INSERT INTO t (a, b) VALUES (1, 'x;y'); DROP TABLE t;",
     "CREATE TABLE t (id INTEGER PRIMARY KEY, name TEXT NOT NULL)",
 ])
@@ -177,5 +178,6 @@ def test_structured_prompts_are_scored_by_parsing():
     examples = {e.category: e for e in structured_prompts()}
     assert score_example(examples["json"], '```json\n{"title": "Dune", "year": 1965}\n```') == {"json": 1.0}
     assert score_example(examples["json"], '{"title": "Dune", "year": }') == {"json": 0.0}
-    assert score_example(examples["sql"], "SELECT department, AVG(salary) FROM employees GROUP BY department;") == {"sql": 1.0}
+    good_sql = "SELECT department, AVG(salary) FROM employees GROUP BY department;"
+    assert score_example(examples["sql"], good_sql) == {"sql": 1.0}
     assert score_example(examples["sql"], "SELECT department AVG(salary) FROM GROUP employees;") == {"sql": 0.0}

@@ -6,17 +6,16 @@ import threading
 
 import pytest
 import torch
-
-from mtplm.config import DecodeConfig
-from mtplm.train.data import chat_prompt_ids
-from mtplm.decode.loop import generate
-from mtplm.decode.engine import Engine, EngineClosed, Job
-from mtplm.errors import UserError
-from mtplm.model import MTPModel
-from mtplm.decode.ragged import RaggedCache
-
 from conftest import with_random_heads
 from synthetic import chain_rows
+
+from mtplm.config import DecodeConfig
+from mtplm.decode.engine import Engine, EngineClosed, Job
+from mtplm.decode.loop import generate
+from mtplm.decode.ragged import RaggedCache
+from mtplm.errors import UserError
+from mtplm.model import MTPModel
+from mtplm.text import chat_prompt_ids
 
 MODES = [
     DecodeConfig(mode="ntp"),
@@ -77,7 +76,7 @@ def test_ragged_batches_decode_exactly_what_each_sequence_decodes_alone(chain_ch
         jobs.append((chat_prompt_ids(model.tokenizer, row["prompt"]), cfg))
     passes = []
     collectors = _run_batched(model, jobs, max_batch=5, passes=passes)
-    for (ids, cfg), collector in zip(jobs, collectors):
+    for (ids, cfg), collector in zip(jobs, collectors, strict=False):
         assert collector.error is None
         alone = generate(model, ids, cfg)
         assert collector.tokens == alone.tokens, cfg
@@ -107,7 +106,7 @@ def test_the_load_policy_caps_k_and_keeps_verified_lossless(chain_checkpoint):
     jobs = [(chat_prompt_ids(model.tokenizer, row["prompt"]), cfg) for row, cfg in zip(rows, [
         DecodeConfig(mode="verified", k_max=4, max_new_tokens=30),
         DecodeConfig(mode="confadapt", tau=0.3, k_max=4, max_new_tokens=30),
-        DecodeConfig(mode="static", k=3, max_new_tokens=30)])]
+        DecodeConfig(mode="static", k=3, max_new_tokens=30)], strict=False)]
     engine = Engine(model, max_batch=3, k_by_batch={1: 2, 3: 1})
     collectors = []
     for ids, cfg in jobs:
@@ -155,8 +154,8 @@ def test_a_slot_holds_exactly_the_committed_kv(chain_checkpoint):
         reference = new_cache(model.hf)
         model.logits(torch.tensor([tokens[:past]]), cache=reference)
     for layer, (keys, values) in enumerate(cache_layers(reference)):
-        torch.testing.assert_close(engine.cache.keys[layer][0, :, :past], keys[0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(engine.cache.values[layer][0, :, :past], values[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(engine.backend.cache.keys[layer][0, :, :past], keys[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(engine.backend.cache.values[layer][0, :, :past], values[0], rtol=1e-5, atol=1e-5)
 
 
 def test_cancel_frees_the_slot_and_close_fails_what_is_left(mtp):

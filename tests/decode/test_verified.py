@@ -4,23 +4,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from mtplm.cache import cache_layers, crop_to, new_cache
-from mtplm.config import DecodeConfig
-from mtplm.train.data import chat_prompt_ids
-from mtplm.decode.loop import generate, stream
-from mtplm.masks import draft_layout
-from mtplm.model import MTPModel
-from mtplm.decode.sampling import speculative_accept
-from mtplm.decode.strategies import make_strategy
-
 from conftest import tiny_mtp
 from synthetic import chain_rows
+
+from mtplm.cache import cache_layers, crop_to, new_cache
+from mtplm.config import DecodeConfig, Thresholds
+from mtplm.decode.loop import generate, stream
+from mtplm.decode.sampling import speculative_accept
+from mtplm.decode.strategies import make_strategy
+from mtplm.masks import draft_layout
+from mtplm.model import MTPModel
+from mtplm.text import chat_prompt_ids
 
 
 def _verified(model, prompt, n, **knobs):
     cfg = DecodeConfig(mode="verified", max_new_tokens=n, **knobs)
-    return generate(model, prompt, cfg, strategy=make_strategy(cfg, {}))
+    return generate(model, prompt, cfg, strategy=make_strategy(cfg, Thresholds()))
 
 
 def _random_prompts(n: int, seed: int, vocab: int = 60):
@@ -98,7 +97,7 @@ def test_rollback_leaves_the_cache_as_if_rejected_tokens_were_never_fed(drafting
         crop_to(cache, len(prompt) + 1)  # keep the first draft, reject the rest and every mask slot
         reference = new_cache(model.hf)
         model.logits(torch.tensor([prompt + [drafts[0]]]), cache=reference)
-        for (k, v), (k_ref, v_ref) in zip(cache_layers(cache), cache_layers(reference)):
+        for (k, v), (k_ref, v_ref) in zip(cache_layers(cache), cache_layers(reference), strict=False):
             assert k.shape == k_ref.shape and v.shape == v_ref.shape
             torch.testing.assert_close(k, k_ref, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-6)
@@ -110,7 +109,7 @@ def test_rollback_leaves_the_cache_as_if_rejected_tokens_were_never_fed(drafting
 def test_cache_bookkeeping_and_budget_in_verified_mode(chain_checkpoint):
     model = MTPModel.load(chain_checkpoint)
     prompt = chat_prompt_ids(model.tokenizer, chain_rows(1, seed=5)[0]["prompt"])
-    strategy = make_strategy(DecodeConfig(mode="verified", k_max=4, drafting="quadratic"), {})
+    strategy = make_strategy(DecodeConfig(mode="verified", k_max=4, drafting="quadratic"), Thresholds())
     emitted = 0
     for step in stream(model, prompt, strategy, 23, stop_ids=set()):
         assert step.cache_len == len(prompt) + emitted + step.accepted  # kept drafts are cached, the new token not
@@ -152,7 +151,7 @@ def test_verified_sampling_is_seeded_and_matches_the_models_distribution():
     cfg = dict(mode="verified", k_max=4, temperature=1.0, max_new_tokens=3)
 
     def sample_two(seed: int) -> tuple[list[int], int]:  # no stop tokens: every run yields the tokens
-        steps = list(stream(model, prompt, make_strategy(DecodeConfig(**cfg), {}), 3, set(), seed))
+        steps = list(stream(model, prompt, make_strategy(DecodeConfig(**cfg), Thresholds()), 3, set(), seed))
         return [t for s in steps for t in s.tokens], sum(s.accepted for s in steps)
 
     assert sample_two(7) == sample_two(7)

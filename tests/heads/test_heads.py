@@ -10,21 +10,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_llama, tiny_tokenizer, with_random_heads
 
 from mtplm.config import DecodeConfig, TrainConfig
-from mtplm.train.data import chat_prompt_ids
 from mtplm.decode.loop import generate
-from mtplm.heads.train import HeadBatch, HeadTrainer, TrunkRow, trunk_states
 from mtplm.heads.forms import Heads
+from mtplm.heads.train import HeadBatch, HeadTrainer, TrunkRow, trunk_states
 from mtplm.model import MTPModel, load_model
-
-from conftest import tiny_llama, tiny_tokenizer, with_random_heads
+from mtplm.text import chat_prompt_ids
 
 
 @pytest.fixture(scope="session", params=["medusa", "sequential"])
 def heads_checkpoint(request, base_dir, data_file, tmp_path_factory) -> Path:
     """Heads 2..4 trained 150 steps on the chain language's frozen tiny base."""
     from synthetic import train_config
+
     from mtplm.train.trainer import train
 
     run = tmp_path_factory.mktemp(f"heads-{request.param}") / "run"
@@ -55,7 +55,7 @@ def test_each_head_learns_its_own_offset(heads_checkpoint, base_dir, data_file):
             for t in range(1, len(ids) - 5):
                 drafts = model.draft_block(hidden[t], ids[t + 1], 3).argmax(-1).tolist()
                 total += 1
-                for k, d in zip((2, 3, 4), drafts):
+                for k, d in zip((2, 3, 4), drafts, strict=False):
                     for shift in (-1, 0, 1):
                         hits[k][shift] += d == ids[t + k + shift]
     for k in (2, 3, 4):
@@ -127,7 +127,7 @@ def test_alpha_weights_scale_each_heads_gradient():
     batch = _batch()
     flat = _head_grads(_trainer(head_alpha="1", curriculum=False)[0], batch)
     decay = _head_grads(_trainer(head_alpha="decay", curriculum=False)[0], batch)
-    for k, (f, d) in enumerate(zip(flat, decay), start=2):
+    for k, (f, d) in enumerate(zip(flat, decay, strict=False), start=2):
         assert d / f == pytest.approx(0.9 ** k, rel=1e-4)
 
 
@@ -150,7 +150,7 @@ def test_curriculum_supervises_far_heads_first_then_every_head():
     valid = [int(batch.valid(k).sum()) for k in range(2, 7)]
     early = trainer.step(batch, 0)["supervised"]
     assert early[0] < early[-1] / valid[-1] * valid[0]  # a near head is skipped on more samples
-    assert all(e < v for e, v in zip(early[:-1], valid[:-1])) and early[-1] == valid[-1]
+    assert all(e < v for e, v in zip(early[:-1], valid[:-1], strict=False)) and early[-1] == valid[-1]
     assert trainer.step(batch, 60)["supervised"] == valid  # past the curriculum: every head, every sample
     assert _trainer(k=6, curriculum=False)[0].step(batch, 0)["supervised"] == valid
 
@@ -178,7 +178,7 @@ def test_consistency_loss_pulls_adjacent_heads_together(base_dir, data_file):
 
 PEAK = """
 import resource, sys, torch
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{here!r}, {tests!r}]  # this file's folder, and tests/ (conftest)
 from test_heads import _trainer, _batch
 torch.set_num_threads(1)
 trainer, _ = _trainer(k={k}, vocab=20000, curriculum=False)
@@ -193,7 +193,8 @@ def test_per_head_backward_keeps_one_heads_logits_alive():
     """Peak memory of a step grows by far less than one head's logits when heads are added."""
     peaks = {}
     for k in (2, 8):
-        script = PEAK.format(tests=str(Path(__file__).parent.parent), k=k)
+        here = Path(__file__).parent
+        script = PEAK.format(here=str(here), tests=str(here.parent), k=k)
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
         peaks[k] = int(out.stdout.split()[-1])
     one_head = 8 * 128 * 20000 * 4  # fp32 logits of one head: 82 MB
@@ -201,8 +202,8 @@ def test_per_head_backward_keeps_one_heads_logits_alive():
 
 
 def test_medusa_export_round_trip(heads_checkpoint, tmp_path):
-    from mtplm.heads.export import export_medusa, load_medusa
     from mtplm.errors import UserError
+    from mtplm.heads.export import export_medusa, load_medusa
 
     model = load_model(str(heads_checkpoint))
     if model.heads.form != "medusa":
@@ -215,7 +216,7 @@ def test_medusa_export_round_trip(heads_checkpoint, tmp_path):
     heads, lm = load_medusa(out)
     assert torch.equal(lm, model.hf.get_output_embeddings().weight.float())
     h = torch.randn(5, model.hf.config.hidden_size)
-    for ours, theirs in zip(model.heads.blocks, heads.blocks):
+    for ours, theirs in zip(model.heads.blocks, heads.blocks, strict=False):
         assert torch.equal(ours(h), theirs(h))
 
 

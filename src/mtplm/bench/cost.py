@@ -42,7 +42,8 @@ def cost_rows(rows: list[dict], assume: Assumptions) -> list[dict]:
 
 def cost_markdown(rows: list[dict], assume: Assumptions) -> str:
     lines = [f"Assumptions: {assume.describe()}.", "",
-             "| mode | tokens/s (measured) | machines | kWh/day | Wh per 1M tokens | $/day |", "|---|---|---|---|---|---|"]
+             "| mode | tokens/s (measured) | machines | kWh/day | Wh per 1M tokens | $/day |",
+             "|---|---|---|---|---|---|"]
     for r in cost_rows(rows, assume):
         lines.append(f"| {r['mode']} | {r['tokens_per_s']:.1f} | {r['machines']} | {r['kwh_per_day']:.0f} | "
                      f"{r['wh_per_million_tokens']:.0f} | {r['usd_per_day']:.0f} |")

@@ -5,10 +5,10 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 from mtplm.config import DecodeConfig
-from mtplm.train.data import chat_prompt_ids
 from mtplm.decode.loop import generate
 from mtplm.errors import UserError
 from mtplm.model import load_model
+from mtplm.text import chat_prompt_ids
 
 PROMPTS = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -22,7 +22,7 @@ PROMPTS = (
 def run_demo(spec: str, dtype: str, max_new_tokens: int, tau: float | None) -> None:
     model = load_model(spec, dtype)
     if model.meta is None:
-        raise UserError(f"{spec} is not a converted model: the demo compares plain and ConfAdapt decoding, "
+        raise UserError(f"{spec} is not a converted model: the demo compares plain, ConfAdapt and verified decoding, "
                         "so give a checkpoint made by `mtplm train`")
     tok = model.tokenizer
     modes = {"plain": DecodeConfig(mode="ntp", max_new_tokens=max_new_tokens),
@@ -46,7 +46,8 @@ def run_demo(spec: str, dtype: str, max_new_tokens: int, tau: float | None) -> N
             total[1] += out.elapsed_s
             total[2] += out.forwards
             text = tok.decode(out.tokens, skip_special_tokens=True).strip()
-            print(f"--- {name}: {out.tokens_per_second:.1f} tokens/s, {out.tokens_per_forward:.2f} tokens/forward\n{text}\n")
+            print(f"--- {name}: {out.tokens_per_second:.1f} tokens/s, "
+                  f"{out.tokens_per_forward:.2f} tokens/forward\n{text}\n")
     rate = {name: t[0] / max(t[1], 1e-9) for name, t in totals.items()}
     per_forward = {name: t[0] / max(t[2], 1) for name, t in totals.items()}
     print("=" * 100)

@@ -54,7 +54,7 @@ def bench_plot(report: dict, out: Path) -> Path | None:
     if any(r.get("task_accuracy") is not None for r in rows):
         quality.append(("task_accuracy", "task accuracy (% of scored prompts that pass)"))
     fig, axes = plt.subplots(1, len(quality) + 1, figsize=(6 * (len(quality) + 1), 4.5))
-    for ax, (key, xlabel) in zip(axes, quality):
+    for ax, (key, xlabel) in zip(axes, quality, strict=False):
         _speed_vs(ax, [r for r in rows if r.get(key) is not None], key)
         ax.set(xlabel=xlabel, ylabel="wall-clock speedup over plain", title="speed vs quality")
     hist_ax = axes[-1]

@@ -17,18 +17,18 @@ import psutil
 import torch
 from tqdm import tqdm
 
-from mtplm.config import DecodeConfig, parse_mode
 from mtplm.bench.cost import Assumptions, cost_markdown
 from mtplm.bench.machine import machine
-from mtplm.errors import UserError
 from mtplm.bench.plots import bench_plot
 from mtplm.bench.tasks import humaneval_problems, score_example
+from mtplm.config import DecodeConfig, add_dtype_argument, mode_grammar, parse_mode
+from mtplm.errors import UserError
+from mtplm.registry import CONFIDENCE
 
 DEFAULT_MODES = ("ntp,static:2,static:4,confadapt:0.99,confadapt:0.95,confadapt:0.9,confadapt:0.8,"
                  "verified,verified:quadratic")
-MODE_HELP = ("comma list: ntp, static:K, confadapt:TAU[:top1|entropy], "
-             "verified[:linear|quadratic|tree][:fixed|context|adaptive]; append @K to a confadapt or verified mode "
-             "for its k_max (default: %(default)s)")
+def _mode_help() -> str:
+    return f"comma list of {mode_grammar()}; @K sets a confadapt or verified mode's k_max (default: %(default)s)"
 
 
 def add_arguments(p) -> None:
@@ -42,11 +42,11 @@ def add_arguments(p) -> None:
                         "gsm8k,humaneval (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
-    p.add_argument("--modes", default=DEFAULT_MODES, help=MODE_HELP)
+    add_dtype_argument(p)
+    p.add_argument("--modes", default=DEFAULT_MODES, help=_mode_help())
     p.add_argument("--k-max", type=int, default=None,
                    help="ConfAdapt block size / verified window (default: the checkpoint's)")
-    p.add_argument("--confidence", default="top1", help="top1 | entropy")
+    p.add_argument("--confidence", default=DecodeConfig.confidence, help=CONFIDENCE.describe())
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate baselines")
     p.add_argument("--lookup-tokens", type=int, default=10,
                    help="HF prompt-lookup decoding: tokens per n-gram match (0 skips it; default: %(default)s)")
@@ -94,9 +94,9 @@ def summarize(mode: str, records: list[Record], plain: list[Record]) -> dict:
         "ms_per_forward": 1000 * seconds / forwards if forwards else None,
         "ttft_ms": 1000 * sum(ttfts) / len(ttfts) if ttfts else None,
         "peak_rss_mb": max(r.peak_rss_mb for r in records),
-        "identical_outputs": sum(a.tokens == b.tokens for a, b in zip(records, plain)) / len(plain),
+        "identical_outputs": sum(a.tokens == b.tokens for a, b in zip(records, plain, strict=False)) / len(plain),
         "prefix_agreement": sum(_common_prefix(a.tokens, b.tokens) / max(1, len(b.tokens))
-                                for a, b in zip(records, plain)) / len(plain),
+                                for a, b in zip(records, plain, strict=False)) / len(plain),
         "task_scores": _mean_scores(records),
         "task_accuracy": _task_accuracy(records),
     }
@@ -151,10 +151,10 @@ class PeakMemory:
 
 
 def run_bench(args) -> dict:
-    from mtplm.train.data import chat_prompt_ids
     from mtplm.assets.datasets import prompt_set
     from mtplm.decode.loop import generate, stop_ids
     from mtplm.model import load_model
+    from mtplm.text import chat_prompt_ids
 
     if args.prompts < 1 or args.max_new_tokens < 1:
         raise UserError("--prompts and --max-new-tokens must be >= 1")
@@ -170,7 +170,7 @@ def run_bench(args) -> dict:
     scorer = _Scorer(model.tokenizer, enabled=not args.no_score)
 
     generate(model, prompts[0], DecodeConfig(mode="ntp", max_new_tokens=8))  # warm-up
-    for example, ids in tqdm(list(zip(examples, prompts)), desc="bench", unit="prompt"):
+    for example, ids in tqdm(list(zip(examples, prompts, strict=False)), desc="bench", unit="prompt"):
         source = example.id.split("/")[0]
         for name, cfg in modes:
             baseline = model.pristine() if cfg.mode == "ntp" else nullcontext()
@@ -354,7 +354,7 @@ def _histogram(accepted: list[int]) -> dict[int, float]:
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1

@@ -1,10 +1,10 @@
 """The batch engine: one thread that decodes every running sequence of one model together.
 
 Each loop iteration admits waiting jobs into free slots, runs each newcomer's first pass (the prompt
-and its first block) on its own, then runs one ragged pass (ragged.py) over every other running
-sequence, whatever its mode, its k this step or its context length. Every sequence keeps its own
-strategy (plain, static k, ConfAdapt, verified) and its own seed, so a sequence emits the same tokens
-alone or batched. A finished or cancelled sequence leaves at once; the last slot moves into its hole,
+and its first block) on its own, then runs one pass of the backend (backends.py) over every other
+running sequence, whatever its mode, its k this step or its context length. Every sequence keeps its
+own strategy (plain, static k, ConfAdapt, verified) and its own seed, so a sequence emits the same
+tokens alone or batched. A finished or cancelled sequence leaves at once; the last slot moves into its hole,
 so the running sequences always fill slots [0, n) and a pass reads one contiguous slice of the store.
 
 Callers talk to the engine from other threads: `submit` (validates the job, raises UserError),
@@ -16,18 +16,18 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from mtplm.config import DecodeConfig
-from mtplm.decode.loop import Decoding, Step, _thresholds, stop_ids
+from mtplm.decode.backends import KV, Backend, EagerBackend, describe
+from mtplm.decode.loop import Decoding, Step
+from mtplm.decode.policy import make_policy
+from mtplm.decode.strategies import make_strategy
 from mtplm.errors import UserError
 from mtplm.model import MTPModel
-from mtplm.decode.policy import make_policy
-from mtplm.decode.ragged import RaggedCache, SlotKV, ragged_pass
-from mtplm.decode.strategies import make_strategy
 
 
 class EngineClosed(RuntimeError):
@@ -45,8 +45,8 @@ class Job:
     ignore_eos: bool = False  # decode max_new_tokens whatever the model emits (load tests)
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
-    decoding: Decoding | None = None
-    kv: SlotKV | None = None
+    decoding: Decoding = field(init=False)  # set by Engine.submit
+    kv: KV = field(init=False)  # set when the job takes a slot
 
 
 @dataclass(frozen=True)
@@ -63,14 +63,14 @@ class PassStats:
 class Engine:
     def __init__(self, model: MTPModel, max_batch: int = 8,
                  on_pass: Callable[[PassStats], None] | None = None,
-                 k_by_batch: dict[int, int] | str | None = None) -> None:
+                 k_by_batch: dict[int, int] | str | None = None, backend: Backend | None = None) -> None:
         if max_batch < 1:
             raise UserError(f"max_batch must be >= 1, got {max_batch}")
         self.model, self.max_batch, self.on_pass = model, max_batch, on_pass
         self.policy = make_policy(k_by_batch)  # policy.py: {batch size: k}, "auto", or None (no cap)
         self._measure: tuple[int, bool] | None = None  # (batch size, capped) of the coming decode pass
-        self.stop_ids, self.thresholds = stop_ids(model), _thresholds(model)
-        self.cache = RaggedCache(max_batch)
+        self.spec = describe(model)  # what decoding needs of the model
+        self.backend = backend or EagerBackend(model, max_batch)
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []  # running[i] decodes in slot i
         self.closing = self.stopped = False
@@ -81,9 +81,9 @@ class Engine:
     # ---- callers' side ----------------------------------------------------------------------------
     def submit(self, job: Job) -> Job:
         """Queue a job; raises UserError for a bad configuration, EngineClosed while shutting down."""
-        strategy = make_strategy(job.cfg, self.thresholds)
-        job.decoding = Decoding(self.model, job.prompt_ids, strategy, job.cfg.max_new_tokens,
-                                set() if job.ignore_eos else self.stop_ids, job.cfg.seed)
+        strategy = make_strategy(job.cfg, self.spec.thresholds)
+        job.decoding = Decoding(self.spec, job.prompt_ids, strategy, job.cfg.max_new_tokens,
+                                set() if job.ignore_eos else self.spec.stop_ids, job.cfg.seed)
         with self._wake:
             if self.closing:
                 raise EngineClosed("the server is shutting down")
@@ -161,7 +161,7 @@ class Engine:
         newcomers = []
         while self.waiting and len(self.running) < self.max_batch:
             job = self.waiting.popleft()
-            job.kv = SlotKV(self.cache, len(self.running))
+            job.kv = self.backend.kv(len(self.running))
             self.running.append(job)
             newcomers.append(job)
         return newcomers
@@ -172,13 +172,13 @@ class Engine:
         try:
             feeds = [job.decoding.feed() for job in jobs]
             lengths = [job.decoding.past for job in jobs]
-            hidden = ragged_pass(self.model, self.cache, start, feeds, lengths)
+            hidden = self.backend.run(start, feeds, lengths)  # [b, Q, D]
             # the LM head once for every sequence's tail rows (the last pending token onwards): one read
             # of its weights per pass, not one per sequence
             tails = [hidden[i, feed.pending - 1: len(feed.tokens)] for i, feed in enumerate(feeds)]
-            logits = self.model.head(torch.cat(tails)).split([len(t) for t in tails])
+            logits = self.spec.head(torch.cat(tails)).split([len(t) for t in tails])
             steps = []
-            for i, (job, feed) in enumerate(zip(jobs, feeds)):
+            for i, (job, feed) in enumerate(zip(jobs, feeds, strict=False)):
                 steps.append(job.decoding.advance(hidden[i, : len(feed.tokens)], job.kv, logits[i]))
         except Exception as exc:  # a failed pass fails its sequences, never the engine
             for job in jobs:
@@ -186,13 +186,13 @@ class Engine:
                 job.cancelled = True
             return
         seconds = time.perf_counter() - began
-        if kind == "decode" and self._measure is not None:
+        if kind == "decode" and self._measure is not None and self.policy is not None:
             self.policy.observe(*self._measure, seconds, sum(len(s.tokens) for s in steps) / len(jobs))
         if self.on_pass is not None:
             rows = hidden.shape[1] * len(jobs)
             self.on_pass(PassStats(kind, len(jobs), rows, rows - sum(len(f.tokens) for f in feeds),
                                    seconds, tuple(steps), tuple(job.label for job in jobs)))
-        for job, step in zip(jobs, steps):
+        for job, step in zip(jobs, steps, strict=False):
             job.emit(step, None)
 
     def _retire(self) -> None:
@@ -205,7 +205,7 @@ class Engine:
                 continue
             last = self.running.pop()
             if last is not job:
-                self.cache.move(last.kv.slot, slot, last.decoding.past)
+                self.backend.move(last.kv.slot, slot, last.decoding.past)
                 last.kv.slot = slot
                 self.running[slot] = last
 

@@ -1,26 +1,28 @@
 """The generation loop: one forward pass per step, then the cache is cropped to the committed tokens.
 
 Each step feeds the tokens whose KV is not cached yet (the prompt, then the previous step's new
-tokens), the strategy's drafts, and its mask blocks (masks.draft_layout). The strategy reads the
+tokens), the strategy's drafts, and its mask blocks (masks.step_layout). The strategy reads the
 pass's logits and returns how many drafts it keeps and which new tokens follow them; the cache keeps
 the fed committed tokens and the kept drafts, and drops everything after them (rejected drafts, mask
 slots). Invariant after every step: cache length == prompt + emitted - the step's new tokens.
+The pass itself is a backend's (backends.py): the loop and the batch engine never call the model.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import torch
 
-from mtplm.cache import SequenceKV, new_cache
 from mtplm.config import DecodeConfig
+from mtplm.decode.backends import KV, Backend, EagerBackend, describe
+from mtplm.decode.backends import stop_ids as stop_ids
+from mtplm.decode.protocol import DecodeModel, Feed, PassLogits, Plan, Strategy
+from mtplm.decode.strategies import make_strategy
 from mtplm.errors import UserError
-from mtplm.masks import draft_layout, step_layout, tree_layout
 from mtplm.model import MTPModel
-from mtplm.decode.strategies import PassLogits, Plan, Strategy, make_strategy
 
 
 @dataclass(frozen=True)
@@ -62,13 +64,13 @@ class Decoding:
 
     `feed()` asks the strategy for a plan and returns the rows to run; `advance(hidden, kv)` reads the
     pass's final hidden states for those rows, lets the strategy choose, commits the kept drafts in `kv`
-    (any object with keep_rows(start, rows) and crop_to(length)) and returns the step. The single-sequence
+    (backends.KV) and returns the step. The single-sequence
     loop (`stream`) and the ragged batch engine (engine.py) drive the same object, so a sequence decodes
     the same tokens alone or batched.
     """
 
-    def __init__(self, model: MTPModel, prompt_ids: list[int], strategy: Strategy, max_new_tokens: int,
-                 stop_ids: set[int], seed: int = 0) -> None:
+    def __init__(self, model: DecodeModel, prompt_ids: list[int], strategy: Strategy, max_new_tokens: int,
+                 stop_ids: set[int] | frozenset[int], seed: int = 0) -> None:
         if not prompt_ids:
             raise UserError("the prompt is empty: give at least one token of input")
         self.model, self.strategy, self.stop_ids = model, strategy, stop_ids
@@ -86,21 +88,29 @@ class Decoding:
         budget = self.max_new_tokens - self.produced
         plan = self.plan = self.strategy.plan(self.past + len(self.pending), min(budget, self.cap or budget))
         drafts = list(plan.drafts)
-        if plan.parents is not None and self.model.heads is None:
+        heads = self.model.draft_block is not None
+        if plan.parents is not None and not heads:
             raise UserError("tree drafting needs a head-based checkpoint (mtplm train method=heads)")
-        slots = 0 if self.model.heads is not None else plan.slots  # heads read the block from real rows
+        slots = 0 if heads else plan.slots  # heads read the block from real rows
         blocks = (len(drafts) + 1 if plan.quadratic else 1) if slots else 0
-        tokens = self.pending + drafts + ([self.model.mask_id] * (blocks * slots) if blocks else [])
+        mask = [self._mask_id()] * (blocks * slots) if blocks else []
+        tokens = self.pending + drafts + mask
         return Feed(tokens, len(self.pending), len(drafts), slots, plan.quadratic, plan.parents)
 
-    def advance(self, hidden: torch.Tensor, kv, logits: torch.Tensor | None = None) -> Step:
+    def _mask_id(self) -> int:
+        if self.model.mask_id is None:
+            raise UserError("this model has no <mtp> token: convert it first with `mtplm train`")
+        return self.model.mask_id
+
+    def advance(self, hidden: torch.Tensor, kv: KV, logits: torch.Tensor | None = None) -> Step:
         """Decide the step from the fed rows' hidden states [Q, D] (and, if the caller computed them, the
         LM head's logits for rows pending-1 onwards); commit it in `kv`."""
         plan, pending = self.plan, len(self.pending)
+        assert plan is not None, "advance() follows feed()"
         tail = hidden[pending - 1:]  # the last pending token, the drafts, the mask blocks
-        drafter = self.model.draft_block if self.model.heads is not None else None
-        logits = PassLogits(self.model.head, tail, len(plan.drafts), plan.slots, plan.quadratic, drafter, logits)
-        outcome = self.strategy.choose(logits, self.generator)
+        rows = PassLogits(self.model.head, tail, len(plan.drafts), plan.slots, plan.quadratic,
+                          self.model.draft_block, logits)
+        outcome = self.strategy.choose(rows, self.generator)
         start = self.past + pending
         if outcome.rows is None:  # the kept drafts are a prefix: they already sit where they belong
             kept = list(plan.drafts[: outcome.accepted])
@@ -112,56 +122,33 @@ class Decoding:
         new = kept + list(outcome.new)
         stop_at = next((i for i, t in enumerate(new) if t in self.stop_ids), None)
         stopped = stop_at is not None
-        new = new[: stop_at + 1] if stopped else new[: self.max_new_tokens - self.produced]
+        new = new[: stop_at + 1] if stop_at is not None else new[: self.max_new_tokens - self.produced]
         self.produced += len(new)
         self.pending = list(outcome.new)
         self.done = stopped or self.produced >= self.max_new_tokens
         return Step(new, plan.k, self.past, stopped, len(plan.drafts), outcome.accepted, self.done)
 
 
-@dataclass(frozen=True)
-class Feed:
-    tokens: list[int]  # the rows to run: pending tokens, drafts, mask blocks
-    pending: int
-    drafts: int
-    slots: int  # mask slots per block actually fed (0 for a head-based model)
-    quadratic: bool
-    parents: tuple[int, ...] | None  # a draft tree's parent pointers
-
-    def layout(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Position offsets [Q] and allowed [Q, Q] among the fed rows (masks.step_layout)."""
-        parents = list(self.parents) if self.parents is not None else None
-        return step_layout(self.pending, self.drafts, self.slots, self.quadratic, parents)
-
-
 def stream(model: MTPModel, prompt_ids: list[int], strategy: Strategy, max_new_tokens: int,
-           stop_ids: set[int], seed: int = 0) -> Iterator[Step]:
-    """Yield each step's emitted tokens as soon as they are chosen (one sequence, a DynamicCache)."""
-    sequence = Decoding(model, prompt_ids, strategy, max_new_tokens, stop_ids, seed)
-    cache = new_cache(model.hf)
-    kv = SequenceKV(cache)
+           stop_ids: set[int], seed: int = 0, backend: Backend | None = None) -> Iterator[Step]:
+    """Yield each step's emitted tokens as soon as they are chosen (one sequence in slot 0 of `backend`)."""
+    backend = backend or EagerBackend(model, slots=1)
+    sequence = Decoding(describe(model), prompt_ids, strategy, max_new_tokens, stop_ids, seed)
+    kv = backend.kv(0)
     with torch.inference_mode():
         while not sequence.done:
             feed = sequence.feed()
-            positions, mask = _single_layout(feed, sequence.past, model.dtype)
-            hidden = model.decoder_states(torch.tensor([feed.tokens]), positions, cache, mask)[0]
+            hidden = backend.run(0, [feed], [sequence.past])[0, : len(feed.tokens)]  # [Q, D]
             yield sequence.advance(hidden, kv)
 
 
-def _single_layout(feed: Feed, past: int, dtype: torch.dtype):
-    """A plain causal step needs no positions or mask (HF's fast causal path); others get them built."""
-    if feed.parents is not None:
-        return tree_layout(past, feed.pending, list(feed.parents), dtype)
-    return draft_layout(past, feed.pending, feed.drafts, feed.slots, feed.quadratic, dtype)
-
-
 def generate(model: MTPModel, prompt_ids: list[int], cfg: DecodeConfig, strategy: Strategy | None = None,
-             on_step: Callable[[Step], None] | None = None) -> Generation:
+             on_step: Callable[[Step], None] | None = None, backend: Backend | None = None) -> Generation:
     """Run the loop to the end (calling `on_step` as each block arrives); TTFT and wall-clock measured here."""
-    strategy = strategy or make_strategy(cfg, _thresholds(model))
+    strategy = strategy or make_strategy(cfg, model.meta.decode_thresholds() if model.meta is not None else None)
     result = Generation(prompt_len=len(prompt_ids))
     start = time.perf_counter()
-    for step in stream(model, prompt_ids, strategy, cfg.max_new_tokens, stop_ids(model), cfg.seed):
+    for step in stream(model, prompt_ids, strategy, cfg.max_new_tokens, stop_ids(model), cfg.seed, backend):
         if not result.tokens:
             result.ttft_s = time.perf_counter() - start
         result.tokens.extend(step.tokens)
@@ -173,21 +160,3 @@ def generate(model: MTPModel, prompt_ids: list[int], cfg: DecodeConfig, strategy
             on_step(step)
     result.elapsed_s = time.perf_counter() - start
     return result
-
-
-def stop_ids(model: MTPModel) -> set[int]:
-    """End-of-sequence ids from the generation config and the tokenizer (e.g. <|im_end|>)."""
-    ids: set[int] = set()
-    for source in (getattr(model.hf, "generation_config", None), model.hf.config):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        ids.update([value] if isinstance(value, int) else (value or []))
-    if model.tokenizer.eos_token_id is not None:
-        ids.add(model.tokenizer.eos_token_id)
-    return ids
-
-
-def _thresholds(model: MTPModel) -> dict | None:
-    if model.meta is None:
-        return None
-    return {"k_max": model.meta.k_max, **model.meta.thresholds}
-

@@ -71,4 +71,8 @@ class Measured:
 def make_policy(spec: dict[int, int] | str | None) -> KByBatch | Measured | None:
     if spec is None:
         return None
-    return Measured() if spec == "auto" else KByBatch(spec)
+    if isinstance(spec, str):
+        if spec != "auto":
+            raise ValueError(f"unknown load policy {spec!r}: auto or a {{batch size: k}} table")
+        return Measured()
+    return KByBatch(spec)

@@ -36,6 +36,7 @@ class RaggedCache(Cache):
 
     # ---- the model's side: HF attention calls update() once per layer ------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        assert self._view is not None, "prepare() comes before every pass"
         start, stop, index, used = self._view
         if layer_idx == len(self.keys):
             shape = (self.slots, key_states.shape[1], self.capacity, key_states.shape[3])
@@ -110,7 +111,7 @@ def ragged_pass(model: MTPModel, cache: RaggedCache, start: int, feeds: list, le
     positions = torch.zeros(len(feeds), width, dtype=torch.long)
     allowed = torch.zeros(len(feeds), width, used, dtype=torch.bool)
     allowed[:, :, 0] = True  # padded rows see position 0 of their slot: finite, never read
-    for i, (feed, past) in enumerate(zip(feeds, lengths)):
+    for i, (feed, past) in enumerate(zip(feeds, lengths, strict=False)):
         q = len(feed.tokens)
         offsets, local = feed.layout()
         ids[i, :q] = torch.tensor(feed.tokens)

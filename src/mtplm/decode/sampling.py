@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from mtplm.registry import CONFIDENCE
+
 
 def warp(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Return probabilities [..., V] after temperature, top-k and top-p (nucleus) filtering."""
@@ -33,19 +35,18 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
+@CONFIDENCE.register("top1", "top-1 probability; the paper's")
 def top1_confidence(logits: torch.Tensor) -> torch.Tensor:
     """Top-1 softmax probability per row: logits [K, V] -> [K] (the paper's measure)."""
     return torch.softmax(logits.float(), dim=-1).amax(-1)
 
 
+@CONFIDENCE.register("entropy", "1 - H(p)/log V; doc 000's")
 def entropy_confidence(logits: torch.Tensor) -> torch.Tensor:
     """1 - H(p)/log V per row: logits [K, V] -> [K] (doc 000's measure; 1 = certain, 0 = uniform)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     entropy = -(logp.exp() * logp).sum(-1)
     return 1.0 - entropy / math.log(logits.shape[-1])
-
-
-CONFIDENCE_MEASURES = {"top1": top1_confidence, "entropy": entropy_confidence}
 
 
 def leading_run(passed: torch.Tensor) -> int:

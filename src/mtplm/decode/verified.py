@@ -12,10 +12,7 @@ Drafting: linear feeds one mask block after the last draft, which is useful only
 survives; quadratic feeds a block after the last committed token and after each draft (tree attention),
 so the next pass always has drafts conditioned on exactly the kept prefix.
 
-The window (how many tokens one pass may emit, k) is a policy:
-    fixed      k_max
-    context    min(k_max, len(context) // 2 + 1)  (doc 002 §4.1)
-    adaptive   one more after a pass that keeps all its drafts, back to kept + 2 after a rejection
+How many tokens one pass may emit (its k) is a window policy (windows.py).
 """
 
 from __future__ import annotations
@@ -23,42 +20,9 @@ from __future__ import annotations
 import torch
 
 from mtplm.config import DecodeConfig
+from mtplm.decode.protocol import Outcome, PassLogits, Plan, Strategy
 from mtplm.decode.sampling import leading_run, sample, speculative_accept, warp
-from mtplm.decode.strategies import Outcome, PassLogits, Plan
-
-
-class FixedWindow:
-    def __init__(self, k_max: int) -> None:
-        self.k_max = k_max
-
-    def size(self, context_len: int) -> int:
-        return self.k_max
-
-    def update(self, drafted: int, kept: int) -> None:
-        pass
-
-
-class ContextWindow(FixedWindow):
-    def size(self, context_len: int) -> int:
-        return min(self.k_max, context_len // 2 + 1)
-
-
-class AdaptiveWindow(FixedWindow):
-    def __init__(self, k_max: int) -> None:
-        super().__init__(k_max)
-        self.k = k_max
-
-    def size(self, context_len: int) -> int:
-        return self.k
-
-    def update(self, drafted: int, kept: int) -> None:
-        if kept == drafted and drafted >= self.k - 1:
-            self.k = min(self.k_max, self.k + 1)
-        elif kept < drafted:
-            self.k = max(2, min(self.k_max, kept + 2))
-
-
-WINDOWS = {"fixed": FixedWindow, "context": ContextWindow, "adaptive": AdaptiveWindow}
+from mtplm.registry import STRATEGIES, WINDOWS
 
 
 class Verified:
@@ -66,7 +30,7 @@ class Verified:
 
     def __init__(self, cfg: DecodeConfig) -> None:
         self.cfg = cfg
-        self.window = WINDOWS[cfg.window](cfg.k_max)
+        self.window = WINDOWS.get(cfg.window)(cfg.k_max)
         self.quadratic = cfg.drafting == "quadratic"
         self.drafts: list[int] = []
         self.proposal: torch.Tensor | None = None  # [len(drafts), V]: what each draft was drawn from
@@ -86,7 +50,7 @@ class Verified:
             token = int(target[kept])
         else:
             probs = self._warp(logits.next_token)
-            proposal = self.proposal[:m] if m else probs[:0]
+            proposal = self.proposal[:m] if m and self.proposal is not None else probs[:0]
             kept, token = speculative_accept(probs, drafts, proposal, generator)
         if m:
             self.window.update(m, kept)
@@ -112,11 +76,11 @@ class TreeVerified:
 
     Depth d offers the top tree_widths[d] tokens of head d+2 (1 beyond the list) under every node of
     depth d-1; one pass checks every node against its parent's next-token argmax and keeps the longest
-    agreeing path, whose KV the loop moves up and keeps (cache.keep_rows). The output is plain greedy.
+    agreeing path, whose KV the loop moves up and keeps (the backend's kv.keep_rows). The output is plain greedy.
     """
 
     def __init__(self, cfg: DecodeConfig) -> None:
-        self.window = WINDOWS[cfg.window](cfg.k_max)
+        self.window = WINDOWS.get(cfg.window)(cfg.k_max)
         self.widths = [int(w) for w in cfg.tree_widths.split(",")]
         self.block: torch.Tensor | None = None  # [n, V]: the heads' logits after the last committed token
         self.nodes: list[tuple[int, int]] = []  # (token, parent) of this pass's tree
@@ -126,9 +90,10 @@ class TreeVerified:
         k = max(1, min(self.window.size(context_len), budget))
         self.levels = min(k - 1, 0 if self.block is None else len(self.block))
         self.nodes, frontier = [], [-1]
+        block = self.block if self.block is not None else torch.empty(0, 0)  # no block: levels == 0
         for d in range(self.levels):
             width = self.widths[d] if d < len(self.widths) else 1
-            top = self.block[d].topk(width).indices.tolist()
+            top = block[d].topk(width).indices.tolist()
             frontier = [self._add(token, parent) for parent in frontier for token in top]
         tokens, parents = tuple(t for t, _ in self.nodes), tuple(p for _, p in self.nodes)
         return Plan(k, tokens, k - 1, parents=parents if self.nodes else None)
@@ -152,3 +117,8 @@ class TreeVerified:
             self.window.update(self.levels, len(path))
         self.block = logits.block(current + 1, token)
         return Outcome(len(path), (token,), rows=tuple(path))
+
+
+@STRATEGIES.register("verified", "lossless: drafts from mask slots or heads, kept where the model agrees")
+def _verified(cfg: DecodeConfig, taus: tuple[float, ...] | None) -> Strategy:
+    return TreeVerified(cfg) if cfg.drafting == "tree" else Verified(cfg)

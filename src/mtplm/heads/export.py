@@ -17,8 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mtplm.errors import UserError
-from mtplm.heads.forms import Heads
 from mtplm.files import atomic_dir
+from mtplm.heads.forms import Heads
 from mtplm.model import load_model
 
 WEIGHTS = "model.safetensors"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-FORMS = ("medusa", "sequential")
+from mtplm.registry import HEAD_FORMS
 
 
 class RMSNorm(nn.Module):
@@ -68,17 +68,61 @@ class Depth(nn.Module):
         return y + self.down(nn.functional.silu(self.gate(z)) * self.up(z))
 
 
+class Medusa:
+    """Parallel heads: each block reads the trunk state; one LM-head call drafts them all."""
+
+    @staticmethod
+    def block(dim: int, intermediate: int) -> nn.Module:
+        return ResidualBlock(dim)
+
+    @staticmethod
+    def states(blocks: nn.ModuleList, h: torch.Tensor, tokens: torch.Tensor, embed: nn.Module) -> list[torch.Tensor]:
+        return [block(h) for block in blocks]
+
+    @staticmethod
+    def draft(blocks, h: torch.Tensor, token: int, n: int, embed: nn.Module, lm_head) -> torch.Tensor:
+        return lm_head(torch.stack([block(h) for block in blocks[:n]]))
+
+
+class Sequential:
+    """A chain: each depth reads the previous depth's state and the token it predicts."""
+
+    @staticmethod
+    def block(dim: int, intermediate: int) -> nn.Module:
+        return Depth(dim, intermediate)
+
+    @staticmethod
+    def states(blocks: nn.ModuleList, h: torch.Tensor, tokens: torch.Tensor, embed: nn.Module) -> list[torch.Tensor]:
+        out, x = [], h
+        for d, block in enumerate(blocks, start=1):
+            ahead = torch.cat([tokens[:, d:], tokens[:, -1:].expand(-1, d)], 1)  # [B, T]: token t+d
+            x = block(x, embed(ahead).to(x.dtype))
+            out.append(x)
+        return out
+
+    @staticmethod
+    def draft(blocks, h: torch.Tensor, token: int, n: int, embed: nn.Module, lm_head) -> torch.Tensor:
+        rows, x = [], h
+        for block in blocks[:n]:
+            x = block(x, embed(torch.tensor(token)).to(x.dtype))
+            rows.append(lm_head(x))
+            token = int(rows[-1].argmax())
+        return torch.stack(rows)
+
+
+HEAD_FORMS.register("medusa", "residual MLP heads in parallel (Medusa-1); exports to vLLM's Medusa")(Medusa)
+HEAD_FORMS.register("sequential", "DeepSeek-V3-style chain of one-row transformer blocks")(Sequential)
+
+
 class Heads(nn.Module):
     """Heads 2..K. `states` gives each head's pre-LM-head hidden states; logits come from the shared head."""
 
     def __init__(self, form: str, k: int, dim: int, intermediate: int | None = None) -> None:
         super().__init__()
-        if form not in FORMS:
-            raise ValueError(f"unknown head form {form!r}: use one of {', '.join(FORMS)}")
+        self.shape = HEAD_FORMS.get(form)  # the form's block, training states and drafting
         self.form, self.k, self.dim = form, k, dim
         self.intermediate = intermediate or 2 * dim
-        make = (lambda: ResidualBlock(dim)) if form == "medusa" else (lambda: Depth(dim, self.intermediate))
-        self.blocks = nn.ModuleList(make() for _ in range(k - 1))  # blocks[i] is head i + 2
+        self.blocks = nn.ModuleList(self.shape.block(dim, self.intermediate) for _ in range(k - 1))  # head i + 2
 
     def config(self) -> dict:
         return {"form": self.form, "k": self.k, "dim": self.dim, "intermediate": self.intermediate}
@@ -89,14 +133,7 @@ class Heads(nn.Module):
         The sequential chain is teacher-forced: depth d at row t reads the true token t+d (rows whose
         token lies past the end read the last token; their predictions have no target anyway).
         """
-        if self.form == "medusa":
-            return [block(h) for block in self.blocks]
-        out, x = [], h
-        for d, block in enumerate(self.blocks, start=1):
-            ahead = torch.cat([tokens[:, d:], tokens[:, -1:].expand(-1, d)], 1)  # [B, T]: token t+d
-            x = block(x, embed(ahead).to(x.dtype))
-            out.append(x)
-        return out
+        return self.shape.states(self.blocks, h, tokens, embed)
 
     def draft_logits(self, h: torch.Tensor, token: int, n: int, embed: nn.Module, lm_head) -> torch.Tensor:
         """Decoding: logits [n, V] of heads 2..n+1 from one row's hidden state [D], given the token after it.
@@ -104,14 +141,7 @@ class Heads(nn.Module):
         Medusa heads share one LM-head call; the sequential chain feeds each depth the previous depth's
         greedy token, so it calls the LM head once per depth.
         """
-        if self.form == "medusa":
-            return lm_head(torch.stack([block(h) for block in self.blocks[:n]]))
-        rows, x = [], h
-        for block in self.blocks[:n]:
-            x = block(x, embed(torch.tensor(token)).to(x.dtype))
-            rows.append(lm_head(x))
-            token = int(rows[-1].argmax())
-        return torch.stack(rows)
+        return self.shape.draft(self.blocks, h, token, n, embed, lm_head)
 
 
 def head_lr_scale(k: int) -> float:

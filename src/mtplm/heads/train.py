@@ -34,10 +34,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from mtplm.config import TrainConfig, as_dict
-from mtplm.train.data import Sample, row_ids
-from mtplm.heads.forms import Heads, head_lr_scale, head_weights
 from mtplm.files import atomic_file
+from mtplm.heads.forms import Heads, head_lr_scale, head_weights
 from mtplm.model import MTPModel
+from mtplm.train.data import Sample, row_ids
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class TrunkRow:
     greedy: torch.Tensor  # [L] the trunk's own greedy next token at each row
     start: int  # first row whose next token is part of the response
 
-    def window(self, rows: int, k: int, rng: random.Random) -> "TrunkRow":
+    def window(self, rows: int, k: int, rng: random.Random) -> TrunkRow:
         """`rows` consecutive response rows (plus the k tokens their heads look ahead to), at random."""
         if not rows or len(self.tokens) - self.start <= rows + k:
             return self
@@ -92,7 +92,7 @@ class HeadBatch:
     lengths: torch.Tensor  # [B]
 
     @classmethod
-    def of(cls, rows: list[TrunkRow]) -> "HeadBatch":
+    def of(cls, rows: list[TrunkRow]) -> HeadBatch:
         width, dim = max(len(r.tokens) for r in rows), rows[0].hidden.shape[-1]
         hidden = torch.zeros(len(rows), width, dim)
         tokens = torch.zeros(len(rows), width, dtype=torch.long)
@@ -234,9 +234,9 @@ class HeadTrainer:
 def train_heads(cfg: TrainConfig, progress: bool = True) -> Path:
     """`mtplm train method=heads`: trunk states once, then `steps` head updates; saves run_dir/checkpoint."""
     from mtplm.assets.models import cache_dir, model_identity, resolve_model
-    from mtplm.train.data import load_samples
     from mtplm.bench.plots import training_curves
     from mtplm.train.checkpoint import MetricsLog
+    from mtplm.train.data import load_samples
 
     torch.manual_seed(cfg.seed)
     run_dir = Path(cfg.out)

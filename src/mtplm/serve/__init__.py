@@ -69,36 +69,35 @@ def serve(repository: Repository, host: str, port: int, settings: Settings, shut
     app = create_app(repository, settings)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=int(shutdown_grace_s) + 5, lifespan="off")
-    server = _GracefulServer(config, repository, shutdown_grace_s)
+    server = _graceful_server(config, repository, shutdown_grace_s)
     print(f"mtplm: serving {', '.join(repository.entries)} on http://{host}:{port}/v1", file=sys.stderr, flush=True)
     server.run()
     repository.close(0)
 
 
-class _GracefulServer:
+def _graceful_server(config, repository: Repository, grace_s: float):
     """uvicorn's Server with mtplm's shutdown: on the first signal, refuse new requests (503) but keep
     the connections open, let in-flight requests finish for up to `grace_s`, fail the rest with an
-    error event or body, and only then stop uvicorn (exit status 0). A second signal exits at once."""
+    error event or body, and only then stop uvicorn (exit status 0). A second signal exits at once.
+    (uvicorn is a serving extra, imported here, so the class is made here.)"""
+    import uvicorn
 
-    def __new__(cls, config, repository: Repository, grace_s: float):
-        import uvicorn
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if repository.closing:
+                super().handle_exit(sig, frame)
+                return
+            repository.closing = True
+            threading.Thread(target=self._drain, daemon=True).start()
 
-        class Server(uvicorn.Server):
-            def handle_exit(self, sig, frame) -> None:
-                if repository.closing:
-                    super().handle_exit(sig, frame)
-                    return
-                repository.closing = True
-                threading.Thread(target=self._drain, daemon=True).start()
+        def _drain(self) -> None:
+            repository.close(grace_s)
+            deadline = time.monotonic() + 10  # let the failed requests' last bytes go out
+            while repository.in_flight and time.monotonic() < deadline:
+                time.sleep(0.02)
+            self.should_exit = True
 
-            def _drain(self) -> None:
-                repository.close(grace_s)
-                deadline = time.monotonic() + 10  # let the failed requests' last bytes go out
-                while repository.in_flight and time.monotonic() < deadline:
-                    time.sleep(0.02)
-                self.should_exit = True
-
-        return Server(config)
+    return Server(config)
 
 
 def _check_exposure(host: str, settings: Settings) -> None:

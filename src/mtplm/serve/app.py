@@ -7,16 +7,26 @@ import asyncio
 import hmac
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from mtplm.serve.metrics import Metrics
-from mtplm.serve.protocol import (APIError, ChatRequest, CompletionRequest, Limits, decode_config, max_tokens, message_text,
-                       new_id, now, stops)
+from mtplm.serve.protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    Limits,
+    decode_config,
+    max_tokens,
+    message_text,
+    new_id,
+    now,
+    stops,
+)
 from mtplm.serve.repository import Loaded, Repository
 from mtplm.serve.run import Piece, Run
 
@@ -36,19 +46,7 @@ def create_app(repository: Repository, settings: Settings, metrics: Metrics | No
     metrics = metrics or Metrics()
     repository.on_pass = metrics.on_pass
     app.state.repository, app.state.metrics, app.state.settings = repository, metrics, settings
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(404)
-    async def not_found(request: Request, exc) -> JSONResponse:
-        return JSONResponse(APIError(404, f"no route {request.method} {request.url.path}: see /v1/models, "
-                                          "/v1/completions, /v1/chat/completions", None, "not_found").body(), 404)
-
-    @app.exception_handler(405)
-    async def wrong_method(request: Request, exc) -> JSONResponse:
-        return JSONResponse(APIError(405, f"{request.method} is not allowed on {request.url.path}").body(), 405)
+    _error_handlers(app)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -64,7 +62,8 @@ def create_app(repository: Repository, settings: Settings, metrics: Metrics | No
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         _authorize(request, settings)
-        return JSONResponse({"object": "list", "data": [_model_card(e, repository) for e in repository.entries.values()]})
+        cards = [_model_card(e, repository) for e in repository.entries.values()]
+        return JSONResponse({"object": "list", "data": cards})
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request) -> JSONResponse:
@@ -91,6 +90,23 @@ def create_app(repository: Repository, settings: Settings, metrics: Metrics | No
         return await _respond(request, "chat", req, loaded, [ids], budget, settings, metrics)
 
     return app
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """OpenAI-style error bodies for our own errors, unknown routes and wrong methods."""
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, exc) -> JSONResponse:
+        return JSONResponse(APIError(404, f"no route {request.method} {request.url.path}: see /v1/models, "
+                                          "/v1/completions, /v1/chat/completions", None, "not_found").body(), 404)
+
+    @app.exception_handler(405)
+    async def wrong_method(request: Request, exc) -> JSONResponse:
+        return JSONResponse(APIError(405, f"{request.method} is not allowed on {request.url.path}").body(), 405)
 
 
 # ---- request side --------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ class Metrics:
         self.padding.labels(model).inc(stats.padding)
         if stats.kind == "decode":
             self.batch.labels(model).observe(stats.sequences)
-        for label, step in zip(stats.labels, stats.steps):
+        for label, step in zip(stats.labels, stats.steps, strict=False):
             self.tokens.labels(model, label).inc(len(step.tokens))
             self.sequence_passes.labels(model, label).inc()
             self.per_pass.labels(model, label).observe(len(step.tokens))

@@ -3,19 +3,18 @@
 Requests are pydantic models that forbid unknown fields (a typo such as `temprature` is a 400 that
 names it, not a silently ignored setting). OpenAI parameters mtplm does not implement are accepted only
 at their neutral values and otherwise refused with a message saying so. mtplm's own field is `mode`
-(config.MODE_GRAMMAR), sent by the official client as `extra_body={"mode": "confadapt:0.9"}`.
+(config.mode_grammar()), sent by the official client as `extra_body={"mode": "confadapt:0.9"}`.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mtplm.config import DecodeConfig, MODE_GRAMMAR, parse_mode
+from mtplm.config import DecodeConfig, Limits, mode_grammar, parse_mode
 from mtplm.errors import UserError
 
 MAX_CHOICES = 8
@@ -53,7 +52,7 @@ class _Sampling(BaseModel):
     stop: Optional[Union[str, list[str]]] = None
     seed: Optional[int] = None
     user: Optional[str] = None
-    mode: Optional[str] = Field(default=None, description=f"mtplm decoding mode: {MODE_GRAMMAR}")
+    mode: Optional[str] = Field(default=None, description=f"mtplm decoding mode: {mode_grammar()}")
     top_k: Optional[int] = None  # vLLM's extension, also through extra_body
     ignore_eos: bool = False  # vLLM's extension: always decode max_tokens (load tests)
     # OpenAI parameters accepted only at their neutral values
@@ -87,20 +86,12 @@ class ChatRequest(_Sampling):
     response_format: Optional[dict[str, Any]] = None
 
 
-@dataclass
-class Limits:
-    """The server's bounds on one request."""
-
-    max_tokens: int = 4096  # largest max_tokens accepted
-    default_max_tokens: int = 256  # chat requests that give none (completions default to OpenAI's 16)
-    context: int = 2048  # prompt + max_tokens must fit (further capped by the model's own context)
-
 
 def decode_config(req: _Sampling, default_mode: str, max_tokens: int) -> DecodeConfig:
     """The request's sampling fields as a DecodeConfig; every refusal names the field."""
     _neutral(req)
     if req.mode is not None and not req.mode.strip():
-        raise APIError(400, f"mode is empty: use {MODE_GRAMMAR}", "mode")
+        raise APIError(400, f"mode is empty: use {mode_grammar()}", "mode")
     try:
         cfg = parse_mode(req.mode or default_mode)
     except UserError as exc:

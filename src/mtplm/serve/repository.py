@@ -6,7 +6,7 @@ A repository is a directory with a `models.toml` manifest:
     id = "smollm2-mtp"                # the request's `model` field
     path = "smollm2-135m-mtp"         # a checkpoint directory (relative to the manifest), shipped
                                       # checkpoint name, or base model (plain decoding only)
-    mode = "confadapt"                # default decoding mode (config.MODE_GRAMMAR); optional
+    mode = "confadapt"                # default decoding mode (config.mode_grammar()); optional
     dtype = "bf16"                    # optional
     description = "SmolLM2-135M, mask-token MTP, k_max 8"   # optional
 
@@ -22,14 +22,16 @@ import gc
 import math
 import threading
 import time
-import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+
+import tomllib
 
 from mtplm.decode.engine import Engine, PassStats
 from mtplm.errors import UserError
-from mtplm.model import META_FILE, MTPModel, load_model
+from mtplm.model import MTPModel, load_model
+from mtplm.modelio import META_FILE, read_meta, shipped
 from mtplm.serve.protocol import APIError
 
 MANIFEST = "models.toml"
@@ -57,7 +59,7 @@ class Loaded:
     @property
     def nbytes(self) -> int:
         """Weights plus the engine's KV store, which grows with the longest context it has served."""
-        return self.weight_bytes + self.engine.cache.nbytes()
+        return self.weight_bytes + self.engine.backend.nbytes()
 
     @property
     def busy(self) -> bool:
@@ -143,7 +145,8 @@ class Repository:
             raise APIError(500, f"model {entry.id!r} failed to load: {exc}", "model", "model_load_failed",
                            "server_error") from None
         mode = entry.mode or self.default_mode or ("ntp" if model.meta is None else "confadapt")
-        callback = (lambda stats: self.on_pass(entry.id, stats)) if self.on_pass else None
+        on_pass = self.on_pass
+        callback = (lambda stats: on_pass(entry.id, stats)) if on_pass is not None else None
         engine = Engine(model, self.max_batch, on_pass=callback, k_by_batch=self.k_by_batch)
         nbytes = sum(p.numel() * p.element_size() for p in model.hf.parameters())
         loaded = Loaded(entry, model, engine, mode, nbytes)
@@ -184,9 +187,8 @@ def _estimate(entry: Entry) -> int:
     from safetensors import safe_open
 
     from mtplm.assets.models import resolve_model
-    from mtplm.model import _read_meta, _shipped
 
-    path, numel = _shipped(entry.path) or Path(entry.path), 0
+    path, numel = shipped(entry.path) or Path(entry.path), 0
     for _ in range(3):  # a checkpoint, its base, at most one more level
         try:
             if not path.exists():
@@ -198,10 +200,10 @@ def _estimate(entry: Entry) -> int:
             break
         if not (path / META_FILE).is_file():
             break
-        meta = _read_meta(path)
+        meta = read_meta(path)
         if not (meta.delta or meta.method == "heads"):
             break
-        path = _shipped(meta.base_model["spec"]) or Path(meta.base_model["spec"])
+        path = shipped(meta.base_model["spec"]) or Path(meta.base_model["spec"])
     return numel * (4 if entry.dtype == "fp32" else 2)
 
 

@@ -11,16 +11,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from mtplm.config import DecodeConfig
-from mtplm.decode.loop import Step
 from mtplm.decode.engine import EngineClosed, Job
+from mtplm.decode.loop import Step
 from mtplm.errors import UserError
-from mtplm.text import StreamDecoder
 from mtplm.serve.protocol import APIError
 from mtplm.serve.repository import Loaded
+from mtplm.text import StreamDecoder
 
 
 class TextStream:
@@ -89,7 +89,7 @@ class Run:
                     ignore_eos=ignore_eos)
                 for i, ids in enumerate(prompts) for j in range(n)]
         try:
-            for choice, job in zip(self.choices, jobs):
+            for choice, job in zip(self.choices, jobs, strict=False):
                 choice.job = loaded.engine.submit(job)
         except UserError as exc:
             self.cancel()
@@ -134,7 +134,8 @@ class Run:
         text = choice.text.push(step.tokens)
         if choice.text.stopped:
             choice.finish_reason = "stop"
-            self.loaded.engine.cancel(choice.job)  # nothing after a stop string is needed
+            if choice.job is not None:
+                self.loaded.engine.cancel(choice.job)  # nothing after a stop string is needed
         elif step.last:
             text += choice.text.finish()
             choice.finish_reason = "stop" if step.stopped or choice.text.stopped else "length"

@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from mtplm.errors import UserError
+from mtplm.text import chat_prompt_ids
 from mtplm.train.slots import TokenBatch
 
 
@@ -25,16 +26,6 @@ from mtplm.train.slots import TokenBatch
 class Sample:
     prompt_ids: list[int]  # chat-formatted prompt (empty for plain text)
     response_ids: list[int]  # the text to learn to predict, ending with EOS
-
-
-def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
-    if not prompt.strip():
-        raise UserError("the prompt is empty: give some text to answer")
-    if tokenizer.chat_template:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer(prompt)["input_ids"]
 
 
 def load_samples(spec: str, tokenizer, hf_model, run_dir: Path, cfg) -> list[Sample]:
@@ -95,7 +86,7 @@ def self_generate(hf_model, tokenizer, prompt_set_name: str, cfg, cache_file: Pa
             with torch.inference_mode():
                 out = hf_model.generate(ids, attention_mask=attention, max_new_tokens=cfg.self_gen_max_new_tokens,
                                         do_sample=False, pad_token_id=pad)
-            for example, row in zip(chunk, out[:, width:]):
+            for example, row in zip(chunk, out[:, width:], strict=False):
                 text = tokenizer.decode(row, skip_special_tokens=True)
                 record = {"prompt": example.prompt, "response": text, "id": example.id}
                 sink.write(json.dumps(record) + "\n")
@@ -118,7 +109,7 @@ class BatchStream:
         self.order = list(range(len(samples)))
         self.index = len(samples)  # past the end: the first batch shuffles
 
-    def __iter__(self) -> "BatchStream":
+    def __iter__(self) -> BatchStream:
         return self
 
     def __next__(self) -> TokenBatch:

@@ -26,7 +26,8 @@ def soft_teacher_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:
     """Mean entropy (nats) of the rows of logits [N, V]."""
-    logp = torch.log_softmax(logits, -1)
+    # the mask token's logit is -inf: a finite floor keeps 0 * (-inf) = NaN out of the sum
+    logp = torch.log_softmax(logits.clamp(min=-1e4), -1)
     return -(logp.exp() * logp).sum(-1).mean()
 
 

@@ -16,9 +16,9 @@ Shapes: B batch, L ground truth, M regions, k predictions per region, K = k-1 sl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -64,7 +64,8 @@ class GroundTruthStore:
         length = batch.ids.shape[1]
         states = [self.states[int(i)] for i in batch.indices]
         pad = lambda t, dim: torch.nn.functional.pad(t, [0, 0] * (t.dim() - dim - 1) + [0, length - t.shape[dim]])  # noqa: E731
-        layers = [(torch.cat([pad(s.layers[n][0], 2) for s in states]), torch.cat([pad(s.layers[n][1], 2) for s in states]))
+        layers = [(torch.cat([pad(s.layers[n][0], 2) for s in states]),
+                   torch.cat([pad(s.layers[n][1], 2) for s in states]))
                   for n in range(len(states[0].layers))]
         return cache_from_layers(model.hf, layers), torch.stack([pad(s.hidden, 0) for s in states])
 

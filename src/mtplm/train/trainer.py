@@ -22,7 +22,7 @@ from torch import nn
 from tqdm import tqdm
 
 from mtplm.bench.plots import training_curves
-from mtplm.config import TrainConfig, as_dict
+from mtplm.config import Thresholds, TrainConfig, as_dict
 from mtplm.errors import UserError
 from mtplm.model import MTPModel
 from mtplm.registry import OBJECTIVES, TRAINABLE
@@ -300,7 +300,7 @@ def _add_mask_token(model: MTPModel, cfg: TrainConfig) -> None:
     from mtplm.assets.models import model_identity, resolve_model
 
     model.add_mask_token(cfg.k_max, model_identity(resolve_model(cfg.model)), seed=cfg.seed)
-    model.meta.thresholds = {"tau": cfg.tau, "confidence": "top1", "k_max": cfg.k_max}
+    model.meta.thresholds = Thresholds(tau=cfg.tau, k_max=cfg.k_max).to_json()  # k_max: once, in meta
 
 
 def _unsharded(cfg: TrainConfig, world: World, sharded: MTPModel, weights: dict) -> MTPModel:

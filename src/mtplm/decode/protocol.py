@@ -1,0 +1,114 @@
+"""The types a decoding strategy is written against: the plan of a pass, its outcome, its logits.
+
+Every strategy answers two questions per step and keeps whatever state it adapts:
+    plan(context_len, budget)   -> Plan: drafts to verify, mask slots per block, their layout
+    choose(logits, generator)   -> Outcome: drafts kept, and the new tokens that follow them
+Strategies (strategies.py, verified.py) and the loop (loop.py) import these; none imports the other.
+
+Shapes: m drafts, V vocabulary, D hidden.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Protocol
+
+import torch
+
+from mtplm.config import Thresholds
+from mtplm.masks import step_layout
+
+
+@dataclass(frozen=True)
+class Plan:
+    k: int  # most tokens the pass can emit
+    drafts: tuple[int, ...] = ()  # guesses fed after the pending tokens; this pass verifies them
+    slots: int = 0  # mask slots per block
+    quadratic: bool = False  # a block after every prefix of the drafts (else one after the last fed token)
+    parents: tuple[int, ...] | None = None  # a draft tree: each draft's parent (-1: the last committed token)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    accepted: int  # drafts kept: their KV stays cached
+    new: tuple[int, ...]  # tokens chosen after them (fed, and cached, next step)
+    rows: tuple[int, ...] | None = None  # which drafts were kept, when they are not the first `accepted` (a tree)
+
+
+class PassLogits:
+    """One pass's logits, computed from its final hidden states only where a strategy asks.
+
+    hidden [1 + m + blocks*slots, D]: the last pending token, the m drafts, then the mask blocks. A
+    head-based model has no mask rows: its `drafter(hidden row, next token, n)` gives the block after
+    any prefix of the drafts. `logits`, when given, are the LM head's output for (a prefix of) those
+    rows, already computed in one call for a whole batch.
+    """
+
+    def __init__(self, head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, drafts: int,
+                 slots: int, quadratic: bool, drafter: Callable | None = None,
+                 logits: torch.Tensor | None = None) -> None:
+        self._head, self._hidden, self.drafts, self.slots, self.quadratic = head, hidden, drafts, slots, quadratic
+        self._drafter, self._logits = drafter, logits
+
+    def _rows(self, start: int, stop: int) -> torch.Tensor:
+        if self._logits is not None and stop <= len(self._logits):
+            return self._logits[start:stop]
+        return self._head(self._hidden[start:stop])
+
+    @cached_property
+    def next_token(self) -> torch.Tensor:
+        """[m+1, V]: the next-token logits at the last committed token and after each draft."""
+        return self._rows(0, self.drafts + 1)
+
+    def block(self, after: int, token: int | None = None) -> torch.Tensor | None:
+        """[slots, V]: the block that follows the first `after` drafts and then `token`, if this pass has one."""
+        if not self.slots:
+            return None
+        if self._drafter is not None:  # heads read the block from row `after`, given the token that follows it
+            token = int(self.next_token[after].argmax()) if token is None else token
+            return self._drafter(self._hidden[after], token, self.slots)
+        if not self.quadratic:
+            if after != self.drafts:
+                return None
+            after = 0
+        start = self.drafts + 1 + after * self.slots
+        return self._rows(start, start + self.slots)
+
+    def candidates(self) -> torch.Tensor:
+        """[1 + slots, V]: next token and block of a draft-free pass (the lossy strategies' block)."""
+        block = self.block(self.drafts)
+        return self.next_token if block is None else torch.cat([self.next_token[-1:], block])
+
+
+class Strategy(Protocol):
+    def plan(self, context_len: int, budget: int) -> Plan: ...
+
+    def choose(self, logits: PassLogits, generator: torch.Generator) -> Outcome: ...
+
+
+@dataclass(frozen=True)
+class Feed:
+    tokens: list[int]  # the rows to run: pending tokens, drafts, mask blocks
+    pending: int
+    drafts: int
+    slots: int  # mask slots per block actually fed (0 for a head-based model)
+    quadratic: bool
+    parents: tuple[int, ...] | None  # a draft tree's parent pointers
+
+    def layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Position offsets [Q] and allowed [Q, Q] among the fed rows (masks.step_layout)."""
+        parents = list(self.parents) if self.parents is not None else None
+        return step_layout(self.pending, self.drafts, self.slots, self.quadratic, parents)
+
+
+@dataclass(frozen=True)
+class DecodeModel:
+    """What decoding needs from a model, and nothing else (backends.describe builds it from an MTPModel)."""
+
+    head: Callable[[torch.Tensor], torch.Tensor]  # final hidden states [..., D] -> float32 logits [..., V]
+    mask_id: int | None  # the <mtp> token; None for base and head-based models
+    draft_block: Callable[[torch.Tensor, int, int], torch.Tensor] | None  # heads: (row [D], next token, n) -> [n, V]
+    stop_ids: frozenset[int]  # end-of-sequence ids
+    thresholds: Thresholds | None  # the checkpoint's decoding defaults; None for a base model
