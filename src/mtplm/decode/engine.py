@@ -43,6 +43,8 @@ class Job:
     emit: Callable[[Step | None, BaseException | None], None]
     label: str = ""  # the mode as the caller named it (metrics)
     ignore_eos: bool = False  # decode max_new_tokens whatever the model emits (load tests)
+    logprobs: int | None = None  # Step.logprobs with this many alternatives per token (None: off)
+    echo: bool = False  # with logprobs: also the prompt's token logprobs (first step)
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
     decoding: Decoding = field(init=False)  # set by Engine.submit
@@ -83,7 +85,8 @@ class Engine:
         """Queue a job; raises UserError for a bad configuration, EngineClosed while shutting down."""
         strategy = make_strategy(job.cfg, self.spec.thresholds)
         job.decoding = Decoding(self.spec, job.prompt_ids, strategy, job.cfg.max_new_tokens,
-                                set() if job.ignore_eos else self.spec.stop_ids, job.cfg.seed)
+                                set() if job.ignore_eos else self.spec.stop_ids, job.cfg.seed,
+                                logprobs=job.logprobs, echo=job.echo)
         with self._wake:
             if self.closing:
                 raise EngineClosed("the server is shutting down")

@@ -19,6 +19,7 @@ import torch
 from mtplm.config import DecodeConfig
 from mtplm.decode.backends import KV, Backend, EagerBackend, describe
 from mtplm.decode.backends import stop_ids as stop_ids
+from mtplm.decode.logprobs import TokenLogprob, prompt_logprobs, step_logprobs
 from mtplm.decode.protocol import DecodeModel, Feed, PassLogits, Plan, Strategy
 from mtplm.decode.strategies import make_strategy
 from mtplm.errors import UserError
@@ -34,6 +35,8 @@ class Step:
     drafted: int = 0  # drafts verified by this pass (verified mode)
     accepted: int = 0  # of which kept
     last: bool = False  # the generation ends here (a stop token, or max_new_tokens reached)
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per emitted token, when the Decoding asked for them
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # prompt tokens 1.. (first step, when asked)
 
 
 @dataclass
@@ -70,7 +73,8 @@ class Decoding:
     """
 
     def __init__(self, model: DecodeModel, prompt_ids: list[int], strategy: Strategy, max_new_tokens: int,
-                 stop_ids: set[int] | frozenset[int], seed: int = 0) -> None:
+                 stop_ids: set[int] | frozenset[int], seed: int = 0, logprobs: int | None = None,
+                 echo: bool = False) -> None:
         if not prompt_ids:
             raise UserError("the prompt is empty: give at least one token of input")
         self.model, self.strategy, self.stop_ids = model, strategy, stop_ids
@@ -82,6 +86,9 @@ class Decoding:
         self.done = False
         self.plan: Plan | None = None
         self.cap: int | None = None  # most tokens one pass may emit, set from outside (the engine's load policy)
+        # opt-in (decode/logprobs.py): top-N alternatives per emitted token (None: no logprobs at all),
+        # and the prompt's own token logprobs from the prefill pass
+        self.logprobs, self.echo = logprobs, echo
 
     def feed(self) -> Feed:
         """The next pass's rows: the pending tokens, the plan's drafts, and its mask blocks."""
@@ -123,10 +130,15 @@ class Decoding:
         stop_at = next((i for i, t in enumerate(new) if t in self.stop_ids), None)
         stopped = stop_at is not None
         new = new[: stop_at + 1] if stop_at is not None else new[: self.max_new_tokens - self.produced]
+        scored = prompt = None
+        if self.logprobs is not None:
+            scored = tuple(step_logprobs(rows, outcome, kept, self.logprobs)[: len(new)])
+            if self.echo and start == pending:  # the first pass fed the whole prompt
+                prompt = tuple(prompt_logprobs(self.model.head, hidden, self.pending, self.logprobs))
         self.produced += len(new)
         self.pending = list(outcome.new)
         self.done = stopped or self.produced >= self.max_new_tokens
-        return Step(new, plan.k, self.past, stopped, len(plan.drafts), outcome.accepted, self.done)
+        return Step(new, plan.k, self.past, stopped, len(plan.drafts), outcome.accepted, self.done, scored, prompt)
 
 
 def stream(model: MTPModel, prompt_ids: list[int], strategy: Strategy, max_new_tokens: int,

@@ -23,6 +23,7 @@ def warp(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: 
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
         drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+        drop[..., 0] = False  # a top_p below float32's resolution (1e-300 rounds to 0) must not drop it: no NaN
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum(-1, keepdim=True)

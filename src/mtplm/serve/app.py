@@ -1,11 +1,13 @@
 """The HTTP surface: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus /health and
-/metrics. Every error a client can cause is an OpenAI-style {"error": {...}} body with a 4xx status."""
+/metrics. Every error a client can cause is an OpenAI-style {"error": {...}} body with a 4xx status; an
+unexpected error anywhere is one JSON 500 (Guard), counted in the metrics, and the connection stays usable."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -14,23 +16,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from mtplm.config import Limits
+from mtplm.serve import checks
 from mtplm.serve.metrics import Metrics
-from mtplm.serve.protocol import (
-    APIError,
-    ChatRequest,
-    CompletionRequest,
-    Limits,
-    decode_config,
-    max_tokens,
-    message_text,
-    new_id,
-    now,
-    stops,
-)
+from mtplm.serve.protocol import APIError, ChatRequest, CompletionRequest, message_text, new_id, now
 from mtplm.serve.repository import Loaded, Repository
-from mtplm.serve.run import Piece, Run
+from mtplm.serve.run import Options, Piece, Run
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+IGNORED_HEADER = "X-Mtplm-Ignored-Fields"
+log = logging.getLogger("mtplm.serve")
 
 
 @dataclass
@@ -47,6 +42,7 @@ def create_app(repository: Repository, settings: Settings, metrics: Metrics | No
     repository.on_pass = metrics.on_pass
     app.state.repository, app.state.metrics, app.state.settings = repository, metrics, settings
     _error_handlers(app)
+    app.add_middleware(Guard, metrics=metrics)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -77,17 +73,21 @@ def create_app(repository: Repository, settings: Settings, metrics: Metrics | No
         req: CompletionRequest = await _parse(request, CompletionRequest, settings, repository)
         loaded = await repository.get(req.model)
         prompts = _completion_prompts(req.prompt, loaded)
-        budget = max(max_tokens(req, len(ids), settings.limits, _context(loaded), COMPLETIONS_DEFAULT_MAX_TOKENS)
-                     for ids in prompts)
-        return await _respond(request, "completions", req, loaded, prompts, budget, settings, metrics)
+        budget = max(checks.max_tokens(req, len(ids), settings.limits, _context(loaded),
+                                       COMPLETIONS_DEFAULT_MAX_TOKENS) for ids in prompts)
+        echo = [_echo_text(req.prompt, ids, i, loaded) for i, ids in enumerate(prompts)] if req.echo else None
+        options = Options(checks.stops(req), req.ignore_eos, checks.logprobs(req), echo)
+        return await _respond(request, "completions", req, loaded, prompts, budget, options, settings)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req: ChatRequest = await _parse(request, ChatRequest, settings, repository)
         loaded = await repository.get(req.model)
         ids = _chat_prompt(req, loaded)
-        budget = max_tokens(req, len(ids), settings.limits, _context(loaded), settings.limits.default_max_tokens)
-        return await _respond(request, "chat", req, loaded, [ids], budget, settings, metrics)
+        budget = checks.max_tokens(req, len(ids), settings.limits, _context(loaded),
+                                   settings.limits.default_max_tokens)
+        options = Options(checks.stops(req), req.ignore_eos, checks.logprobs(req), chat=True)
+        return await _respond(request, "chat", req, loaded, [ids], budget, options, settings)
 
     return app
 
@@ -107,6 +107,45 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(405)
     async def wrong_method(request: Request, exc) -> JSONResponse:
         return JSONResponse(APIError(405, f"{request.method} is not allowed on {request.url.path}").body(), 405)
+
+
+class Guard:
+    """Pure ASGI middleware around every route: `/v1/completions/` routes as `/v1/completions` (no 307
+    redirect), and an unexpected exception becomes an OpenAI-style JSON 500, logged and counted in
+    mtplm_requests_total. It is answered, not re-raised, so uvicorn keeps a keep-alive connection open
+    (a re-raised error makes it reset the connection under the client's next request)."""
+
+    def __init__(self, app, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        if len(path) > 1 and path.endswith("/"):
+            scope = {**scope, "path": path.rstrip("/") or "/", "raw_path": None}
+        started = False
+
+        async def tracked(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception:
+            log.exception("unexpected error answering %s %s", scope.get("method"), path)
+            endpoint = "chat" if "chat" in path else "completions" if "completions" in path else "other"
+            self.metrics.requests.labels(endpoint, "", "500").inc()
+            if started:  # a streamed body already began: nothing valid can be added to it
+                return
+            body = json.dumps(APIError(500, "internal server error: the request failed unexpectedly; it has been "
+                                            "logged", None, "internal_error", "server_error").body()).encode()
+            await send({"type": "http.response.start", "status": 500,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body})
 
 
 # ---- request side --------------------------------------------------------------------------------
@@ -146,7 +185,7 @@ async def _parse(request: Request, schema: type[BaseModel], settings: Settings, 
             message = "the request body is not valid JSON"
         else:
             message = f"{where}: {first['msg']}"
-        raise APIError(400, message, where if where != "body" else None) from None
+        raise APIError(400, message, str(first["loc"][0]) if first["loc"] else None) from None
 
 
 def _context(loaded: Loaded) -> int:
@@ -166,9 +205,17 @@ def _completion_prompts(prompt, loaded: Loaded) -> list[list[int]]:
         raise APIError(400, "the prompt is empty: send some text (or token ids)", "prompt")
     if len(prompts) > 8:
         raise APIError(400, f"at most 8 prompts per request, got {len(prompts)}", "prompt")
-    if any(not 0 <= t < vocab for ids in prompts for t in ids):
-        raise APIError(400, f"token ids must lie in [0, {vocab})", "prompt")
+    checks.prompt_ids(prompts, loaded.engine.spec, vocab, "prompt")
     return prompts
+
+
+def _echo_text(prompt, ids: list[int], index: int, loaded: Loaded) -> str:
+    """The text `echo` sends before prompt `index`'s completion: as given, or its token ids decoded."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        return prompt[index]
+    return loaded.model.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def _chat_prompt(req: ChatRequest, loaded: Loaded) -> list[int]:
@@ -184,7 +231,9 @@ def _chat_prompt(req: ChatRequest, loaded: Loaded) -> list[int]:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as exc:  # the template's own checks (roles, order)
         raise APIError(400, f"the chat template rejected these messages: {exc}", "messages") from None
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    checks.prompt_ids([ids], loaded.engine.spec, len(tokenizer), "messages")
+    return ids
 
 
 def _model_card(entry, repository: Repository) -> dict:
@@ -195,19 +244,25 @@ def _model_card(entry, repository: Repository) -> dict:
 
 # ---- response side -------------------------------------------------------------------------------
 async def _respond(request: Request, endpoint: str, req, loaded: Loaded, prompts: list[list[int]], budget: int,
-                   settings: Settings, metrics: Metrics):
-    cfg = decode_config(req, loaded.default_mode, budget)
+                   options: Options, settings: Settings):
+    cfg = checks.decode_config(req, loaded.engine.spec, loaded.default_mode, budget)
+    ignored = req.ignored_fields()
+    if ignored:
+        log.info("ignored request fields (no effect on local decoding): %s", ", ".join(ignored))
+    headers = {IGNORED_HEADER: ", ".join(ignored)} if ignored else {}
     label = req.mode or loaded.default_mode
-    run = Run(loaded, prompts, req.n, cfg, stops(req), label, req.ignore_eos)
+    run = Run(loaded, prompts, req.n, cfg, label, options)
     repository: Repository = request.app.state.repository
+    metrics: Metrics = request.app.state.metrics
     repository.in_flight += 1
     started = time.perf_counter()
     kind = "text_completion" if endpoint == "completions" else "chat.completion"
     head = {"id": new_id("cmpl" if endpoint == "completions" else "chatcmpl"), "created": now(), "model": req.model}
 
-    def finished(status: int) -> None:
+    def finished(status: int, count: bool = True) -> None:
         repository.in_flight -= 1
-        metrics.requests.labels(endpoint, req.model, str(status)).inc()
+        if count:  # an unexpected error is counted once, by Guard
+            metrics.requests.labels(endpoint, req.model, str(status)).inc()
         metrics.latency.labels(endpoint, req.model).observe(time.perf_counter() - started)
         if run.first_token_s is not None:
             metrics.ttft.labels(req.model).observe(run.first_token_s)
@@ -217,15 +272,18 @@ async def _respond(request: Request, endpoint: str, req, loaded: Loaded, prompts
         events = _sse(run, endpoint, {**head, "object": f"{kind}.chunk" if endpoint == "chat" else kind},
                       prompts, include_usage, finished)
         return StreamingResponse(events, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
     try:
         await _until_done(request, run, settings)
     except APIError as exc:
         finished(exc.status)
         raise
+    except Exception:
+        finished(500, count=False)
+        raise
     finished(200)
     choices = [_final_choice(endpoint, c) for c in run.choices]
-    return JSONResponse({**head, "object": kind, "choices": choices, "usage": run.usage(prompts)})
+    return JSONResponse({**head, "object": kind, "choices": choices, "usage": run.usage(prompts)}, headers=headers)
 
 
 async def _until_done(request: Request, run: Run, settings: Settings) -> None:
@@ -252,10 +310,11 @@ async def _drain(run: Run) -> None:
 
 def _final_choice(endpoint: str, choice) -> dict:
     text = "".join(choice.pieces)
+    logprobs = choice.merged_logprobs()
     if endpoint == "completions":
-        return {"index": choice.index, "text": text, "logprobs": None, "finish_reason": choice.finish_reason}
+        return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
     return {"index": choice.index, "message": {"role": "assistant", "content": text},
-            "logprobs": None, "finish_reason": choice.finish_reason}
+            "logprobs": logprobs, "finish_reason": choice.finish_reason}
 
 
 async def _sse(run: Run, endpoint: str, head: dict, prompts, include_usage: bool, finished) -> AsyncIterator[str]:
@@ -268,7 +327,7 @@ async def _sse(run: Run, endpoint: str, head: dict, prompts, include_usage: bool
                 yield _event({**head, "choices": [{"index": choice.index, "delta": {"role": "assistant", "content": ""},
                                                    "logprobs": None, "finish_reason": None}]})
         async for piece in run.pieces():
-            if piece.text or piece.final:
+            if piece.text or piece.final or _has_entries(piece.logprobs):
                 yield _event({**head, "choices": [_delta(endpoint, piece)]})
         if include_usage:
             yield _event({**head, "choices": [], "usage": run.usage(prompts)})
@@ -278,18 +337,27 @@ async def _sse(run: Run, endpoint: str, head: dict, prompts, include_usage: bool
     except asyncio.CancelledError:
         status = 499
         raise
+    except Exception:  # the headers are sent: the error goes out as an event, the stream still ends cleanly
+        log.exception("unexpected error while streaming")
+        status = 500
+        yield _event(APIError(500, "internal server error while streaming; it has been logged", None,
+                              "internal_error", "server_error").body())
     finally:
         run.cancel()
         finished(status)
     yield "data: [DONE]\n\n"
 
 
+def _has_entries(logprobs: dict | None) -> bool:
+    return bool(logprobs and (logprobs.get("content") or logprobs.get("tokens")))
+
+
 def _delta(endpoint: str, piece: Piece) -> dict:
     if endpoint == "completions":
-        return {"index": piece.choice.index, "text": piece.text, "logprobs": None,
+        return {"index": piece.choice.index, "text": piece.text, "logprobs": piece.logprobs,
                 "finish_reason": piece.choice.finish_reason if piece.final else None}
     delta = {"content": piece.text} if piece.text else {}
-    return {"index": piece.choice.index, "delta": delta, "logprobs": None,
+    return {"index": piece.choice.index, "delta": delta, "logprobs": piece.logprobs,
             "finish_reason": piece.choice.finish_reason if piece.final else None}
 
 

@@ -1,9 +1,16 @@
 """The OpenAI wire format: request bodies validated into one internal request, and response bodies.
 
-Requests are pydantic models that forbid unknown fields (a typo such as `temprature` is a 400 that
-names it, not a silently ignored setting). OpenAI parameters mtplm does not implement are accepted only
-at their neutral values and otherwise refused with a message saying so. mtplm's own field is `mode`
-(config.mode_grammar()), sent by the official client as `extra_body={"mode": "confadapt:0.9"}`.
+Field policy (like vLLM's, but stricter about typos). Requests are pydantic models in strict mode
+(`true` is not a number, `"2"` is not an integer, NaN and infinities are refused) that forbid unknown
+fields: a typo such as `temprature` is a 400 that names it, not a silently ignored setting.
+- OpenAI fields that cannot change what a local model decodes (IGNORED: `store`, `metadata`,
+  `service_tier`, `user`, `parallel_tool_calls`, `reasoning_effort`, ...) are accepted and ignored; the
+  response names them in the `X-Mtplm-Ignored-Fields` header and the server logs them.
+- OpenAI fields that would change the output and are not implemented (penalties, `logit_bias`,
+  `suffix`, tools, ...) are accepted only at their neutral values and otherwise refused, naming them
+  (checks.refuse_unsupported).
+mtplm's own field is `mode` (config.mode_grammar()), sent by the official client as
+`extra_body={"mode": "confadapt:0.9"}`.
 """
 
 from __future__ import annotations
@@ -14,11 +21,17 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mtplm.config import DecodeConfig, Limits, mode_grammar, parse_mode
-from mtplm.errors import UserError
+from mtplm.config import Limits as Limits  # re-exported: serve and its tests import it from here
+from mtplm.config import mode_grammar
 
 MAX_CHOICES = 8
 MAX_STOPS = 4
+MAX_LOGPROBS = 20  # most alternatives per token (decode/logprobs.MAX_TOP)
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+# accepted and ignored: they steer OpenAI's hosted service (storage, billing tier, tracing, reasoning models,
+# parallel tool calls when no tools are given), never what a local model decodes
+IGNORED = ("user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
+           "parallel_tool_calls", "reasoning_effort", "verbosity", "modalities")
 
 
 class APIError(Exception):
@@ -34,14 +47,14 @@ class APIError(Exception):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore", strict=True)  # include_obfuscation etc.: transport details
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
     """Fields shared by both endpoints."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     model: str
     max_tokens: Optional[int] = None
     temperature: Optional[float] = None
@@ -51,7 +64,6 @@ class _Sampling(BaseModel):
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[str, list[str]]] = None
     seed: Optional[int] = None
-    user: Optional[str] = None
     mode: Optional[str] = Field(default=None, description=f"mtplm decoding mode: {mode_grammar()}")
     top_k: Optional[int] = None  # vLLM's extension, also through extra_body
     ignore_eos: bool = False  # vLLM's extension: always decode max_tokens (load tests)
@@ -59,15 +71,25 @@ class _Sampling(BaseModel):
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None
-    logprobs: Optional[Any] = None
+    # OpenAI parameters that do not change local decoding: accepted, reported ignored (IGNORED)
+    user: Optional[str] = None
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, str]] = None
+    service_tier: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+
+    def ignored_fields(self) -> list[str]:
+        """The IGNORED fields this request set to something other than null."""
+        return [name for name in IGNORED if name in self.model_fields_set and getattr(self, name, None) is not None]
 
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    echo: bool = False
+    logprobs: Optional[int] = None  # legacy API: the number of alternatives per token (0..20)
+    echo: bool = False  # the prompt before the completion (with its token logprobs when logprobs is set)
     suffix: Optional[str] = None
     best_of: Optional[int] = None
-    top_logprobs: Optional[int] = None
 
 
 class ChatMessage(BaseModel):
@@ -80,92 +102,19 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
+    functions: Optional[list[Any]] = None
+    function_call: Optional[Any] = None
     response_format: Optional[dict[str, Any]] = None
-
-
-
-def decode_config(req: _Sampling, default_mode: str, max_tokens: int) -> DecodeConfig:
-    """The request's sampling fields as a DecodeConfig; every refusal names the field."""
-    _neutral(req)
-    if req.mode is not None and not req.mode.strip():
-        raise APIError(400, f"mode is empty: use {mode_grammar()}", "mode")
-    try:
-        cfg = parse_mode(req.mode or default_mode)
-    except UserError as exc:
-        raise APIError(400, str(exc), "mode", "invalid_mode") from None
-    temperature = 1.0 if req.temperature is None else req.temperature
-    if not 0.0 <= temperature <= 2.0:
-        raise APIError(400, f"temperature must lie in [0, 2], got {temperature}", "temperature")
-    top_p = 1.0 if req.top_p is None else req.top_p
-    if not 0.0 < top_p <= 1.0:
-        raise APIError(400, f"top_p must lie in (0, 1], got {top_p}", "top_p")
-    if req.top_k is not None and req.top_k < 0:
-        raise APIError(400, f"top_k must be >= 0, got {req.top_k}", "top_k")
-    if not 1 <= req.n <= MAX_CHOICES:
-        raise APIError(400, f"n must lie in [1, {MAX_CHOICES}], got {req.n}", "n")
-    seed = req.seed if req.seed is not None else uuid.uuid4().int % 2**63
-    cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed = temperature, top_p, req.top_k or 0, seed
-    cfg.max_new_tokens = max_tokens
-    if cfg.drafting == "tree" and temperature > 0:
-        raise APIError(400, "tree drafting verifies greedy decoding only: send temperature 0, or another mode",
-                       "mode", "invalid_mode")
-    try:
-        return cfg.validate()
-    except UserError as exc:
-        raise APIError(400, str(exc)) from None
-
-
-def max_tokens(req: _Sampling, prompt_len: int, limits: Limits, context: int, default: int) -> int:
-    """The request's token budget, checked against the server's limit and the model's context."""
-    param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
-    value = getattr(req, param)
-    context = min(limits.context, context)
-    if prompt_len >= context:
-        raise APIError(400, f"the prompt has {prompt_len} tokens; this model accepts at most {context - 1} prompt "
-                            "tokens", "prompt" if isinstance(req, CompletionRequest) else "messages",
-                       "context_length_exceeded")
-    if value is None:
-        return min(default, context - prompt_len)
-    if not 1 <= value <= limits.max_tokens:
-        raise APIError(400, f"{param} must lie in [1, {limits.max_tokens}], got {value}", param)
-    if prompt_len + value > context:
-        raise APIError(400, f"the prompt ({prompt_len} tokens) plus {param} ({value}) exceeds this model's context "
-                            f"of {context} tokens: lower {param}", param, "context_length_exceeded")
-    return value
-
-
-def stops(req: _Sampling) -> list[str]:
-    values = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(values) > MAX_STOPS or any(not s for s in values):
-        raise APIError(400, f"stop takes up to {MAX_STOPS} non-empty strings", "stop")
-    return values
-
-
-def _neutral(req: _Sampling) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise APIError(400, f"{name} is not supported by mtplm: leave it out or send 0", name, "unsupported")
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported by mtplm: leave it out", "logit_bias", "unsupported")
-    if req.logprobs not in (None, False, 0):
-        raise APIError(400, "logprobs are not supported by mtplm: leave them out", "logprobs", "unsupported")
-    if getattr(req, "top_logprobs", None):
-        raise APIError(400, "top_logprobs is not supported by mtplm: leave it out", "top_logprobs", "unsupported")
-    if isinstance(req, CompletionRequest):
-        if req.echo or req.suffix:
-            raise APIError(400, "echo and suffix are not supported by mtplm", "echo" if req.echo else "suffix",
-                           "unsupported")
-        if req.best_of not in (None, req.n):
-            raise APIError(400, "best_of is not supported by mtplm: use n", "best_of", "unsupported")
-    if isinstance(req, ChatRequest):
-        if req.tools or req.tool_choice not in (None, "none"):
-            raise APIError(400, "tool calls are not supported by mtplm", "tools", "unsupported")
-        if req.response_format and req.response_format.get("type") != "text":
-            raise APIError(400, "response_format other than text is not supported by mtplm", "response_format",
-                           "unsupported")
+    audio: Optional[dict[str, Any]] = None
+    web_search_options: Optional[dict[str, Any]] = None
+    parallel_tool_calls: Optional[bool] = None
+    reasoning_effort: Optional[str] = None
+    verbosity: Optional[str] = None
+    modalities: Optional[list[str]] = None
 
 
 def message_text(message: ChatMessage) -> str:

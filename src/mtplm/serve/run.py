@@ -17,38 +17,12 @@ from dataclasses import dataclass, field
 from mtplm.config import DecodeConfig
 from mtplm.decode.engine import EngineClosed, Job
 from mtplm.decode.loop import Step
+from mtplm.decode.strategies import make_strategy
 from mtplm.errors import UserError
+from mtplm.serve.logprobs import LogprobWriter, merge
 from mtplm.serve.protocol import APIError
 from mtplm.serve.repository import Loaded
-from mtplm.text import StreamDecoder
-
-
-class TextStream:
-    """Token blocks -> text pieces for one choice, cut at the first stop string."""
-
-    def __init__(self, tokenizer, stops: list[str]) -> None:
-        self.decoder = StreamDecoder(tokenizer)
-        self.stops = stops
-        self.held = ""  # decoded text not sent yet: it could be the start of a stop string
-        self.stopped = False  # a stop string was found
-
-    def push(self, tokens: list[int]) -> str:
-        return self._release(self.held + self.decoder.push(tokens), final=False)
-
-    def finish(self) -> str:
-        return self._release(self.held + self.decoder.flush(), final=True)
-
-    def _release(self, text: str, final: bool) -> str:
-        if self.stopped:
-            return ""
-        cuts = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if cuts:
-            self.stopped, self.held = True, ""
-            return text[: min(cuts)]
-        keep = 0 if final else max((n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])),
-                                   default=0)
-        self.held = text[len(text) - keep:] if keep else ""
-        return text[: len(text) - keep]
+from mtplm.text import TextStream
 
 
 @dataclass
@@ -64,6 +38,12 @@ class Choice:
     accepted: int = 0
     finish_reason: str | None = None
     pieces: list[str] = field(default_factory=list)
+    echo: str | None = None  # the prompt's text, sent before the completion (completions' `echo`)
+    writer: LogprobWriter | None = None  # set when the request asked for logprobs
+    logprobs: list[dict | None] = field(default_factory=list)  # each piece's entries
+
+    def merged_logprobs(self) -> dict | None:
+        return merge(self.logprobs, self.writer.chat) if self.writer is not None else None
 
 
 @dataclass(frozen=True)
@@ -71,24 +51,43 @@ class Piece:
     choice: Choice
     text: str
     final: bool  # the choice's last piece: finish_reason is set
+    logprobs: dict | None = None  # this piece's tokens' entries (serve/logprobs.py), if asked for
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a request asks beyond decoding itself."""
+
+    stops: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # alternatives per token; None: no logprobs
+    echo: list[str] | None = None  # per prompt: its text, sent before the completion
+    chat: bool = False  # chat's logprob format (serve/logprobs.py)
 
 
 class Run:
     """Submit every (prompt, n) sequence; `pieces()` yields their text as it is decoded."""
 
-    def __init__(self, loaded: Loaded, prompts: list[list[int]], n: int, cfg: DecodeConfig, stops: list[str],
-                 label: str, ignore_eos: bool = False) -> None:
-        self.loaded, self.label = loaded, label
+    def __init__(self, loaded: Loaded, prompts: list[list[int]], n: int, cfg: DecodeConfig, label: str,
+                 options: Options | None = None) -> None:
+        options = options or Options()
+        self.loaded, self.label, self.prompts, self._n = loaded, label, prompts, n
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.started = time.perf_counter()
         self.first_token_s: float | None = None
-        self.choices = [Choice(i * n + j, len(ids), TextStream(loaded.model.tokenizer, stops))
+        tokenizer = loaded.model.tokenizer
+        self.choices = [Choice(i * n + j, len(ids), TextStream(tokenizer, options.stops),
+                               echo=options.echo[i] if options.echo is not None else None,
+                               writer=LogprobWriter(tokenizer, options.chat) if options.logprobs is not None else None)
                         for i, ids in enumerate(prompts) for j in range(n)]
-        jobs = [Job(ids, dataclasses.replace(cfg, seed=cfg.seed + j), self._emitter(i * n + j), label=label,
-                    ignore_eos=ignore_eos)
+        echo_scores = options.echo is not None and options.logprobs is not None
+        jobs = [Job(ids, dataclasses.replace(cfg, seed=(cfg.seed + j) % 2**63), self._emitter(i * n + j),
+                    label=label, ignore_eos=options.ignore_eos, logprobs=options.logprobs, echo=echo_scores)
                 for i, ids in enumerate(prompts) for j in range(n)]
         try:
+            for job in jobs:  # every choice's configuration is checked before any is submitted
+                make_strategy(job.cfg, loaded.engine.spec.thresholds)
             for choice, job in zip(self.choices, jobs, strict=False):
                 choice.job = loaded.engine.submit(job)
         except UserError as exc:
@@ -139,8 +138,29 @@ class Run:
         elif step.last:
             text += choice.text.finish()
             choice.finish_reason = "stop" if step.stopped or choice.text.stopped else "length"
+        scored = self._logprobs(choice, step)
+        if choice.passes == 1 and choice.echo is not None:
+            text = choice.echo + text
         choice.pieces.append(text)
-        return Piece(choice, text, choice.finish_reason is not None)
+        choice.logprobs.append(scored)
+        return Piece(choice, text, choice.finish_reason is not None, scored)
+
+    def _logprobs(self, choice: Choice, step: Step) -> dict | None:
+        """This step's entries: the echoed prompt's first (completions), then the emitted tokens up to a
+        stop string's cut; chat leaves out the end-of-sequence token, as its message does."""
+        writer = choice.writer
+        if writer is None:
+            return None
+        parts = []
+        if step.prompt_logprobs is not None and choice.echo is not None:
+            parts.append(writer.prompt(self.prompts[choice.index // self._n][0], step.prompt_logprobs))
+        scored = list(step.logprobs or ())
+        if writer.chat and step.stopped:
+            scored = scored[:-1]
+        echoed = len(choice.echo or "") if not writer.chat else 0
+        limit = echoed + choice.text.released if choice.text.stopped else None
+        parts.append(writer.tokens(scored, limit))
+        return merge(parts, writer.chat)
 
     def cancel(self) -> None:
         for choice in self.choices:
