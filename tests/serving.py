@@ -30,6 +30,14 @@ def write_manifest(directory: Path, models: dict[str, tuple[Path | str, str | No
     return directory
 
 
+def tiny_converted(directory: Path, seed: int = 0) -> Path:
+    """A tiny gated-LoRA conversion (random weights, k_max 4) saved as a checkpoint: quick to build, and every
+    mode runs on it (its drafts are mostly wrong, which verified decoding must survive)."""
+    from conftest import tiny_mtp
+
+    return tiny_mtp(seed=seed, gated=True).save(directory)
+
+
 class LiveServer:
     """A real uvicorn server in a background thread (signals stay with the main thread)."""
 

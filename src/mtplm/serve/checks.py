@@ -22,6 +22,7 @@ from mtplm.serve.protocol import (
 from mtplm.text import MAX_STOP_CHARS
 
 SEED_LIMIT = 2**63  # seeds lie in [0, 2^63); choice j of n decodes with (seed + j) mod 2^63
+TOP_P_FLOOR = 1e-6  # smaller top_p values round to 0 in float32 sampling: send temperature 0 for greedy
 
 
 def decode_config(req: _Sampling, spec: DecodeModel, default_mode: str, max_tokens: int) -> DecodeConfig:
@@ -32,8 +33,9 @@ def decode_config(req: _Sampling, spec: DecodeModel, default_mode: str, max_toke
     if not 0.0 <= temperature <= 2.0:
         raise APIError(400, f"temperature must lie in [0, 2], got {temperature}", "temperature")
     top_p = 1.0 if req.top_p is None else req.top_p
-    if not 0.0 < top_p <= 1.0:
-        raise APIError(400, f"top_p must lie in (0, 1], got {top_p}", "top_p")
+    if not TOP_P_FLOOR <= top_p <= 1.0:
+        raise APIError(400, f"top_p must lie in [{TOP_P_FLOOR}, 1], got {top_p} (for greedy decoding send "
+                            "temperature 0)", "top_p")
     if req.top_k is not None and req.top_k < 0:
         raise APIError(400, f"top_k must be >= 0 (0: no limit), got {req.top_k}", "top_k")
     if not 1 <= req.n <= MAX_CHOICES:
@@ -108,9 +110,9 @@ def stops(req: _Sampling) -> list[str]:
 def prompt_ids(prompts: list[list[int]], spec: DecodeModel, vocab: int, param: str) -> None:
     """Token ids the model may read: in its vocabulary, and never its <mtp> mask token."""
     if any(not 0 <= t < vocab for ids in prompts for t in ids):
-        raise APIError(400, f"token ids must lie in [0, {vocab})", param)
+        raise APIError(400, f"{param}: token ids must lie in [0, {vocab})", param)
     if spec.mask_id is not None and any(spec.mask_id in ids for ids in prompts):
-        raise APIError(400, f"the prompt contains this model's <mtp> mask token (id {spec.mask_id}), which is "
+        raise APIError(400, f"{param} contains this model's <mtp> mask token (id {spec.mask_id}), which is "
                             "reserved for multi-token decoding: remove it", param)
 
 

@@ -1,0 +1,169 @@
+"""Request validation against a live server: client input never causes a 5xx, refusals name the field,
+harmless OpenAI fields are accepted and reported, an unexpected error is one JSON 500 on a connection that
+stays usable; and a property-based fuzz of the request schema (hypothesis)."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from serving import LiveServer, tiny_converted, write_manifest
+
+
+@pytest.fixture(scope="module")
+def server(base_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("requests")
+    repo = write_manifest(root / "repo", {"mtp": (tiny_converted(root / "mtp"), "confadapt:0.6@4"),
+                                          "base": (base_dir, None)})
+    with LiveServer(repo, api_key=None) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as client:  # one keep-alive connection
+        yield client
+
+
+def _error(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"]), body
+    return body["error"]
+
+
+COMPLETION = {"model": "mtp", "prompt": "t1 t2", "max_tokens": 4}
+CHAT = {"model": "mtp", "messages": [{"role": "user", "content": "t1 t2"}], "max_tokens": 4}
+
+
+@pytest.mark.parametrize("body,param", [
+    ({**COMPLETION, "seed": 2**64}, "seed"),  # used to overflow the Generator: 500 and a reset connection
+    ({**COMPLETION, "n": 2, "seed": 2**64 - 1}, "seed"),  # used to fail after the first choice was submitted
+    ({**COMPLETION, "seed": -1}, "seed"),
+    ({**COMPLETION, "temperature": 1.0, "top_p": 1e-300}, "top_p"),  # used to sample from NaN
+    ({**COMPLETION, "temperature": 0, "mode": "verified:tree"}, "mode"),  # tree needs heads: was a 500
+    ({**COMPLETION, "temperature": 0, "max_tokens": 2, "mode": "verified:tree"}, "mode"),  # ... or a 200
+    ({**COMPLETION, "mode": "static:1000"}, "mode"),
+    ({**COMPLETION, "mode": "confadapt:0.9@100000"}, "mode"),
+    ({**COMPLETION, "mode": "verified:quadratic@1000"}, "mode"),
+    ({**COMPLETION, "model": "base", "mode": "static:2"}, "mode"),
+    ({**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({**COMPLETION, "prompt": "t1 <mtp> t2"}, "prompt"),
+    ({**COMPLETION, "prompt": [1, 64, 2]}, "prompt"),
+    ({**CHAT, "messages": [{"role": "user", "content": "t1 <mtp>"}]}, "messages"),
+    ({**COMPLETION, "max_tokens": True}, "max_tokens"),
+    ({**COMPLETION, "temperature": True}, "temperature"),
+    ({**COMPLETION, "n": "2"}, "n"),
+    ({**COMPLETION, "stream": 1}, "stream"),
+    ({**COMPLETION, "logprobs": 21}, "logprobs"),
+    ({**CHAT, "top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+    ({**COMPLETION, "stop": "x" * 5000}, "stop"),
+    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ({**COMPLETION, "suffix": "t3"}, "suffix"),
+    ({**COMPLETION, "temprature": 0}, "temprature"),
+])
+def test_client_input_is_a_400_that_names_the_field(http, body, param):
+    endpoint = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    response = http.post(endpoint, json=body)
+    assert response.status_code == 400, response.text
+    error = _error(response)
+    assert error["param"] == param and param in error["message"], error
+
+
+def test_harmless_openai_fields_are_accepted_and_reported(http):
+    extra = {"store": False, "metadata": {"run": "a"}, "service_tier": "auto", "parallel_tool_calls": True,
+             "reasoning_effort": "low", "user": "u1", "stream_options": None}
+    response = http.post("/v1/chat/completions", json={**CHAT, **extra, "temperature": 0})
+    assert response.status_code == 200, response.text
+    reported = response.headers["x-mtplm-ignored-fields"].split(", ")
+    assert set(reported) == {"store", "metadata", "service_tier", "parallel_tool_calls", "reasoning_effort", "user"}
+    plain = http.post("/v1/chat/completions", json={**CHAT, "temperature": 0})
+    assert "x-mtplm-ignored-fields" not in plain.headers
+    assert plain.json()["choices"][0]["message"] == response.json()["choices"][0]["message"]
+
+
+def test_trailing_slashes_route_like_the_plain_paths(http):
+    response = http.post("/v1/completions/", json=COMPLETION)
+    assert response.status_code == 200 and response.json()["object"] == "text_completion"
+    assert http.get("/v1/models/").status_code == 200
+
+
+def test_an_unexpected_error_is_one_json_500_and_the_connection_survives(server, http, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr("mtplm.serve.checks.decode_config", broken)
+    for body, endpoint in ((COMPLETION, "/v1/completions"), ({**COMPLETION, "stream": True}, "/v1/completions"),
+                           (CHAT, "/v1/chat/completions")):
+        response = http.post(endpoint, json=body)
+        assert response.status_code == 500 and _error(response)["type"] == "server_error"
+    monkeypatch.undo()
+    assert http.post("/v1/completions", json=COMPLETION).status_code == 200  # same keep-alive connection
+    metrics = http.get("/metrics").text
+    assert 'mtplm_requests_total{endpoint="completions",model="",status="500"} 2.0' in metrics
+    assert server.repository.in_flight == 0
+
+
+# ---- fuzzing the request schema ------------------------------------------------------------------
+ANY = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False, allow_infinity=False),
+                st.text(max_size=8), st.lists(st.integers(-5, 70), max_size=4), st.just({"x": 1}))
+FIELDS = {
+    "max_tokens": st.one_of(st.integers(-2, 6), ANY), "temperature": st.one_of(st.floats(0, 2), ANY),
+    "top_p": st.one_of(st.floats(0, 1), ANY), "top_k": st.one_of(st.integers(-1, 100), ANY),
+    "n": st.one_of(st.integers(0, 3), ANY), "seed": st.one_of(st.integers(-1, 2**64), ANY),
+    "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=5), ANY),
+    "mode": st.one_of(st.sampled_from(["ntp", "static:2", "static:9", "confadapt:0.5@3", "verified@3", "verified:tree",
+                                       "verified:quadratic@4", "confadapt:2", ""]), ANY),
+    "stream": st.one_of(st.booleans(), ANY), "logprobs": st.one_of(st.integers(-1, 21), st.booleans(), ANY),
+    "echo": st.one_of(st.booleans(), ANY), "top_logprobs": st.one_of(st.integers(-1, 21), ANY),
+    "presence_penalty": ANY, "logit_bias": ANY, "store": ANY, "metadata": ANY, "user": ANY, "best_of": ANY,
+    "ignore_eos": ANY, "stream_options": st.one_of(st.just({"include_usage": True}), ANY), "bogus": ANY,
+    "max_completion_tokens": st.one_of(st.integers(-1, 6), ANY), "service_tier": ANY, "tools": ANY,
+}
+PROMPTS = st.one_of(st.text(alphabet="t0123456789 <>mp", max_size=20), st.lists(st.integers(-2, 70), max_size=6),
+                    st.lists(st.text(alphabet="t12 ", max_size=6), max_size=3), ANY)
+MESSAGES = st.one_of(st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "bot", "assistant"]),
+                                                     "content": st.one_of(st.text(alphabet="t12 ", max_size=8),
+                                                                          ANY)}), max_size=3), ANY)
+
+
+@st.composite
+def requests(draw):
+    chat = draw(st.booleans())
+    body = {"model": draw(st.sampled_from(["mtp", "mtp", "base", "nope", 3]))}
+    body["messages" if chat else "prompt"] = draw(MESSAGES if chat else PROMPTS)
+    for name in draw(st.lists(st.sampled_from(sorted(FIELDS)), max_size=6, unique=True)):
+        body[name] = draw(FIELDS[name])
+    if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 6 and draw(st.booleans()):
+        body["max_tokens"] = 6  # keep most successful requests short
+    return ("/v1/chat/completions" if chat else "/v1/completions"), body
+
+
+TALLY: collections.Counter = collections.Counter()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(request=requests())
+def test_fuzzed_requests_never_get_a_5xx(http, request):
+    endpoint, body = request
+    response = http.post(endpoint, content=json.dumps(body), headers={"content-type": "application/json"})
+    TALLY[response.status_code] += 1
+    assert response.status_code < 500, (body, response.text)
+    if response.status_code >= 400:
+        _error(response)
+    elif body.get("stream") is True:
+        events = [line for line in response.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and all("error" not in json.loads(e[6:]) for e in events[:-1])
+    else:
+        assert response.json()["choices"]
+
+
+def test_fuzz_tally(http):
+    """Runs after the fuzz test (file order): the tally it saw, and the connection is still healthy."""
+    print(f"\nfuzz tally: {sum(TALLY.values())} requests, status codes {dict(sorted(TALLY.items()))}")
+    assert sum(TALLY.values()) >= 100 and not any(code >= 500 for code in TALLY)
+    assert http.get("/health").json()["status"] == "ok"
