@@ -12,7 +12,9 @@ import pytest
 from serving import LiveServer, write_manifest
 from synthetic import PERMUTATION, chain_rows
 
-lm_eval = pytest.importorskip("lm_eval", reason="lm-eval[api] is in the test extra")
+pytest.importorskip("lm_eval", reason="lm-eval[api] is in the test extra")
+from lm_eval import simple_evaluate  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
 
 TASKS = {
     "chain_mc": {"output_type": "multiple_choice", "doc_to_text": "{{prompt}}", "doc_to_choice": "choices",
@@ -47,7 +49,7 @@ def write_tasks(directory, docs: int = 12) -> None:
 def tasks(tmp_path_factory):
     directory = tmp_path_factory.mktemp("lm_eval_tasks")
     write_tasks(directory)
-    return lm_eval.tasks.TaskManager(include_path=str(directory))
+    return TaskManager(include_path=str(directory))
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +60,9 @@ def server(base_dir, tmp_path_factory):
 
 
 def _evaluate(model: str, model_args: str, names: list[str], tasks, chat: bool = False) -> dict:
-    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=names, task_manager=tasks,
-                                   batch_size=4, log_samples=True, apply_chat_template=chat, random_seed=0,
-                                   numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+    return simple_evaluate(model=model, model_args=model_args, tasks=names, task_manager=tasks, batch_size=4,
+                           log_samples=True, apply_chat_template=chat, random_seed=0, numpy_random_seed=0,
+                           torch_random_seed=0, fewshot_random_seed=0)
 
 
 def _loglikelihoods(result: dict, name: str) -> list[float]:
