@@ -94,7 +94,7 @@ def test_a_long_stop_string_is_matched_incrementally():
 
     stop = "ab" * 20_000
     matcher = StopMatcher([stop])
-    for n, ch in enumerate(("ab" * 5_000)):
+    for n, ch in enumerate("ab" * 5_000):
         assert matcher.feed(ch, matcher.hold) is None and matcher.hold == n + 1
     assert matcher.feed("x", matcher.hold) is None and matcher.hold == 0
     text = "zz" + stop
