@@ -156,7 +156,7 @@ def test_n_choices_and_prompt_lists(client):
     (dict(model="chain", prompt="t1", max_tokens=100000), 400, "max_tokens"),
     (dict(model="chain", prompt="t1", extra_body={"mode": "warp:9"}), 400, "bad decoding mode"),
     (dict(model="chain", prompt="t1", extra_body={"mode": "confadapt:1.5"}), 400, "bad decoding mode"),
-    (dict(model="chain", prompt="t1", temperature=0.5, extra_body={"mode": "verified:tree"}), 400, "greedy"),
+    (dict(model="chain", prompt="t1", temperature=0.5, extra_body={"mode": "verified:tree"}), 400, "tree drafting"),
     (dict(model="chain", prompt="t1", n=99), 400, "n must"),
     (dict(model="chain", prompt="t1", extra_body={"temprature": 0}), 400, "unrecognized request argument"),
     (dict(model="chain", prompt="t1", presence_penalty=1.0), 400, "not supported"),

@@ -127,7 +127,7 @@ def logprobs(req: _Sampling) -> int | None:
         if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise APIError(400, f"top_logprobs must lie in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
                            "top_logprobs")
-        if not req.logprobs:
+        if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     return (req.top_logprobs or 0) if req.logprobs else None
 
