@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from mtplm.config import BACKEND_ENV
 from mtplm.model import MTPModel
+
+# `--backend auto` (the CLI's and server's default) means eager in the suite, subprocesses included: the
+# compiled backend compiles per row bucket, and tests/decode/test_backends.py checks it against eager directly
+os.environ.setdefault(BACKEND_ENV, "eager")
 
 VOCAB = 64
 

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from mtplm.config import DecodeConfig, Limits, add_dtype_argument, load_train_config
+from mtplm.config import DecodeConfig, Limits, add_backend_argument, add_dtype_argument, load_train_config
 from mtplm.errors import UserError
 from mtplm.registry import CONFIDENCE, STRATEGIES, WINDOWS
 
@@ -90,6 +90,7 @@ def _add_demo(sub) -> None:
                                        "side by side")
     demo.add_argument("--model", default=DEFAULT_CHECKPOINT)
     add_dtype_argument(demo)
+    add_backend_argument(demo)
     demo.add_argument("--max-new-tokens", type=int, default=96)
     demo.add_argument("--tau", type=float, default=None)
     demo.set_defaults(run=_demo)
@@ -144,6 +145,7 @@ def _add_serve(sub) -> None:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set MTPLM_API_KEY)")
     add_dtype_argument(serve)
+    add_backend_argument(serve)
     serve.add_argument("--max-batch", type=int, default=8, help="sequences decoded together per model (default: 8)")
     serve.add_argument("--memory-budget-gb", type=float, default=0.0,
                        help="load models lazily within this much memory, unloading idle ones (0: no limit)")
@@ -186,6 +188,7 @@ def _decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--seed", type=int, default=d.seed)
     add_dtype_argument(p)
+    add_backend_argument(p)
 
 
 def decode_config(args) -> DecodeConfig:
@@ -217,6 +220,7 @@ def _train(args) -> None:
 
 
 def _generate(args) -> None:
+    from mtplm.decode.backends import make_backend
     from mtplm.decode.loop import generate
     from mtplm.model import load_model
     from mtplm.text import StreamDecoder, chat_prompt_ids
@@ -232,12 +236,14 @@ def _generate(args) -> None:
     cfg = decode_config(args)
     model = load_model(args.model, args.dtype)
     ids = model.tokenizer(prompt)["input_ids"] if args.raw else chat_prompt_ids(model.tokenizer, prompt)
+    backend = make_backend(args.backend, model, slots=1)
     if args.no_stream:
-        out = generate(model, ids, cfg)
+        out = generate(model, ids, cfg, backend=backend)
         print(model.tokenizer.decode(out.tokens, skip_special_tokens=True))
     else:
         decoder = StreamDecoder(model.tokenizer)
-        out = generate(model, ids, cfg, on_step=lambda step: print(decoder.push(step.tokens), end="", flush=True))
+        out = generate(model, ids, cfg, on_step=lambda step: print(decoder.push(step.tokens), end="", flush=True),
+                       backend=backend)
         print(decoder.flush())
     print(f"[{len(out.tokens)} tokens, {out.tokens_per_forward:.2f} tokens/forward, "
           f"{out.tokens_per_second:.1f} tokens/s, mode {cfg.mode}]", file=sys.stderr)
@@ -246,7 +252,7 @@ def _generate(args) -> None:
 def _demo(args) -> None:
     from mtplm.bench.demo import run_demo
 
-    run_demo(args.model, args.dtype, args.max_new_tokens, args.tau)
+    run_demo(args.model, args.dtype, args.max_new_tokens, args.tau, args.backend)
 
 
 def _calibrate(args) -> None:
@@ -305,7 +311,7 @@ def _serve(args) -> None:
         torch.set_num_threads(args.threads)
     models = args.model or ([] if args.repository else [DEFAULT_CHECKPOINT])
     repository = build_repository(models, args.repository, args.dtype, args.max_batch, args.memory_budget_gb,
-                                  args.default_mode, args.k_by_batch)
+                                  args.default_mode, args.k_by_batch, args.backend)
     settings = Settings(api_key=args.api_key or os.environ.get("MTPLM_API_KEY") or None,
                         limits=limits(args.max_tokens_limit, args.default_max_tokens, args.context))
     serve(repository, args.host, args.port, settings, args.shutdown_grace)

@@ -13,7 +13,7 @@ from pathlib import Path
 import tomllib
 
 from mtplm.errors import UserError
-from mtplm.registry import CONFIDENCE, HEAD_FORMS, OBJECTIVES, STRATEGIES, TRAINABLE, WINDOWS
+from mtplm.registry import BACKENDS, CONFIDENCE, HEAD_FORMS, OBJECTIVES, STRATEGIES, TRAINABLE, WINDOWS
 
 DRAFTING = ("linear", "quadratic", "tree")
 METHODS = ("mask", "heads")
@@ -104,6 +104,16 @@ def mode_grammar() -> str:
     """How a decoding mode is written as one string (CLI --modes, the server's `mode` field), from the registries."""
     return (f"ntp, static:K, confadapt[:TAU[:{'|'.join(CONFIDENCE.names())}]][@K] or "
             f"verified[:{'|'.join(DRAFTING)}[:{'|'.join(WINDOWS.names())}]][@K]")
+
+
+BACKEND_ENV = "MTPLM_BACKEND"  # what --backend auto means when set (e.g. eager in a test run)
+
+
+def add_backend_argument(parser) -> None:
+    """The one --backend option of every command that decodes."""
+    parser.add_argument("--backend", default="auto",
+                        help=f"the decode pass: auto (compiled where the architecture is supported, else eager; "
+                             f"${BACKEND_ENV} overrides) | {BACKENDS.describe()} (default: %(default)s)")
 
 
 def add_dtype_argument(parser, default: str = "bf16", help: str | None = None) -> None:
@@ -308,5 +318,6 @@ def as_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
-__all__ = ["DecodeConfig", "TrainConfig", "Thresholds", "Limits", "mode_grammar", "add_dtype_argument", "override",
+__all__ = ["DecodeConfig", "TrainConfig", "Thresholds", "Limits", "mode_grammar", "add_dtype_argument",
+           "add_backend_argument", "BACKEND_ENV", "override",
            "load_train_config", "to_toml", "as_dict", "field"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 from mtplm.config import DecodeConfig
+from mtplm.decode.backends import make_backend, resolve_backend
 from mtplm.decode.loop import generate
 from mtplm.errors import UserError
 from mtplm.model import load_model
@@ -19,7 +20,7 @@ PROMPTS = (
 )
 
 
-def run_demo(spec: str, dtype: str, max_new_tokens: int, tau: float | None) -> None:
+def run_demo(spec: str, dtype: str, max_new_tokens: int, tau: float | None, backend_name: str = "auto") -> None:
     model = load_model(spec, dtype)
     if model.meta is None:
         raise UserError(f"{spec} is not a converted model: the demo compares plain, ConfAdapt and verified decoding, "
@@ -28,16 +29,19 @@ def run_demo(spec: str, dtype: str, max_new_tokens: int, tau: float | None) -> N
     modes = {"plain": DecodeConfig(mode="ntp", max_new_tokens=max_new_tokens),
              "confadapt": DecodeConfig(mode="confadapt", tau=tau, max_new_tokens=max_new_tokens),
              "verified": DecodeConfig(mode="verified", max_new_tokens=max_new_tokens)}
-    generate(model, chat_prompt_ids(tok, "Hi"), DecodeConfig(mode="ntp", max_new_tokens=4))  # warm-up
+    backend = make_backend(backend_name, model, slots=1)
+    for mode in ("ntp", "verified"):  # warm-up (and, for the compiled backend, the first compiles)
+        generate(model, chat_prompt_ids(tok, "Hi"), DecodeConfig(mode=mode, max_new_tokens=8), backend=backend)
     totals = {name: [0, 0.0, 0] for name in modes}
     identical = 0
-    print(f"model: {spec} ({dtype}); ConfAdapt threshold {tau if tau is not None else model.meta.thresholds['tau']}\n")
+    threshold = tau if tau is not None else model.meta.decode_thresholds().tau
+    print(f"model: {spec} ({dtype}, {resolve_backend(backend_name, model)} backend); ConfAdapt threshold {threshold}\n")
     for prompt in PROMPTS:
         ids = chat_prompt_ids(tok, prompt)
         print("=" * 100 + f"\nPROMPT: {prompt}\n")
         for name, cfg in modes.items():
             with model.pristine() if name == "plain" else nullcontext():
-                out = generate(model, ids, cfg)
+                out = generate(model, ids, cfg, backend=backend)
             if name == "plain":
                 plain_tokens = out.tokens
             identical += name == "verified" and out.tokens == plain_tokens

@@ -12,15 +12,21 @@ Shapes: b sequences in the pass, Q fed rows per sequence (padded), D hidden.
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
+from mtplm.config import BACKEND_ENV
 from mtplm.decode.protocol import DecodeModel, Feed
-from mtplm.decode.ragged import RaggedCache, SlotKV, ragged_pass
+from mtplm.decode.ragged import RaggedCache, ragged_pass
+from mtplm.errors import UserError
 from mtplm.model import MTPModel
 from mtplm.registry import BACKENDS
+
+AUTO_ORDER = ("compiled", "eager")  # what --backend auto tries; the first that supports the model wins
 
 
 class KV(Protocol):
@@ -31,6 +37,27 @@ class KV(Protocol):
     def keep_rows(self, start: int, rows: list[int]) -> None: ...
 
     def crop_to(self, length: int) -> None: ...
+
+
+class Store(Protocol):
+    """A per-slot KV store that can move a kept tree path up inside a slot."""
+
+    def keep_rows(self, slot: int, start: int, rows: list[int]) -> None: ...
+
+
+class SlotKV:
+    """One sequence's commit operations in a per-slot store; the engine keeps `slot` current when it
+    compacts. Cropping is free: the sequence's length is its Decoding.past, and the store's positions
+    past it are masked, then overwritten."""
+
+    def __init__(self, store: Store, slot: int) -> None:
+        self.store, self.slot = store, slot
+
+    def keep_rows(self, start: int, rows: list[int]) -> None:
+        self.store.keep_rows(self.slot, start, rows)
+
+    def crop_to(self, length: int) -> None:
+        pass
 
 
 class Backend(Protocol):
@@ -68,6 +95,10 @@ class EagerBackend:
     def kv(self, slot: int) -> SlotKV:
         return SlotKV(self.cache, slot)
 
+    @staticmethod
+    def unsupported(model: MTPModel) -> str | None:
+        return None  # any Hugging Face causal LM
+
     def move(self, source: int, target: int, length: int) -> None:
         self.cache.move(source, target, length)
 
@@ -76,8 +107,29 @@ class EagerBackend:
 
 
 def make_backend(name: str, model: MTPModel, slots: int = 1) -> Backend:
-    """The backend registered as `name` for `model` with `slots` sequences (UserError for an unknown name)."""
-    return BACKENDS.get(name)(model, slots)
+    """The backend registered as `name` for `model` with `slots` sequences (UserError for an unknown name,
+    or for a backend that cannot run this model, saying why). `auto`: resolve_backend."""
+    return BACKENDS.get(resolve_backend(name, model))(model, slots)
+
+
+def resolve_backend(name: str, model: MTPModel) -> str:
+    """`auto` -> $MTPLM_BACKEND if set, else the first of AUTO_ORDER that supports the model (the compiled
+    pass for the Llama family, eager for every other architecture); any other name as it is."""
+    if name != "auto":
+        return BACKENDS.check(name)
+    if os.environ.get(BACKEND_ENV):
+        return BACKENDS.check(os.environ[BACKEND_ENV])
+    for candidate in AUTO_ORDER:
+        if candidate in BACKENDS.names() and BACKENDS.get(candidate).unsupported(model) is None:
+            return candidate
+    return "eager"
+
+
+def require_compiler() -> None:
+    """torch.compile on the CPU generates C++: without a compiler it cannot work, so say so once, early."""
+    if not torch.cuda.is_available() and shutil.which(os.environ.get("CXX", "c++")) is None:
+        raise UserError("the compiled backend needs a C++ compiler (apt-get install g++), or run with "
+                        "--backend eager")
 
 
 def describe(model: MTPModel) -> DecodeModel:

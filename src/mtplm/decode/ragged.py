@@ -87,20 +87,6 @@ class RaggedCache(Cache):
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
 
-class SlotKV:
-    """One sequence's commit operations in a RaggedCache (decode.Decoding's `kv`); the engine keeps
-    `slot` current when it compacts. Cropping is free: the sequence's length is its Decoding.past."""
-
-    def __init__(self, cache: RaggedCache, slot: int) -> None:
-        self.cache, self.slot = cache, slot
-
-    def keep_rows(self, start: int, rows: list[int]) -> None:
-        self.cache.keep_rows(self.slot, start, rows)
-
-    def crop_to(self, length: int) -> None:
-        pass
-
-
 def ragged_pass(model: MTPModel, cache: RaggedCache, start: int, feeds: list, lengths: list[int]) -> torch.Tensor:
     """Run slots [start, start + len(feeds)) in one pass; each feed is a decode.Feed behind its slot's
     cached `lengths[i]` positions. Returns hidden states [b, Q, D]; sequence i's rows are [i, :len(tokens)]."""

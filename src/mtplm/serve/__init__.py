@@ -24,7 +24,7 @@ __all__ = ["Settings", "create_app", "Repository", "Entry", "read_manifest", "se
 
 
 def build_repository(models: list[str], repository: Path | None, dtype: str, max_batch: int, budget_gb: float,
-                     default_mode: str | None, k_by_batch: str | None = None) -> Repository:
+                     default_mode: str | None, k_by_batch: str | None = None, backend: str = "auto") -> Repository:
     """The models to offer: a repository directory, and/or `--model` specs (id = the spec's last part)."""
     entries = read_manifest(repository, dtype) if repository else []
     for spec in models:
@@ -39,8 +39,12 @@ def build_repository(models: list[str], repository: Path | None, dtype: str, max
         from mtplm.config import parse_mode
 
         parse_mode(default_mode)  # a bad default fails at start, not on the first request
+    if backend != "auto":
+        from mtplm.registry import BACKENDS
+
+        BACKENDS.check(backend)  # a bad name fails at start, not on the first request
     return Repository(entries, int(budget_gb * 2**30), max_batch, default_mode,
-                      k_by_batch=parse_k_by_batch(k_by_batch))
+                      k_by_batch=parse_k_by_batch(k_by_batch), backend=backend)
 
 
 def parse_k_by_batch(spec: str | None) -> dict[int, int] | str | None:

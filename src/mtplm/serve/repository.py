@@ -28,6 +28,7 @@ from pathlib import Path
 
 import tomllib
 
+from mtplm.decode.backends import make_backend
 from mtplm.decode.engine import Engine, PassStats
 from mtplm.errors import UserError
 from mtplm.model import MTPModel, load_model
@@ -108,10 +109,10 @@ class Repository:
     def __init__(self, entries: list[Entry], budget_bytes: int = 0, max_batch: int = 8,
                  default_mode: str | None = None,
                  on_pass: Callable[[str, PassStats], None] | None = None,
-                 k_by_batch: dict[int, int] | str | None = None) -> None:
+                 k_by_batch: dict[int, int] | str | None = None, backend: str = "auto") -> None:
         self.entries = {e.id: e for e in entries}
         self.budget, self.max_batch, self.default_mode = budget_bytes, max_batch, default_mode
-        self.k_by_batch = k_by_batch
+        self.k_by_batch, self.backend = k_by_batch, backend  # backend: a BACKENDS name, or auto
         self.on_pass = on_pass
         self.loaded: dict[str, Loaded] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -147,7 +148,8 @@ class Repository:
         mode = entry.mode or self.default_mode or ("ntp" if model.meta is None else "confadapt")
         on_pass = self.on_pass
         callback = (lambda stats: on_pass(entry.id, stats)) if on_pass is not None else None
-        engine = Engine(model, self.max_batch, on_pass=callback, k_by_batch=self.k_by_batch)
+        engine = Engine(model, self.max_batch, on_pass=callback, k_by_batch=self.k_by_batch,
+                        backend=make_backend(self.backend, model, self.max_batch))
         nbytes = sum(p.numel() * p.element_size() for p in model.hf.parameters())
         loaded = Loaded(entry, model, engine, mode, nbytes)
         with self._guard:

@@ -1,0 +1,207 @@
+"""StaticBackend: the compiled decode pass with a preallocated KV store; a drop-in for RaggedCache + ragged_pass.
+
+The store holds keys and values per layer as [S + 1, KVH, C, d]: slots 0 .. S-1 belong to sequences
+(the engine's slots), slot S is scratch that padded batch entries write to, so padding never touches
+a live sequence. A pass is padded to a bucket on each of its three sizes, and each bucket compiles
+once (torch.compile, inductor, dynamic=False):
+
+  b  sequences   1, 2, 4, 8, ...         padded entries: scratch slot, length 0, see themselves only
+  Q  fed rows    1, 2, 4, 8, 16, 32      padded rows: written past the sequence's fed rows, never read
+  T  key length  128, 256, 512, ... C    the keys a pass attends over: the longest context + Q, rounded up
+
+and on whether any fed row holds `<mtp>` (known from the token lists, so no host sync): passes without
+one run a graph without the gated adapters, which would add exactly zero there.
+
+Attending over the whole capacity instead of T would read C / T times more KV per pass. Feeds longer
+than 32 rows (prompts) run the same functions uncompiled at their exact size: one pass over a long
+prompt is compute-bound, where compilation buys little, and its size varies too much to bucket.
+
+Inductor's compile cache lives under `$MTPLM_HOME/inductor` (unless TORCHINDUCTOR_CACHE_DIR is set),
+so a second process reuses the generated kernels instead of recompiling them; inductor writes its
+cache entries atomically.
+
+Shapes: b sequences, Q fed rows, T key positions, D hidden, S slots, C capacity, KVH key/value heads, d head dim.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from mtplm.decode.backends import SlotKV, require_compiler
+from mtplm.decode.fast.forward import decode_pass, layer
+from mtplm.decode.fast.weights import FastWeights, check_supported, sliding_window
+from mtplm.errors import UserError
+from mtplm.model import MTPModel
+from mtplm.registry import BACKENDS
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
+MIN_KEYS = 128
+
+
+class StaticBackend:
+    """Runs passes of up to `slots` sequences over a static KV store of `capacity` positions per slot."""
+
+    def __init__(self, model: MTPModel, slots: int, capacity: int = 256, compile: bool = True,
+                 fuse: bool = True, key_buckets: bool = True, regional: bool = True,
+                 prepack: bool | None = None) -> None:
+        self.model, self.slots, self.compile = model, slots, compile
+        self.key_buckets = key_buckets
+        self.weights = FastWeights(model, fuse, prepack)
+        self.window = sliding_window(model)
+        self.capacity = 0
+        self.keys: list[torch.Tensor] = []  # per layer [S + 1, KVH, C, d]
+        self.values: list[torch.Tensor] = []
+        self._grow(capacity)
+        self.compiled_buckets: dict[tuple, float] = {}  # (b, Q, T, adapters) -> compile seconds
+        self._step: Callable[..., torch.Tensor] = decode_pass
+        if compile:
+            _use_mtplm_compile_cache()
+            if regional:  # one graph per bucket for a layer, shared by every layer: a 30th of the compile
+                self._step = partial(decode_pass, step=torch.compile(layer, dynamic=False, fullgraph=True))
+            else:
+                self._step = torch.compile(decode_pass, dynamic=False, fullgraph=True)
+
+    # ---- a pass -----------------------------------------------------------------------------------
+    def run(self, start: int, feeds: list, lengths: list[int]) -> torch.Tensor:
+        """Slots [start, start + len(feeds)) in one pass, each feed (decode.Feed) behind its slot's cached
+        lengths[i] positions. Hidden states [b, Q, D] (final norm applied); sequence i's rows are
+        [i, :len(feeds[i].tokens)]; the fed rows' KV sits at lengths[i] .. of its slot afterwards."""
+        width = max(len(feed.tokens) for feed in feeds)
+        compiled = self.compile and width <= ROW_BUCKETS[-1]
+        batch = _bucket(len(feeds)) if compiled else len(feeds)
+        rows = _bucket(width) if compiled else width
+        self._fit(max(lengths) + rows)
+        keys = self._key_length(max(lengths) + rows) if compiled else max(lengths) + rows
+        inputs = self._inputs(start, feeds, lengths, batch, rows)
+        mask_id = self.weights.shape.mask_id
+        adapters = self.weights.shape.gated and any(mask_id in feed.tokens for feed in feeds)  # host data: no sync
+        with torch.inference_mode():
+            if not compiled:
+                hidden = decode_pass(self.weights, self.keys, self.values, *inputs, keys, adapters)
+            else:
+                hidden = self._compiled(inputs, (batch, rows, keys, adapters))
+        return hidden[: len(feeds), :width]
+
+    def _compiled(self, inputs: tuple, bucket: tuple[int, int, int, bool]) -> torch.Tensor:
+        first = bucket not in self.compiled_buckets
+        began = time.perf_counter()
+        limit = 8 * len(ROW_BUCKETS) * 16  # buckets: every (b, Q, T) this backend may meet
+        with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=limit):
+            hidden = self._step(self.weights, self.keys, self.values, *inputs, *bucket[2:])
+        if first:
+            self.compiled_buckets[bucket] = seconds = time.perf_counter() - began
+            print(f"mtplm: compiled the decode pass for {bucket[0]} sequences x {bucket[1]} rows x {bucket[2]} "
+                  f"keys{' with <mtp> rows' if bucket[3] else ''} in {seconds:.1f} s", file=sys.stderr, flush=True)
+        return hidden
+
+    def _inputs(self, start: int, feeds: list, lengths: list[int], batch: int,
+                rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """ids, positions [b, Q]; lengths [b]; allowed [b, Q, Q]; slots [b] for a padded pass."""
+        ids = torch.zeros(batch, rows, dtype=torch.long)
+        positions = torch.arange(rows).repeat(batch, 1)  # padded rows: any finite position
+        cached = torch.zeros(batch, dtype=torch.long)
+        allowed = torch.eye(rows, dtype=torch.bool).repeat(batch, 1, 1)  # padded rows see themselves
+        slots = torch.full((batch,), self.slots, dtype=torch.long)  # padded entries: the scratch slot
+        for i, (feed, past) in enumerate(zip(feeds, lengths, strict=False)):
+            q = len(feed.tokens)
+            offsets, local = feed.layout()  # [q], [q, q]
+            ids[i, :q] = torch.tensor(feed.tokens)
+            positions[i] += past
+            positions[i, :q] = offsets + past
+            cached[i] = past
+            allowed[i, :q, :q] = local
+            slots[i] = start + i
+        return ids, positions, cached, allowed, slots
+
+    def _key_length(self, needed: int) -> int:
+        if not self.key_buckets:
+            return self.capacity
+        return min(self.capacity, max(MIN_KEYS, 1 << (needed - 1).bit_length()))
+
+    # ---- the store --------------------------------------------------------------------------------
+    def _fit(self, needed: int) -> None:
+        if needed > self.capacity:
+            self._grow(max(needed, 2 * self.capacity))
+
+    def _grow(self, capacity: int) -> None:
+        """A larger store (compiled buckets for the old one recompile once: the store's shape changed)."""
+        if self.window is not None and capacity > self.window:
+            raise UserError(f"the compiled backend does not implement sliding-window attention; this model's "
+                            f"window is {self.window} positions and a sequence needs {capacity}: use --backend eager")
+        shape = self.weights.shape
+        size = (self.slots + 1, shape.kv_heads, capacity, shape.head_dim)
+        dtype = self.weights.embed.dtype
+        for store in (self.keys, self.values):
+            for i in range(shape.layers):
+                new = torch.zeros(size, dtype=dtype)  # zeros: stale positions are finite, never NaN
+                if i < len(store):
+                    new[:, :, : self.capacity] = store[i]
+                    store[i] = new
+                else:
+                    store.append(new)
+        self.capacity = capacity
+
+    def kv(self, slot: int) -> SlotKV:
+        return SlotKV(self, slot)
+
+    @staticmethod
+    def unsupported(model: MTPModel) -> str | None:
+        """Why this backend cannot run `model` (None: it can)."""
+        try:
+            check_supported(model)
+        except UserError as exc:
+            return str(exc)
+        return None
+
+    def move(self, source: int, target: int, length: int) -> None:
+        """Copy slot `source`'s first `length` positions into slot `target` (compaction)."""
+        for store in self.keys + self.values:
+            store[target, :, :length] = store[source, :, :length]
+
+    def keep_rows(self, slot: int, start: int, rows: list[int]) -> None:
+        """Move positions start + rows[i] of a slot to start + i (a kept tree path)."""
+        index = torch.tensor([start + r for r in rows], dtype=torch.long)
+        for store in self.keys + self.values:
+            store[slot, :, start: start + len(rows)] = store[slot, :, index]
+
+    def nbytes(self) -> int:
+        """Bytes of the KV store (scratch slot included); fused weight copies are not counted here."""
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+@BACKENDS.register("compiled", "our own pass for Llama, Qwen2 and Mistral over a static KV store, compiled "
+                               "per row bucket (torch.compile)")
+class CompiledBackend(StaticBackend):
+    def __init__(self, model: MTPModel, slots: int = 1) -> None:
+        require_compiler()
+        super().__init__(model, slots, compile=True)
+
+
+@BACKENDS.register("static", "the same pass and store, not compiled (no compiler needed)")
+class UncompiledBackend(StaticBackend):
+    def __init__(self, model: MTPModel, slots: int = 1) -> None:
+        super().__init__(model, slots, compile=False)
+
+
+def _use_mtplm_compile_cache() -> None:
+    """Point inductor's cache at $MTPLM_HOME/inductor unless the user chose a directory. Inductor fills in
+    its own default (a temp dir) the first time anything asks, so that value counts as unset."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    from torch._inductor.utils import clear_caches
+
+    from mtplm.assets.models import cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
+        clear_caches()
+
+
+def _bucket(size: int) -> int:
+    return 1 << (size - 1).bit_length()

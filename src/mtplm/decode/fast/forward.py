@@ -1,0 +1,149 @@
+"""The fast decode pass as pure functions over FastWeights and a static per-layer KV store.
+
+Everything a pass varies arrives as tensors (ids, RoPE positions, cached lengths, the fed rows' local
+attention rule, slot indices), and every shape is fixed by the caller's bucket (b, Q, T), so one
+compiled graph serves every pass of its bucket with no data-dependent Python branches. Sequence i
+writes its rows' keys and values at lengths[i] .. lengths[i] + Q - 1 of store slot slots[i], then
+attends to key positions j < T of that slot where j < lengths[i] (its cache) or j = lengths[i] + c with
+allowed[i, r, c] (its fed rows, masks.step_layout). Padded rows see themselves only: finite, never read.
+
+Gated LoRA: every adapted projection adds ((x A^T) B^T) * gate, gate = (ids == mask_id) * alpha / r per
+row. The delta is computed for every row and zeroed by the gate where no `<mtp>` token sits: a few
+thousand multiply-adds per row, and no host sync to find out whether any mask row exists.
+
+Attention scores and softmax run in float32 (the keys are gathered and cast in one fused kernel), and
+grouped-query attention folds the G = H / KVH query heads of a KV head into the row dimension of one
+batched matmul instead of expanding keys and values.
+
+Shapes: b sequences (bucketed), Q fed rows (bucketed), T attended key positions (bucketed), D hidden,
+H query heads, KVH key/value heads, G = H / KVH, d head dim, S store slots, C store capacity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from mtplm.decode.fast import kernels
+from mtplm.decode.fast.weights import FastWeights, Shape
+
+
+def decode_pass(weights: FastWeights, keys: list[torch.Tensor], values: list[torch.Tensor], ids: torch.Tensor,
+                positions: torch.Tensor, lengths: torch.Tensor, allowed: torch.Tensor, slots: torch.Tensor,
+                kv_len: int, adapters: bool = True, step: Callable | None = None) -> torch.Tensor:
+    """Final-norm hidden states [b, Q, D]; writes every fed row's KV into keys/values[layer] [S, KVH, C, d].
+
+    ids, positions: [b, Q] long; lengths, slots: [b] long; allowed: [b, Q, Q] bool. `adapters` False
+    skips the gated adapters (the caller knows from its token lists that no row holds `<mtp>`, where
+    they would add exactly zero). `step` runs one layer (default `layer`; the backend passes a compiled
+    one when it compiles layer by layer).
+    """
+    shape, step = weights.shape, step or layer
+    hidden, rope, mask, gate, write = prepare(weights, ids, positions, lengths, allowed, kv_len, adapters)
+    for block, key_store, value_store in zip(weights.blocks, keys, values, strict=False):
+        hidden = step(block, shape, hidden, rope, mask, gate, (key_store, value_store), slots, write, kv_len)
+    return rms_norm(hidden, weights.final_norm, shape.eps)
+
+
+def prepare(weights: FastWeights, ids: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
+            allowed: torch.Tensor, kv_len: int, adapters: bool = True) -> tuple:
+    """What every layer shares: embeddings [b, Q, D], (cos, sin) [b, Q, 1, d], the additive mask
+    [b, 1, 1, Q, T], the adapters' gate [b, Q, 1] (None without adapters), store write positions [b, Q]."""
+    shape = weights.shape
+    hidden = F.embedding(ids, weights.embed)  # [b, Q, D]
+    rope = rope_tables(positions, weights.inv_freq, shape.rope_scaling, hidden.dtype)
+    mask = attention_mask(lengths, allowed, kv_len)
+    gate = (ids == shape.mask_id).unsqueeze(-1) * shape.lora_scale if shape.gated and adapters else None
+    write = lengths.unsqueeze(1) + torch.arange(ids.shape[1], device=ids.device)
+    return hidden, rope, mask, gate, write
+
+
+def layer(block, shape: Shape, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
+          gate: torch.Tensor | None, store: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor,
+          write: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """One decoder layer: attention over the store, then the SiLU-gated MLP; hidden [b, Q, D] in and out."""
+    b, q, _ = hidden.shape
+    heads, kv_heads, d = shape.heads, shape.kv_heads, shape.head_dim
+    qkv = project(block, "qkv", rms_norm(hidden, block.attn_norm, shape.eps), gate)  # [b, Q, (H + 2 KVH) d]
+    query, key, value = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    query = rotate(query.view(b, q, heads, d), *rope)  # [b, Q, H, d]
+    key = rotate(key.view(b, q, kv_heads, d), *rope)  # [b, Q, KVH, d]
+    key_store, value_store = store
+    key_store[slots.unsqueeze(1), :, write] = key  # each sequence's rows at its own offset of its slot
+    value_store[slots.unsqueeze(1), :, write] = value.view(b, q, kv_heads, d)
+    attended = attend(query, key_store, value_store, slots, kv_len, mask, shape.scaling)  # [b, Q, H d]
+    hidden = hidden + project(block, "o", attended, gate)
+    gate_up = project(block, "gate_up", rms_norm(hidden, block.mlp_norm, shape.eps), gate)  # [b, Q, 2 I]
+    gated, up = gate_up.chunk(2, dim=-1)
+    return hidden + project(block, "down", F.silu(gated) * up, gate)
+
+
+def project(block, name: str, inputs: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    """A (fused) projection plus its gated low-rank delta: [b, Q, in] -> [b, Q, out]."""
+    parts = block.parts[name]
+    if block.prepacked:
+        out = kernels.packed_linear(inputs, getattr(block, f"{name}_w"), getattr(block, f"{name}_bias"))
+    elif parts == 1:
+        out = F.linear(inputs, getattr(block, f"{name}_w"), getattr(block, f"{name}_bias"))
+    else:  # unfused HF tensors, read in place
+        out = torch.cat([F.linear(inputs, getattr(block, f"{name}{i}_w"), getattr(block, f"{name}{i}_bias"))
+                         for i in range(parts)], dim=-1)
+    if gate is None:
+        return out
+    down, up = getattr(block, f"{name}_a"), getattr(block, f"{name}_b")  # [n r, in], [out, n r]
+    # Two small GEMMs. Written as inline reductions instead (inductor then generates them), the adapters
+    # cost +12 ms at 1 x 8 rows and made an 8 x 8 pass slower than eager: their cost grows with rows.
+    delta = (inputs.to(down.dtype) @ down.T) @ up.T  # [b, Q, out]
+    return out + (delta * gate.to(delta.dtype)).to(out.dtype)
+
+
+def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's Llama RMSNorm: normalise in float32, cast back, then scale."""
+    wide = hidden.float()
+    wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * wide.to(hidden.dtype)
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [b, Q, 1, d] at each row's position, from the model's own inverse frequencies [d/2]."""
+    freqs = positions.unsqueeze(-1).float() * inv_freq  # [b, Q, d/2]
+    angles = torch.cat([freqs, freqs], dim=-1)  # [b, Q, d]
+    cos, sin = angles.cos() * scaling, angles.sin() * scaling
+    return cos.to(dtype).unsqueeze(2), sin.to(dtype).unsqueeze(2)
+
+
+def rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of [b, Q, heads, d] (HF's rotate_half convention)."""
+    first, second = states.chunk(2, dim=-1)
+    return states * cos + torch.cat([-second, first], dim=-1) * sin
+
+
+def attention_mask(lengths: torch.Tensor, allowed: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """Additive float32 mask [b, 1, 1, Q, T]: 0 where row r of sequence i may read key position j."""
+    b, q, _ = allowed.shape
+    relative = torch.arange(kv_len, device=lengths.device) - lengths.unsqueeze(1)  # [b, T] key - first fed
+    cached = (relative < 0).unsqueeze(1)  # [b, 1, T]
+    fed = ((relative >= 0) & (relative < q)).unsqueeze(1)  # [b, 1, T]
+    column = relative.clamp(0, q - 1).unsqueeze(1).expand(b, q, kv_len)  # [b, Q, T]
+    visible = cached | (fed & allowed.gather(2, column))  # [b, Q, T]
+    blocked = torch.finfo(torch.float32).min
+    return torch.where(visible, 0.0, blocked).view(b, 1, 1, q, kv_len)
+
+
+def attend(query: torch.Tensor, key_store: torch.Tensor, value_store: torch.Tensor, slots: torch.Tensor,
+           kv_len: int, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Grouped-query attention of query [b, Q, H, d] over the first T positions of each row's slot."""
+    b, q, heads, d = query.shape
+    kv_heads = key_store.shape[1]
+    groups = heads // kv_heads
+    keys = key_store[:, :, :kv_len].index_select(0, slots).float()  # [b, KVH, T, d]
+    values = value_store[:, :, :kv_len].index_select(0, slots).float()  # [b, KVH, T, d]
+    grouped = query.view(b, q, kv_heads, groups, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, groups * q, d)
+    scores = (grouped.float() * scaling) @ keys.transpose(-1, -2)  # [b, KVH, G Q, T]
+    scores = scores.view(b, kv_heads, groups, q, kv_len) + mask
+    probs = scores.softmax(dim=-1).view(b, kv_heads, groups * q, kv_len)
+    out = (probs @ values).to(query.dtype)  # [b, KVH, G Q, d]
+    return out.view(b, kv_heads, groups, q, d).permute(0, 3, 1, 2, 4).reshape(b, q, heads * d)

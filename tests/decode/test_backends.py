@@ -1,0 +1,103 @@
+"""Backends: every registered backend decodes exactly the eager reference's tokens (fp32), alone and batched,
+and the compiled one keeps a bounded set of graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_mtp, with_random_heads
+from synthetic import chain_rows
+from test_engine import MODES, Collector
+
+from mtplm.config import BACKEND_ENV, DecodeConfig, Thresholds
+from mtplm.decode.backends import EagerBackend, make_backend, resolve_backend
+from mtplm.decode.engine import Engine, Job
+from mtplm.decode.fast.backend import ROW_BUCKETS
+from mtplm.decode.loop import generate, stream
+from mtplm.decode.strategies import make_strategy
+from mtplm.errors import UserError
+from mtplm.model import MTPModel
+from mtplm.registry import BACKENDS
+from mtplm.text import chat_prompt_ids
+
+
+def _prompts(model: MTPModel, n: int, seed: int) -> list[list[int]]:
+    return [chat_prompt_ids(model.tokenizer, row["prompt"]) for row in chain_rows(n, seed=seed)]
+
+
+def _decode(model, ids, cfg, backend):
+    out = generate(model, ids, DecodeConfig(**{**cfg.__dict__, "max_new_tokens": 24}), backend=backend)
+    return out.tokens, out.accepted
+
+
+@pytest.mark.parametrize("name", ["static", "compiled"])
+def test_every_mode_decodes_the_eager_tokens(chain_checkpoint, name):
+    model = MTPModel.load(chain_checkpoint)
+    eager, other = EagerBackend(model), make_backend(name, model)
+    for i, ids in enumerate(_prompts(model, 3, seed=21)):
+        for cfg in MODES[i % 2::2] if name == "compiled" else MODES:  # compiled: half the modes per prompt
+            assert _decode(model, ids, cfg, other) == _decode(model, ids, cfg, eager), cfg
+
+
+@pytest.mark.parametrize("form", ["medusa", "sequential"])
+def test_heads_and_tree_drafting_decode_the_eager_tokens(base_dir, form):
+    model = with_random_heads(base_dir, form)
+    eager, compiled = EagerBackend(model), make_backend("compiled", model)
+    ids = _prompts(model, 1, seed=22)[0]
+    for cfg in (DecodeConfig(mode="verified", k_max=4, drafting="tree"), DecodeConfig(mode="verified", k_max=3)):
+        assert _decode(model, ids, cfg, compiled) == _decode(model, ids, cfg, eager)
+
+
+def test_the_batch_engine_on_the_compiled_backend_decodes_what_each_sequence_decodes_alone(chain_checkpoint):
+    model = MTPModel.load(chain_checkpoint)
+    jobs = [(ids, DecodeConfig(**{**MODES[i % len(MODES)].__dict__, "max_new_tokens": 20}))
+            for i, ids in enumerate(_prompts(model, 6, seed=23))]
+    engine = Engine(model, max_batch=4, backend=make_backend("compiled", model, 4))
+    collectors = [Collector() for _ in jobs]
+    for (ids, cfg), collector in zip(jobs, collectors, strict=True):
+        engine.submit(Job(ids, cfg, collector))
+    try:
+        assert all(collector.done.wait(120) for collector in collectors)
+    finally:
+        engine.close(grace_s=5)
+    alone = [generate(model, ids, cfg, backend=EagerBackend(model)).tokens for ids, cfg in jobs]
+    assert [c.tokens for c in collectors] == alone
+
+
+def test_graphs_stay_bounded_over_a_long_generation_with_varying_k():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_mtp(seed=3, gated=True)  # random slots: drafts mostly rejected, so the window keeps moving
+    backend = make_backend("compiled", model)
+    cfg = DecodeConfig(mode="verified", k_max=6, drafting="quadratic", window="adaptive")
+    steps = list(stream(model, [1, 2, 3, 4], make_strategy(cfg, Thresholds()), 480, set(), backend=backend))
+    assert sum(len(s.tokens) for s in steps) == 480 and len({s.offered for s in steps}) > 2  # k varied
+    key_buckets = 3  # 128, 256, 512 keys over a 484-position context
+    bound = len(ROW_BUCKETS) * key_buckets * 2  # rows x keys x (with / without <mtp> rows)
+    assert len(backend.compiled_buckets) <= bound
+    assert counters["stats"]["unique_graphs"] <= len(backend.compiled_buckets)
+
+
+def test_backend_names_resolve_and_bad_ones_are_one_clear_error(chain_checkpoint, monkeypatch):
+    model = MTPModel.load(chain_checkpoint)
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert resolve_backend("auto", model) == "compiled"  # a Llama: the compiled pass
+    monkeypatch.setenv(BACKEND_ENV, "eager")
+    assert resolve_backend("auto", model) == "eager"
+    with pytest.raises(UserError, match="unknown backend 'fast': choose one of eager, compiled, static"):
+        make_backend("fast", model)
+    assert set(BACKENDS.names()) == {"eager", "compiled", "static"}
+
+
+def test_an_architecture_the_compiled_pass_lacks_falls_back_to_eager_under_auto(monkeypatch):
+    from conftest import tiny_tokenizer
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    gpt2 = MTPModel(GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2)).eval(),
+                    tiny_tokenizer(), None)
+    assert resolve_backend("auto", gpt2) == "eager"
+    with pytest.raises(UserError, match="GPT2LMHeadModel.*--backend eager"):
+        make_backend("compiled", gpt2)

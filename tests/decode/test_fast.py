@@ -1,0 +1,176 @@
+"""The static-cache backend (decode/fast) against the eager reference (ragged.ragged_pass) on tiny random models.
+
+Equivalence runs uncompiled (the same functions the compiled graphs trace; fast to test); one test
+compiles a few buckets to check that compiled == uncompiled and that the graph count stays bounded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, tiny_mtp, tiny_tokenizer
+from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+
+from mtplm.decode.fast import StaticBackend
+from mtplm.decode.protocol import Feed
+from mtplm.decode.ragged import RaggedCache, ragged_pass
+from mtplm.errors import UserError
+from mtplm.model import MTPModel
+
+
+def tiny_qwen2(seed: int = 0) -> MTPModel:
+    """A gated conversion of a tiny Qwen2 (q/k/v biases, made non-zero so they matter)."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         eos_token_id=VOCAB - 2, pad_token_id=VOCAB - 1, tie_word_embeddings=True)
+    hf = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    model = MTPModel(hf, tiny_tokenizer(), None)
+    model.add_mask_token(k_max=4, base_identity={"name": "tiny-qwen2"})
+    model.attach_gated_lora(rank=4, alpha=8.0)
+    with torch.no_grad():
+        for name, p in model.hf.named_parameters():
+            if ".lora_b" in name:
+                p.normal_(0, 0.2)
+    return model
+
+
+MODELS = {"llama": lambda: tiny_mtp(gated=True), "qwen2": tiny_qwen2, "llama-plain": lambda: tiny_mtp(gated=False)}
+
+
+def plain(tokens: list[int]) -> Feed:
+    return Feed(tokens, len(tokens), 0, 0, False, None)
+
+
+def masked(model: MTPModel, tokens: list[int], drafts: int, slots: int, quadratic: bool) -> Feed:
+    """`tokens` (its last `drafts` are drafts) and the mask blocks the layout asks for."""
+    blocks = drafts + 1 if quadratic else 1
+    pending = len(tokens) - drafts
+    return Feed(tokens + [model.mask_id] * (blocks * slots), pending, drafts, slots, quadratic, None)
+
+
+def tree(tokens: list[int], parents: tuple[int, ...]) -> Feed:
+    return Feed(tokens, len(tokens) - len(parents), len(parents), 0, False, parents)
+
+
+class Pair:
+    """The eager reference and a fast backend fed the same passes; `step` checks they agree."""
+
+    def __init__(self, model: MTPModel, slots: int, compile: bool = False, **options) -> None:
+        self.model, self.cache = model, RaggedCache(slots, 32)
+        self.fast = StaticBackend(model, slots, capacity=32, compile=compile, **options)
+
+    def step(self, start: int, feeds: list[Feed], lengths: list[int], atol: float = 2e-5) -> torch.Tensor:
+        with torch.inference_mode():
+            expected = ragged_pass(self.model, self.cache, start, feeds, lengths)
+            got = self.fast.run(start, feeds, lengths)
+        assert got.shape == expected.shape
+        for i, feed in enumerate(feeds):
+            q = len(feed.tokens)
+            torch.testing.assert_close(got[i, :q], expected[i, :q], atol=atol, rtol=1e-4)
+        return got
+
+    def assert_same_kv(self, slot: int, length: int) -> None:
+        for layer in range(len(self.cache.keys)):
+            for ours, theirs in ((self.fast.keys, self.cache.keys), (self.fast.values, self.cache.values)):
+                torch.testing.assert_close(ours[layer][slot, :, :length], theirs[layer][slot, :, :length],
+                                           atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_every_layout_matches_the_eager_pass(arch):
+    model = MODELS[arch]()
+    pair = Pair(model, slots=4)
+    mask_rows = arch != "llama-plain"
+    prompts = [[3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16], [20, 21]]
+    pair.step(0, [plain(p) for p in prompts], [0, 0, 0])
+    lengths = [len(p) for p in prompts]
+    steps = [
+        [plain([1]), plain([2, 3]), plain([4])],
+        [masked(model, [1, 2], 1, 3, quadratic=True) if mask_rows else plain([1, 2]),
+         masked(model, [5], 0, 2, quadratic=False) if mask_rows else plain([5]),
+         tree([6, 7, 8, 9, 10], (-1, 0, 0, 1))],
+        [tree([1, 2, 3], (-1, -1)), plain([5, 6, 7]), plain([8])],
+    ]
+    for feeds in steps:
+        pair.step(0, feeds, lengths)
+        lengths = [n + 1 for n in lengths]  # commit one row of each; the rest rolls back
+    pair.step(1, [plain([4, 5]), plain([6])], lengths[1:])  # a pass over a later slice of the slots
+    for slot, length in enumerate(lengths):
+        pair.assert_same_kv(slot, length)
+
+
+def test_rollback_leaves_exactly_the_committed_kv():
+    model = tiny_mtp(gated=True)
+    drafted, clean = StaticBackend(model, 1, capacity=32, compile=False), StaticBackend(model, 1, 32, compile=False)
+    prompt = [3, 4, 5, 6]
+    with torch.inference_mode():
+        drafted.run(0, [plain(prompt)], [0])
+        drafted.run(0, [masked(model, [7, 8, 9], 2, 3, quadratic=True)], [4])  # 3 + 9 rows written
+        drafted.run(0, [plain([8, 11])], [5])  # kept 7, then rejected the drafts: refeed from 5
+        clean.run(0, [plain(prompt + [7, 8, 11])], [0])
+        tree_pass = [tree([12, 13, 14, 15], (-1, 0, -1))]
+        drafted.run(0, tree_pass, [7])
+        drafted.keep_rows(0, 8, [2])  # the tree path through node 2 (token 15 at row 3)
+        clean.run(0, [plain([12, 15])], [7])
+        for ours, reference in zip(drafted.keys + drafted.values, clean.keys + clean.values, strict=False):
+            torch.testing.assert_close(ours[0, :, :9], reference[0, :, :9], atol=1e-6, rtol=1e-5)
+        last = drafted.run(0, [plain([16])], [9])
+        torch.testing.assert_close(last, clean.run(0, [plain([16])], [9]), atol=1e-6, rtol=1e-5)
+
+
+def test_move_and_growth_keep_the_kv():
+    model = tiny_mtp(gated=True)
+    backend = StaticBackend(model, 2, capacity=8, compile=False)
+    with torch.inference_mode():
+        backend.run(1, [plain(list(range(2, 9)))], [0])
+        backend.move(1, 0, 7)
+        backend.run(0, [plain(list(range(10, 16)))], [7])  # 13 positions: the store grows
+        reference = StaticBackend(model, 1, capacity=16, compile=False)
+        reference.run(0, [plain(list(range(2, 9)) + list(range(10, 16)))], [0])
+    assert backend.capacity >= 13
+    for ours, theirs in zip(backend.keys, reference.keys, strict=False):
+        torch.testing.assert_close(ours[0, :, :13], theirs[0, :, :13], atol=1e-6, rtol=1e-5)
+
+
+def test_bf16_stays_close_to_the_eager_pass():
+    model = tiny_mtp(gated=True)
+    model.hf.to(torch.bfloat16)
+    model.adapters_to(torch.bfloat16)
+    pair = Pair(model, slots=2)
+    pair.step(0, [plain([3, 4, 5, 6]), plain([7, 8])], [0, 0], atol=0.1)
+    pair.step(0, [masked(model, [9], 0, 3, False), plain([10])], [4, 2], atol=0.1)
+
+
+def test_compiled_graphs_match_and_stay_bounded():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_mtp(gated=True)
+    pair = Pair(model, slots=2, compile=True)
+    eager = StaticBackend(model, 2, capacity=32, compile=False)
+    with torch.inference_mode():
+        eager.run(0, [plain([3, 4, 5])], [0])
+    pair.step(0, [plain([3, 4, 5])], [0])  # 3 rows: bucket 4
+    length = 3
+    for i in range(12):  # 1 to 4 rows per pass: buckets 1 (plain), 2 and 4 (<mtp> rows)
+        rows = i % 4 + 1
+        feed = masked(model, [5 + i], 0, rows - 1, False)
+        got = pair.step(0, [feed], [length])
+        with torch.inference_mode():
+            torch.testing.assert_close(got, eager.run(0, [feed], [length]), atol=1e-5, rtol=1e-4)
+        length += 1
+    buckets = {(1, 4, 32, False), (1, 1, 32, False), (1, 2, 32, True), (1, 4, 32, True)}  # keys: capacity 32
+    assert set(pair.fast.compiled_buckets) == buckets
+    assert counters["stats"]["unique_graphs"] == 4
+
+
+def test_unsupported_architectures_are_refused():
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)).eval()
+    with pytest.raises(UserError, match="GPT2LMHeadModel"):
+        StaticBackend(MTPModel(gpt2, tiny_tokenizer(), None), 1, compile=False)
