@@ -1,10 +1,17 @@
-"""The cost curve t(batch, rows per sequence) of one ragged forward pass on this machine (SPEC §5).
+"""The cost curve t(batch, rows per sequence) of one decode pass on this machine, per backend (SPEC §5), and
+the roofline ratio of a 1-row pass.
 
-Each pass feeds `rows` plain tokens per sequence behind a cached context, through the same code path
-the server's engine uses (ragged.ragged_pass, then the LM head over every fed row). Prints the best of
-five passes per point, in ms and as a ratio to one row per sequence at the same batch.
+Each pass feeds `rows` rows per sequence behind `context` cached positions through a backend
+(decode/backends.py, the seam the loop and the engine use), then the LM head over every fed row. Row kinds:
+`plain` tokens, or `mask` = 1 token + <mtp> slots (ConfAdapt's and verified's passes: the gated adapters
+run). Backends alternate pass by pass so load drifts hit all alike; the best of `repeats` is printed in
+ms with the ratio to the same backend's 1-row pass.
 
-    python scripts/pass_cost.py --model smollm2-135m-mtp --dtype bf16 --batches 1,8 --rows 1,2,3,4,6,8
+Roofline: a copy benchmark measures this machine's memory bandwidth (bytes read + written per second); a
+1-row pass must read every weight once, so its floor is weight bytes / bandwidth, and the ratio is the
+measured 1-row pass over that floor.
+
+    python scripts/pass_cost.py --backends eager,compiled --batches 1,8 --rows 1,2,4,8,16
 """
 
 from __future__ import annotations
@@ -14,44 +21,97 @@ import time
 
 import torch
 
-from mtplm.decode.loop import Feed
-from mtplm.decode.ragged import RaggedCache, ragged_pass
+from mtplm.decode.backends import make_backend
+from mtplm.decode.protocol import Feed
 from mtplm.model import load_model
+
+
+def bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes per second of a large copy (read + write counted), best of `repeats`."""
+    source = torch.empty(megabytes * 2**20, dtype=torch.uint8).fill_(1)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(repeats):
+        began = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - began)
+    return 2 * source.numel() / best
+
+
+def best_of(runs: dict, repeats: int) -> dict[str, float]:
+    best = {name: float("inf") for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            began = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - began)
+    return best
+
+
+def feeds_for(model, kind: str, rows: int, batch: int) -> list[Feed]:
+    tokens = [5] + [model.mask_id if kind == "mask" else 5] * (rows - 1)
+    pending, slots = (1, rows - 1) if kind == "mask" else (rows, 0)
+    return [Feed(tokens, pending, 0, slots, False, None)] * batch
+
+
+def one_pass(model, backend, feeds: list[Feed], lengths: list[int]):
+    def run() -> None:
+        hidden = backend.run(0, feeds, lengths)
+        model.head(hidden.reshape(-1, hidden.shape[-1]))
+    return run
+
+
+def measure(model, args, batch: int) -> dict[tuple[str, str], list[float]]:
+    """(backend, kind) -> best seconds per row count, at this batch size."""
+    backends = {name: make_backend(name, model, batch) for name in args.backends.split(",")}
+    prompt = [Feed(list(range(100, 100 + args.context)), args.context, 0, 0, False, None)] * batch
+    lengths, rows_list = [args.context] * batch, [int(r) for r in args.rows.split(",")]
+    table: dict[tuple[str, str], list[float]] = {}
+    with torch.inference_mode():
+        for backend in backends.values():
+            backend.run(0, prompt, [0] * batch)
+        for kind in args.kinds.split(","):
+            for rows in rows_list:
+                feeds = feeds_for(model, kind, rows, batch)
+                runs = {name: one_pass(model, b, feeds, lengths) for name, b in backends.items()}
+                for run in runs.values():
+                    run()  # the compiled backend compiles a new bucket here
+                for name, seconds in best_of(runs, args.repeats).items():
+                    table.setdefault((name, kind), []).append(seconds)
+    return table
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-mtp")
     p.add_argument("--dtype", default="bf16")
+    p.add_argument("--backends", default="eager,compiled")
     p.add_argument("--batches", default="1,8")
-    p.add_argument("--rows", default="1,2,3,4,6,8")
+    p.add_argument("--rows", default="1,2,4,8,16")
+    p.add_argument("--kinds", default="plain,mask")
     p.add_argument("--context", type=int, default=200)
-    p.add_argument("--mask-rows", action="store_true",
-                   help="rows after a sequence's first are <mtp> slots (ConfAdapt's and static k's passes: the "
-                        "gated adapters run), not plain tokens")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = load_model(args.model, args.dtype)
-    rows = [int(r) for r in args.rows.split(",")]
-    kind = "1 token + <mtp> slots" if args.mask_rows else "plain tokens"
-    print(f"{args.model} {args.dtype}, context {args.context}, {kind}: best of 5 passes, ms (ratio to 1 row/sequence)")
+    rows_list = [int(r) for r in args.rows.split(",")]
+    print(f"{args.model} {args.dtype}, context {args.context}, {torch.get_num_threads()} threads, best of "
+          f"{args.repeats}; ms per pass incl. the LM head (ratio to the same backend's 1-row pass)")
+    one_row: dict[str, float] = {}
     for batch in (int(b) for b in args.batches.split(",")):
-        cache = RaggedCache(batch)
-        times = []
-        with torch.inference_mode():
-            prompt = Feed(list(range(100, 100 + args.context)), args.context, 0, 0, False, None)
-            ragged_pass(model, cache, 0, [prompt] * batch, [0] * batch)
-            for width in rows:
-                tokens = [5] + [model.mask_id if args.mask_rows else 5] * (width - 1)
-                feeds = [Feed(tokens, 1 if args.mask_rows else width, 0, 0, False, None)] * batch
-                best = float("inf")
-                for _ in range(5):
-                    began = time.perf_counter()
-                    hidden = ragged_pass(model, cache, 0, feeds, [args.context] * batch)
-                    model.head(hidden.reshape(-1, hidden.shape[-1]))
-                    best = min(best, time.perf_counter() - began)
-                times.append(best)
-        print(f"batch {batch:3d}: " + "  ".join(f"{w} rows {1000 * t:6.1f} ({t / times[0]:.2f}x)"
-                                               for w, t in zip(rows, times, strict=False)))
+        for (name, kind), times in measure(model, args, batch).items():
+            print(f"batch {batch} {name:8s} {kind:5s}: " + "  ".join(
+                f"{r:2d} rows {1e3 * t:6.1f} ({t / times[0]:.2f}x)" for r, t in zip(rows_list, times, strict=True)))
+            if batch == 1 and kind == "plain":
+                one_row[name] = times[0]
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.hf.parameters())
+    rate = bandwidth()
+    floor = weight_bytes / rate
+    print(f"roofline: weights {weight_bytes / 1e6:.0f} MB, copy bandwidth {rate / 1e9:.1f} GB/s, floor "
+          f"{1e3 * floor:.1f} ms; " + ", ".join(f"{name} 1-row pass {1e3 * t:.1f} ms = {t / floor:.2f}x the floor"
+                                                for name, t in one_row.items()))
 
 
 if __name__ == "__main__":

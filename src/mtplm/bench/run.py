@@ -21,7 +21,7 @@ from mtplm.bench.cost import Assumptions, cost_markdown
 from mtplm.bench.machine import machine
 from mtplm.bench.plots import bench_plot
 from mtplm.bench.tasks import humaneval_problems, score_example
-from mtplm.config import DecodeConfig, add_dtype_argument, mode_grammar, parse_mode
+from mtplm.config import DecodeConfig, add_backend_argument, add_dtype_argument, mode_grammar, parse_mode
 from mtplm.errors import UserError
 from mtplm.registry import CONFIDENCE
 
@@ -43,6 +43,9 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=128)
     add_dtype_argument(p)
+    add_backend_argument(p)
+    p.add_argument("--no-eager-baseline", action="store_true",
+                   help="skip the row of plain decoding on the eager backend (run whenever --backend is not eager)")
     p.add_argument("--modes", default=DEFAULT_MODES, help=_mode_help())
     p.add_argument("--k-max", type=int, default=None,
                    help="ConfAdapt block size / verified window (default: the checkpoint's)")
@@ -152,6 +155,7 @@ class PeakMemory:
 
 def run_bench(args) -> dict:
     from mtplm.assets.datasets import prompt_set
+    from mtplm.decode.backends import EagerBackend, make_backend, resolve_backend
     from mtplm.decode.loop import generate, stop_ids
     from mtplm.model import load_model
     from mtplm.text import chat_prompt_ids
@@ -166,22 +170,20 @@ def run_bench(args) -> dict:
     prompts = [chat_prompt_ids(model.tokenizer, e.prompt)[-768:] for e in examples]
     stops = sorted(stop_ids(model))
     baselines = _baselines(args, model, stops)  # name -> (run(ids) -> Record parts, the name it is compared with)
+    backend_name = resolve_backend(args.backend, model)
+    backend = make_backend(backend_name, model, slots=1)
+    if backend_name != "eager" and not args.no_eager_baseline:  # the same plain decoding on the reference pass
+        modes.append(("ntp[eager]", DecodeConfig(mode="ntp")))
     records: dict[str, list[Record]] = {name: [] for name, _ in modes} | {name: [] for name in baselines}
     scorer = _Scorer(model.tokenizer, enabled=not args.no_score)
 
-    generate(model, prompts[0], DecodeConfig(mode="ntp", max_new_tokens=8))  # warm-up
+    warm = time.perf_counter()
+    for _, cfg in modes:  # warm-up; the compiled backend compiles its first buckets here (and prints each)
+        generate(model, prompts[0], DecodeConfig(**{**asdict(cfg), "max_new_tokens": 8}), backend=backend)
+    warm_up_s = time.perf_counter() - warm
+    runners = {name: EagerBackend(model) if name == "ntp[eager]" else backend for name, _ in modes}
     for example, ids in tqdm(list(zip(examples, prompts, strict=False)), desc="bench", unit="prompt"):
-        source = example.id.split("/")[0]
-        for name, cfg in modes:
-            baseline = model.pristine() if cfg.mode == "ntp" else nullcontext()
-            with baseline, PeakMemory() as mem:
-                out = generate(model, ids, DecodeConfig(**{**asdict(cfg), "max_new_tokens": args.max_new_tokens}))
-            records[name].append(Record(source, out.tokens, out.elapsed_s, out.accepted, out.ttft_s, mem.peak / 2**20,
-                                        scorer(example, out.tokens)))
-        for name, (run, _) in baselines.items():
-            with PeakMemory() as mem:
-                tokens, seconds = run(ids)
-            records[name].append(Record(source, tokens, seconds, [], None, mem.peak / 2**20, scorer(example, tokens)))
+        _one_prompt(model, example, ids, modes, runners, baselines, records, scorer, args.max_new_tokens)
 
     reference = {name: records[baselines[name][1] if name in baselines else "ntp"] for name in records}
     rows = [summarize(name, recs, reference[name]) for name, recs in records.items()]
@@ -192,6 +194,8 @@ def run_bench(args) -> dict:
     report = {
         "command": "mtplm bench " + " ".join(getattr(args, "argv", [])),
         "model": args.model, "dtype": args.dtype, "prompt_set": args.prompt_set, "prompts": len(prompts),
+        "backend": backend_name, "warm_up_s": round(warm_up_s, 1),
+        "compiled_buckets": {str(k): round(v, 1) for k, v in getattr(backend, "compiled_buckets", {}).items()},
         "max_new_tokens": args.max_new_tokens, "machine": machine(), "rows": rows, "by_source": by_source,
         "histograms": {name: _histogram([n for r in recs for n in r.accepted]) for name, recs in records.items()
                        if name not in baselines},
@@ -204,6 +208,25 @@ def run_bench(args) -> dict:
     print(markdown_table(rows))
     print(f"\nreport: {args.out / 'report.md'}")
     return report
+
+
+def _one_prompt(model, example, ids: list[int], modes: list, runners: dict, baselines: dict, records: dict,
+                scorer, max_new_tokens: int) -> None:
+    """One prompt in every mode (each on its backend), then in every outside baseline; records grow."""
+    from mtplm.decode.loop import generate
+
+    source = example.id.split("/")[0]
+    for name, cfg in modes:
+        baseline = model.pristine() if cfg.mode == "ntp" else nullcontext()
+        with baseline, PeakMemory() as mem:
+            out = generate(model, ids, DecodeConfig(**{**asdict(cfg), "max_new_tokens": max_new_tokens}),
+                           backend=runners[name])
+        records[name].append(Record(source, out.tokens, out.elapsed_s, out.accepted, out.ttft_s, mem.peak / 2**20,
+                                    scorer(example, out.tokens)))
+    for name, (run, _) in baselines.items():
+        with PeakMemory() as mem:
+            tokens, seconds = run(ids)
+        records[name].append(Record(source, tokens, seconds, [], None, mem.peak / 2**20, scorer(example, tokens)))
 
 
 class _Scorer:
@@ -326,7 +349,8 @@ def write_report(report: dict, out: Path) -> None:
     text = [f"# mtplm bench: {report['model']} ({report['dtype']})", "",
             f"`{report['command']}`", "",
             f"{report['prompts']} held-out prompts from `{report['prompt_set']}` (eval split), up to "
-            f"{report['max_new_tokens']} new tokens, greedy. Machine: {m['cpu']}, {m['cores']} cores "
+            f"{report['max_new_tokens']} new tokens, greedy, the `{report.get('backend', 'eager')}` backend "
+            f"(warm-up incl. first compiles {report.get('warm_up_s', 0)} s). Machine: {m['cpu']}, {m['cores']} cores "
             f"({m['threads']} torch threads), {m['ram_gb']} GB RAM; torch {m['torch']}, transformers "
             f"{m['transformers']}, commit {m['commit']}.", "", markdown_table(report["rows"]), "",
             "Task accuracy: the share of scored prompts that pass (GSM8K: exact match of the final number; "

@@ -80,6 +80,10 @@ class Backend(Protocol):
         """Bytes of KV held (the server's memory budget counts them)."""
         ...
 
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM-head logits [..., V] in float32 of final hidden states [..., D], the <mtp> token never predicted."""
+        ...
+
 
 @BACKENDS.register("eager", "Hugging Face's own forward over a per-slot KV store; the reference")
 class EagerBackend:
@@ -104,6 +108,9 @@ class EagerBackend:
 
     def nbytes(self) -> int:
         return self.cache.nbytes()
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.head(hidden)
 
 
 def make_backend(name: str, model: MTPModel, slots: int = 1) -> Backend:
@@ -132,12 +139,13 @@ def require_compiler() -> None:
                         "--backend eager")
 
 
-def describe(model: MTPModel) -> DecodeModel:
-    """What decoding needs of `model`: its LM head, mask token, head drafter, stop ids and thresholds."""
+def describe(model: MTPModel, backend: Backend) -> DecodeModel:
+    """What decoding needs of `model` run by `backend`: the backend's LM head, the mask token, the head
+    drafter, stop ids and thresholds."""
     thresholds = model.meta.decode_thresholds() if model.meta is not None else None
     mask_id = model.meta.mask_id if model.meta is not None else None
     drafter = model.draft_block if model.heads is not None else None
-    return DecodeModel(model.head, mask_id, drafter, frozenset(stop_ids(model)), thresholds)
+    return DecodeModel(backend.head, mask_id, drafter, frozenset(stop_ids(model)), thresholds)
 
 
 def stop_ids(model: MTPModel) -> set[int]:

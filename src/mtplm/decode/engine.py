@@ -71,8 +71,8 @@ class Engine:
         self.model, self.max_batch, self.on_pass = model, max_batch, on_pass
         self.policy = make_policy(k_by_batch)  # policy.py: {batch size: k}, "auto", or None (no cap)
         self._measure: tuple[int, bool] | None = None  # (batch size, capped) of the coming decode pass
-        self.spec = describe(model)  # what decoding needs of the model
         self.backend = backend or EagerBackend(model, max_batch)
+        self.spec = describe(model, self.backend)  # what decoding needs of the model
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []  # running[i] decodes in slot i
         self.closing = self.stopped = False

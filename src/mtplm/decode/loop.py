@@ -145,13 +145,16 @@ def stream(model: MTPModel, prompt_ids: list[int], strategy: Strategy, max_new_t
            stop_ids: set[int], seed: int = 0, backend: Backend | None = None) -> Iterator[Step]:
     """Yield each step's emitted tokens as soon as they are chosen (one sequence in slot 0 of `backend`)."""
     backend = backend or EagerBackend(model, slots=1)
-    sequence = Decoding(describe(model), prompt_ids, strategy, max_new_tokens, stop_ids, seed)
+    spec = describe(model, backend)
+    sequence = Decoding(spec, prompt_ids, strategy, max_new_tokens, stop_ids, seed)
     kv = backend.kv(0)
     with torch.inference_mode():
         while not sequence.done:
             feed = sequence.feed()
             hidden = backend.run(0, [feed], [sequence.past])[0, : len(feed.tokens)]  # [Q, D]
-            yield sequence.advance(hidden, kv)
+            # the LM head once over the tail rows (last pending token onwards): one read of its weights a pass
+            logits = spec.head(hidden[feed.pending - 1:])  # [Q - pending + 1, V]
+            yield sequence.advance(hidden, kv, logits)
 
 
 def generate(model: MTPModel, prompt_ids: list[int], cfg: DecodeConfig, strategy: Strategy | None = None,

@@ -34,6 +34,7 @@ from functools import partial
 import torch
 
 from mtplm.decode.backends import SlotKV, require_compiler
+from mtplm.decode.fast import kernels
 from mtplm.decode.fast.forward import decode_pass, layer
 from mtplm.decode.fast.weights import FastWeights, check_supported, sliding_window
 from mtplm.errors import UserError
@@ -53,6 +54,8 @@ class StaticBackend:
         self.model, self.slots, self.compile = model, slots, compile
         self.key_buckets = key_buckets
         self.weights = FastWeights(model, fuse, prepack)
+        lm_head = model.hf.get_output_embeddings().weight  # [V, D]
+        self._head = kernels.pack(lm_head.detach()) if self.weights.prepacked else None
         self.window = sliding_window(model)
         self.capacity = 0
         self.keys: list[torch.Tensor] = []  # per layer [S + 1, KVH, C, d]
@@ -149,6 +152,15 @@ class StaticBackend:
 
     def kv(self, slot: int) -> SlotKV:
         return SlotKV(self, slot)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM-head logits [..., V] in float32, over prepacked weights where the decoder's are prepacked."""
+        if self._head is None:
+            return self.model.head(hidden)
+        logits = kernels.packed_linear(hidden, self._head, None).float()
+        if self.weights.shape.mask_id >= 0:
+            logits[..., self.weights.shape.mask_id] = float("-inf")
+        return logits
 
     @staticmethod
     def unsupported(model: MTPModel) -> str | None:
