@@ -54,10 +54,10 @@ def feeds_for(model, kind: str, rows: int, batch: int) -> list[Feed]:
     return [Feed(tokens, pending, 0, slots, False, None)] * batch
 
 
-def one_pass(model, backend, feeds: list[Feed], lengths: list[int]):
+def one_pass(backend, feeds: list[Feed], lengths: list[int]):
     def run() -> None:
         hidden = backend.run(0, feeds, lengths)
-        model.head(hidden.reshape(-1, hidden.shape[-1]))
+        backend.head(hidden.reshape(-1, hidden.shape[-1]))
     return run
 
 
@@ -73,7 +73,7 @@ def measure(model, args, batch: int) -> dict[tuple[str, str], list[float]]:
         for kind in args.kinds.split(","):
             for rows in rows_list:
                 feeds = feeds_for(model, kind, rows, batch)
-                runs = {name: one_pass(model, b, feeds, lengths) for name, b in backends.items()}
+                runs = {name: one_pass(b, feeds, lengths) for name, b in backends.items()}
                 for run in runs.values():
                     run()  # the compiled backend compiles a new bucket here
                 for name, seconds in best_of(runs, args.repeats).items():

@@ -150,8 +150,9 @@ def _add_serve(sub) -> None:
     serve.add_argument("--memory-budget-gb", type=float, default=0.0,
                        help="load models lazily within this much memory, unloading idle ones (0: no limit)")
     serve.add_argument("--default-mode", default=None,
-                       help="decoding mode for requests that name none (default: confadapt with the checkpoint's "
-                            "calibrated thresholds; ntp for base models); a request's `mode` field overrides it")
+                       help="decoding mode for requests that name none (default: ntp, plain decoding, the fastest "
+                            "that keeps quality on the CPUs measured; see README); a request's `mode` field "
+                            "overrides it")
     serve.add_argument("--k-by-batch", default=None, metavar="auto|SIZE:K,...",
                        help="load policy for ConfAdapt and verified: 'auto' measures, per batch size, whether "
                             "multi-token passes beat plain ones and keeps the faster; SIZE:K pairs cap them at K "

@@ -6,7 +6,7 @@ A repository is a directory with a `models.toml` manifest:
     id = "smollm2-mtp"                # the request's `model` field
     path = "smollm2-135m-mtp"         # a checkpoint directory (relative to the manifest), shipped
                                       # checkpoint name, or base model (plain decoding only)
-    mode = "confadapt"                # default decoding mode (config.mode_grammar()); optional
+    mode = "verified"                 # default decoding mode (config.mode_grammar()); optional
     dtype = "bf16"                    # optional
     description = "SmolLM2-135M, mask-token MTP, k_max 8"   # optional
 
@@ -28,6 +28,7 @@ from pathlib import Path
 
 import tomllib
 
+from mtplm.config import DecodeConfig
 from mtplm.decode.backends import make_backend
 from mtplm.decode.engine import Engine, PassStats
 from mtplm.errors import UserError
@@ -43,7 +44,7 @@ ENTRY_KEYS = {"id", "path", "mode", "dtype", "description"}
 class Entry:
     id: str
     path: str
-    mode: str | None = None  # None: confadapt for converted checkpoints, ntp for base models
+    mode: str | None = None  # None: the server's --default-mode, else DecodeConfig's default (plain)
     dtype: str = "bf16"
     description: str = ""
 
@@ -145,7 +146,7 @@ class Repository:
         except (UserError, OSError, ValueError) as exc:
             raise APIError(500, f"model {entry.id!r} failed to load: {exc}", "model", "model_load_failed",
                            "server_error") from None
-        mode = entry.mode or self.default_mode or ("ntp" if model.meta is None else "confadapt")
+        mode = entry.mode or self.default_mode or DecodeConfig.mode
         on_pass = self.on_pass
         callback = (lambda stats: on_pass(entry.id, stats)) if on_pass is not None else None
         engine = Engine(model, self.max_batch, on_pass=callback, k_by_batch=self.k_by_batch,
