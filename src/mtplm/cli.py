@@ -13,7 +13,7 @@ from pathlib import Path
 
 from mtplm.config import DecodeConfig, Limits, add_backend_argument, add_dtype_argument, load_train_config
 from mtplm.errors import UserError
-from mtplm.registry import CONFIDENCE, STRATEGIES, WINDOWS
+from mtplm.registry import BACKENDS, CONFIDENCE, STRATEGIES, WINDOWS
 
 DEFAULT_CHECKPOINT = "smollm2-135m-mtp"  # the converted default model shipped inside the package
 
@@ -235,6 +235,8 @@ def _generate(args) -> None:
     if prompt is None or not prompt.strip():
         raise UserError("the prompt is empty: pass some text, e.g. mtplm generate \"What is 2 + 3?\"")
     cfg = decode_config(args)
+    if args.backend != "auto":
+        BACKENDS.check(args.backend)  # a bad name fails before the model loads
     model = load_model(args.model, args.dtype)
     ids = model.tokenizer(prompt)["input_ids"] if args.raw else chat_prompt_ids(model.tokenizer, prompt)
     backend = make_backend(args.backend, model, slots=1)

@@ -94,6 +94,7 @@ def test_cli_train_then_generate_round_trip(base_dir, data_file, tmp_path):
     (("generate", "hi", "--mode", "verified", "--drafting", "tree"), "needs a head-based checkpoint"),
     (("generate", "hi", "--mode", "verified", "--window", "big"), "unknown window policy"),
     (("generate", "hi", "--mode", "lossless"), "unknown decoding mode"),
+    (("generate", "hi", "--backend", "turbo"), "unknown backend 'turbo': choose one of eager, compiled, static"),
     (("calibrate", "--target", "1.5"), "--target must lie in (0, 1]"),
     (("calibrate", "--model", "/no/such/checkpoint"), "not a converted checkpoint"),
     (("train", "k_max=1"), "k_max must be >= 2"),
