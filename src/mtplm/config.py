@@ -51,8 +51,8 @@ class Thresholds:
 @dataclass
 class DecodeConfig:
     # a STRATEGIES registry name: ntp | static | confadapt | verified (lossless). The default is the fastest
-    # mode that keeps quality as measured on the machines we run (README, Benchmark): on a 2-core CPU no
-    # multi-token mode beats plain decoding on the wall clock yet, so plain it is until one does.
+    # mode that keeps quality as measured (README, Decode backends): on a 2-core CPU verified is within noise
+    # of plain on the compiled pass (1.04-1.07x) and slower on the eager one, so plain it is until it wins.
     mode: str = "ntp"
     k: int = 4  # static mode: tokens emitted per forward
     k_max: int | None = None  # confadapt: block size; verified: most tokens per pass; None -> the checkpoint's
