@@ -88,28 +88,33 @@ class _Block(nn.Module):
         self.parts = {name: 1 if fuse else len(linears) for name, linears in groups.items()}  # GEMMs per group
         for name, linears in groups.items():
             bases = [_base(linear) for linear in linears]
-            if self.parts[name] == 1:
-                weight = _cat([b.weight for b in bases]).detach()
-                self._add(name, kernels.pack(weight) if prepack else weight, _cat_bias(bases))
-            else:
-                for i, base in enumerate(bases):
-                    self._add(f"{name}{i}", base.weight, base.bias)
             adapters = [linear for linear in linears if isinstance(linear, GatedLoRALinear)]
             if adapters and len(adapters) < len(linears):
                 raise UserError(f"the compiled backend fuses {name}'s adapters: it needs gated LoRA on all of "
                                 f"them or none; use --backend eager")
+            a = torch.cat([adapter.lora_a for adapter in adapters]).detach() if adapters else None  # [n r, in]
             if adapters:
-                a = torch.cat([adapter.lora_a for adapter in adapters]).detach()  # [n r, in]
                 b = torch.block_diag(*[adapter.lora_b for adapter in adapters]).detach()  # [sum out, n r]
-                self.register_buffer(f"{name}_a", a, persistent=False)
                 self.register_buffer(f"{name}_b", b, persistent=False)
-                if self.parts[name] == 1:  # A rides in the base GEMM of passes with <mtp> rows: one call, not two
-                    weight = _cat([b_.weight for b_ in bases]).detach()
-                    wide = torch.cat([weight, a.to(weight.dtype)])  # [out + n r, in]
-                    bias = _cat_bias(bases)
-                    wide_bias = None if bias is None else torch.cat([bias, bias.new_zeros(a.shape[0])])
-                    self.register_buffer(f"{name}_wa", kernels.pack(wide) if prepack else wide, persistent=False)
-                    self.register_buffer(f"{name}_wa_bias", wide_bias, persistent=False)
+            if self.parts[name] == 1:
+                self._add_fused(name, _cat([b_.weight for b_ in bases]).detach(), _cat_bias(bases), a, prepack)
+            else:
+                for i, base in enumerate(bases):
+                    self._add(f"{name}{i}", base.weight, base.bias)
+                if a is not None:
+                    self.register_buffer(f"{name}_a", a, persistent=False)
+
+    def _add_fused(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor | None,
+                   prepack: bool) -> None:
+        """The fused weight; with adapters also the widened [W; A] that passes with <mtp> rows read, so one
+        GEMM gives the projection and the low-rank activations (a copy of W, traded for ~8 ms a pass)."""
+        self._add(name, kernels.pack(weight) if prepack else weight, bias)
+        if a is None:
+            return
+        wide = torch.cat([weight, a.to(weight.dtype)])  # [out + n r, in]
+        wide_bias = None if bias is None else torch.cat([bias, bias.new_zeros(a.shape[0])])
+        self.register_buffer(f"{name}_wa", kernels.pack(wide) if prepack else wide, persistent=False)
+        self.register_buffer(f"{name}_wa_bias", wide_bias, persistent=False)
 
     def _add(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.register_buffer(f"{name}_w", weight.detach(), persistent=False)  # [out, in]
