@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._inductor import config as inductor_config
 from conftest import tiny_mtp, with_random_heads
 from synthetic import chain_rows
 from test_engine import MODES, Collector
@@ -101,3 +102,22 @@ def test_an_architecture_the_compiled_pass_lacks_falls_back_to_eager_under_auto(
     assert resolve_backend("auto", gpt2) == "eager"
     with pytest.raises(UserError, match="GPT2LMHeadModel.*--backend eager"):
         make_backend("compiled", gpt2)
+
+
+def test_no_compiler_is_one_clear_error_and_never_a_silent_fallback(chain_checkpoint, monkeypatch):
+    model = MTPModel.load(chain_checkpoint)
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    with inductor_config.patch({"cpp.cxx": (None, "no-such-compiler-mtplm")}):  # what $CXX sets at import
+        with pytest.raises(UserError, match="needs a C\\+\\+ compiler.*--backend eager"):
+            make_backend("auto", model)  # auto picks the compiled pass for a Llama, and says why it cannot run
+
+
+def test_a_compiler_that_fails_is_one_clear_error(chain_checkpoint, monkeypatch, tmp_path):
+    model = MTPModel.load(chain_checkpoint)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # nothing cached: it must compile
+    torch._dynamo.reset()
+    with inductor_config.patch({"cpp.cxx": (None, "false")}):  # on PATH, fails every compile
+        backend = make_backend("compiled", model)
+        with pytest.raises(UserError, match="compiling the decode pass failed.*--backend eager"):
+            generate(model, [1, 2, 3], DecodeConfig(max_new_tokens=2), backend=backend)
+    torch._dynamo.reset()

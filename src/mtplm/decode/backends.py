@@ -134,9 +134,12 @@ def resolve_backend(name: str, model: MTPModel) -> str:
 
 def require_compiler() -> None:
     """torch.compile on the CPU generates C++: without a compiler it cannot work, so say so once, early."""
-    if not torch.cuda.is_available() and shutil.which(os.environ.get("CXX", "c++")) is None:
-        raise UserError("the compiled backend needs a C++ compiler (apt-get install g++), or run with "
-                        "--backend eager")
+    from torch._inductor import config  # the compiler inductor will call (set from $CXX when torch loads)
+
+    compiler = config.cpp.cxx[1]
+    if not torch.cuda.is_available() and shutil.which(compiler) is None:
+        raise UserError(f"the compiled backend needs a C++ compiler ({compiler} not found: apt-get install g++, "
+                        f"or set CXX before starting), or run with --backend eager")
 
 
 def describe(model: MTPModel, backend: Backend) -> DecodeModel:

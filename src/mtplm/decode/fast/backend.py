@@ -96,7 +96,14 @@ class StaticBackend:
         began = time.perf_counter()
         limit = 8 * len(ROW_BUCKETS) * 16  # buckets: every (b, Q, T) this backend may meet
         with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=limit):
-            hidden = self._step(self.weights, self.keys, self.values, *inputs, *bucket[2:])
+            try:
+                hidden = self._step(self.weights, self.keys, self.values, *inputs, *bucket[2:])
+            except torch._dynamo.exc.BackendCompilerFailed as exc:  # e.g. the C++ compiler failed
+                if not first:
+                    raise
+                cause = str(exc.inner_exception).strip().splitlines() or [type(exc.inner_exception).__name__]
+                raise UserError(f"compiling the decode pass failed ({cause[0][:200]}); fix the compiler "
+                                f"(CXX, g++) or run with --backend eager") from exc
         if first:
             self.compiled_buckets[bucket] = seconds = time.perf_counter() - began
             print(f"mtplm: compiled the decode pass for {bucket[0]} sequences x {bucket[1]} rows x {bucket[2]} "
