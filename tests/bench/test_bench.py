@@ -27,12 +27,12 @@ def test_bench_writes_json_markdown_and_plot(tmp_path):
     add_arguments(parser)
     args = parser.parse_args(["--model", str(checkpoint), "--prompts", "4", "--prompt-set", "gsm8k,structured",
                               "--max-new-tokens", "6", "--dtype", "fp32",
-                              "--modes", "static:2,confadapt:0.5,verified:quadratic",
+                              "--modes", "static:2,confadapt:0.5,verified:quadratic,ntp[static]",
                               "--out", str(tmp_path / "bench")])
     run_bench(args)
     report = json.loads((tmp_path / "bench" / "report.json").read_text())
     assert [r["mode"] for r in report["rows"]] == ["ntp", "static:2", "confadapt:0.5", "verified:quadratic",
-                                                   "hf-generate", "hf-prompt-lookup"]
+                                                   "ntp[static]", "hf-generate", "hf-prompt-lookup"]
     plain, static = report["rows"][0], report["rows"][1]
     assert plain["identical_outputs"] == 1.0 and plain["tokens_per_forward"] == 1.0
     assert static["tokens_per_forward"] > 1.0
@@ -41,7 +41,8 @@ def test_bench_writes_json_markdown_and_plot(tmp_path):
     assert (tmp_path / "bench" / "bench.png").stat().st_size > 0
     verified = report["rows"][3]
     assert verified["identical_outputs"] == 1.0  # fp32: lossless
-    assert report["rows"][5]["identical_outputs"] == 1.0  # HF prompt lookup is lossless too
+    assert report["rows"][4]["identical_outputs"] == 1.0  # the same plain decoding on the static backend (fp32)
+    assert report["rows"][6]["identical_outputs"] == 1.0  # HF prompt lookup is lossless too
     scores = plain["task_scores"]  # every output was scored, 0 or 1 each
     assert scores["gsm8k"]["n"] == 2 and sum(scores[k]["n"] for k in ("json", "sql") if k in scores) == 2
     passed = sum(s["mean"] * s["n"] for s in scores.values())

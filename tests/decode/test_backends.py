@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._inductor import config as inductor_config
 from conftest import tiny_mtp, with_random_heads
 from synthetic import chain_rows
 from test_engine import MODES, Collector
+from torch._inductor import config as inductor_config
 
 from mtplm.config import BACKEND_ENV, DecodeConfig, Thresholds
 from mtplm.decode.backends import EagerBackend, make_backend, resolve_backend
@@ -81,15 +81,27 @@ def test_graphs_stay_bounded_over_a_long_generation_with_varying_k():
     assert counters["stats"]["unique_graphs"] <= len(backend.compiled_buckets)
 
 
+def test_compiled_int8_decodes_the_eager_tokens_of_its_dequantized_weights(chain_checkpoint):
+    from test_fast import dequantized
+
+    model = MTPModel.load(chain_checkpoint)
+    reference = EagerBackend(dequantized(model))
+    int8 = make_backend("compiled-int8", model)
+    for ids in _prompts(model, 2, seed=23):
+        for cfg in MODES[:2] + MODES[4:6]:  # plain, static, verified linear and quadratic
+            tokens = _decode(model, ids, cfg, int8)
+            assert tokens == _decode(reference.model, ids, cfg, reference), cfg
+
+
 def test_backend_names_resolve_and_bad_ones_are_one_clear_error(chain_checkpoint, monkeypatch):
     model = MTPModel.load(chain_checkpoint)
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     assert resolve_backend("auto", model) == "compiled"  # a Llama: the compiled pass
     monkeypatch.setenv(BACKEND_ENV, "eager")
     assert resolve_backend("auto", model) == "eager"
-    with pytest.raises(UserError, match="unknown backend 'fast': choose one of eager, compiled, static"):
+    with pytest.raises(UserError, match="unknown backend 'fast': choose one of eager, compiled, compiled-int8, static"):
         make_backend("fast", model)
-    assert set(BACKENDS.names()) == {"eager", "compiled", "static"}
+    assert set(BACKENDS.names()) == {"eager", "compiled", "compiled-int8", "static"}
 
 
 def test_an_architecture_the_compiled_pass_lacks_falls_back_to_eager_under_auto(monkeypatch):

@@ -174,3 +174,47 @@ def test_unsupported_architectures_are_refused():
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)).eval()
     with pytest.raises(UserError, match="GPT2LMHeadModel"):
         StaticBackend(MTPModel(gpt2, tiny_tokenizer(), None), 1, compile=False)
+
+
+def dequantized(model: MTPModel) -> MTPModel:
+    """A copy whose decoder projections and adapter A matrices hold exactly what int8 weights stand for
+    (q * scale per output row): the eager reference for the int8 pass."""
+    import copy
+
+    from mtplm.decode.fast.kernels import quantize_int8
+    from mtplm.lora import GatedLoRALinear
+
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for module in reference.hf.get_decoder().layers.modules():
+            params = [module.lora_a] if isinstance(module, GatedLoRALinear) else []
+            params += [module.weight] if isinstance(module, torch.nn.Linear) else []
+            for param in params:
+                q, scales = quantize_int8(param)
+                param.copy_(q.float() * scales.unsqueeze(1))
+    return reference
+
+
+def test_int8_weights_round_to_half_a_step():
+    from mtplm.decode.fast.kernels import quantize_int8
+
+    weight = torch.randn(64, 48) * torch.logspace(-3, 1, 64).unsqueeze(1)  # rows of very different scale
+    q, scales = quantize_int8(weight)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127
+    assert ((q.float() * scales.unsqueeze(1) - weight).abs() <= scales.unsqueeze(1) / 2 + 1e-7).all()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_int8_pass_is_the_eager_pass_over_dequantized_weights(arch):
+    model = MODELS[arch]()
+    reference, cache = dequantized(model), RaggedCache(2, 32)
+    fast = StaticBackend(model, 2, capacity=32, compile=False, quantize=True)
+    passes = [([plain([3, 4, 5, 6, 7]), plain([8, 9, 10])], [0, 0]),
+              ([masked(model, [1, 2], 1, 3, quadratic=True), tree([6, 7, 8], (-1, 0))], [5, 3])]
+    with torch.inference_mode():
+        for feeds, lengths in passes:
+            expected = ragged_pass(reference, cache, 0, feeds, lengths)
+            got = fast.run(0, feeds, lengths)
+            for i, feed in enumerate(feeds):
+                torch.testing.assert_close(got[i, : len(feed.tokens)], expected[i, : len(feed.tokens)],
+                                           atol=1e-4, rtol=1e-4)

@@ -28,7 +28,8 @@ from mtplm.registry import CONFIDENCE
 DEFAULT_MODES = ("ntp,static:2,static:4,confadapt:0.99,confadapt:0.95,confadapt:0.9,confadapt:0.8,"
                  "verified,verified:quadratic")
 def _mode_help() -> str:
-    return f"comma list of {mode_grammar()}; @K sets a confadapt or verified mode's k_max (default: %(default)s)"
+    return (f"comma list of {mode_grammar()}; @K sets a confadapt or verified mode's k_max; a [BACKEND] suffix runs "
+            f"that row on another backend, e.g. ntp[compiled-int8] (default: %(default)s)")
 
 
 def add_arguments(p) -> None:
@@ -125,10 +126,18 @@ def parse_modes(spec: str, default_k_max: int | None, confidence: str) -> list[t
     """The bench's comma list of modes (config.parse_mode each; a bare `verified` keeps a fixed window);
     plain decoding always comes first, as every speedup's baseline."""
     items = [s.strip() for s in spec.split(",") if s.strip()]
-    modes = [(item, parse_mode(item, "fixed", default_k_max, confidence)) for item in items]
+    modes = [(item, parse_mode(_on_backend(item)[0], "fixed", default_k_max, confidence)) for item in items]
     if not modes or modes[0][0] != "ntp":
         modes = [("ntp", DecodeConfig(mode="ntp"))] + [m for m in modes if m[0] != "ntp"]
     return modes
+
+
+def _on_backend(item: str) -> tuple[str, str | None]:
+    """`verified@4[compiled-int8]` -> ("verified@4", "compiled-int8"): a row run on a named backend."""
+    if item.endswith("]") and "[" in item:
+        mode, backend = item[:-1].split("[", 1)
+        return mode, backend
+    return item, None
 
 
 class PeakMemory:
@@ -155,7 +164,7 @@ class PeakMemory:
 
 def run_bench(args) -> dict:
     from mtplm.assets.datasets import prompt_set
-    from mtplm.decode.backends import EagerBackend, make_backend, resolve_backend
+    from mtplm.decode.backends import make_backend, resolve_backend
     from mtplm.decode.loop import generate, stop_ids
     from mtplm.model import load_model
     from mtplm.text import chat_prompt_ids
@@ -171,17 +180,19 @@ def run_bench(args) -> dict:
     stops = sorted(stop_ids(model))
     baselines = _baselines(args, model, stops)  # name -> (run(ids) -> Record parts, the name it is compared with)
     backend_name = resolve_backend(args.backend, model)
-    backend = make_backend(backend_name, model, slots=1)
     if backend_name != "eager" and not args.no_eager_baseline:  # the same plain decoding on the reference pass
         modes.append(("ntp[eager]", DecodeConfig(mode="ntp")))
+    backends = {name: make_backend(name, model, slots=1)
+                for name in {backend_name} | {_on_backend(item)[1] or backend_name for item, _ in modes}}
+    runners = {item: backends[_on_backend(item)[1] or backend_name] for item, _ in modes}
+    backend = backends[backend_name]
     records: dict[str, list[Record]] = {name: [] for name, _ in modes} | {name: [] for name in baselines}
     scorer = _Scorer(model.tokenizer, enabled=not args.no_score)
 
     warm = time.perf_counter()
-    for _, cfg in modes:  # warm-up; the compiled backend compiles its first buckets here (and prints each)
-        generate(model, prompts[0], DecodeConfig(**{**asdict(cfg), "max_new_tokens": 8}), backend=backend)
+    for name, cfg in modes:  # warm-up; the compiled backend compiles its first buckets here (and prints each)
+        generate(model, prompts[0], DecodeConfig(**{**asdict(cfg), "max_new_tokens": 8}), backend=runners[name])
     warm_up_s = time.perf_counter() - warm
-    runners = {name: EagerBackend(model) if name == "ntp[eager]" else backend for name, _ in modes}
     for example, ids in tqdm(list(zip(examples, prompts, strict=False)), desc="bench", unit="prompt"):
         _one_prompt(model, example, ids, modes, runners, baselines, records, scorer, args.max_new_tokens)
 

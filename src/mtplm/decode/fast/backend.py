@@ -36,7 +36,7 @@ import torch
 from mtplm.decode.backends import SlotKV, require_compiler
 from mtplm.decode.fast import kernels
 from mtplm.decode.fast.forward import decode_pass, layer
-from mtplm.decode.fast.weights import FastWeights, check_supported, sliding_window
+from mtplm.decode.fast.weights import FastWeights, check_supported, prepack_default, sliding_window
 from mtplm.errors import UserError
 from mtplm.model import MTPModel
 from mtplm.registry import BACKENDS
@@ -50,12 +50,13 @@ class StaticBackend:
 
     def __init__(self, model: MTPModel, slots: int, capacity: int = 256, compile: bool = True,
                  fuse: bool = True, key_buckets: bool = True, regional: bool = True,
-                 prepack: bool | None = None) -> None:
+                 prepack: bool | None = None, quantize: bool = False) -> None:
         self.model, self.slots, self.compile = model, slots, compile
         self.key_buckets = key_buckets
-        self.weights = FastWeights(model, fuse, prepack)
-        lm_head = model.hf.get_output_embeddings().weight  # [V, D]
-        self._head = kernels.pack(lm_head.detach()) if self.weights.prepacked else None
+        self.weights = FastWeights(model, fuse, prepack, quantize)
+        lm_head = model.hf.get_output_embeddings().weight  # [V, D]; kept in bf16 under int8 (measured faster)
+        packed_head = self.weights.prepacked or (quantize and prepack is not False and prepack_default(model.dtype))
+        self._head = kernels.pack(lm_head.detach()) if packed_head else None
         self.window = sliding_window(model)
         self.capacity = 0
         self.keys: list[torch.Tensor] = []  # per layer [S + 1, KVH, C, d]
@@ -200,6 +201,14 @@ class CompiledBackend(StaticBackend):
     def __init__(self, model: MTPModel, slots: int = 1) -> None:
         require_compiler()
         super().__init__(model, slots, compile=True)
+
+
+@BACKENDS.register("compiled-int8", "the compiled pass over weight-only int8 projections (per-channel scales; "
+                                    "LM head and embeddings unquantized): a different model, measure its quality")
+class CompiledInt8Backend(StaticBackend):
+    def __init__(self, model: MTPModel, slots: int = 1) -> None:
+        require_compiler()
+        super().__init__(model, slots, compile=True, quantize=True)
 
 
 @BACKENDS.register("static", "the same pass and store, not compiled (no compiler needed)")

@@ -83,15 +83,12 @@ def layer(block, shape: Shape, hidden: torch.Tensor, rope: tuple[torch.Tensor, t
 def project(block, name: str, inputs: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
     """A (fused) projection plus its gated low-rank delta: [b, Q, in] -> [b, Q, out]."""
     parts = block.parts[name]
-    if gate is not None and hasattr(block, f"{name}_wa"):
+    if gate is not None and hasattr(block, f"{name}_wa_w"):
         return _project_widened(block, name, inputs, gate)
-    if block.prepacked:
-        out = kernels.packed_linear(inputs, getattr(block, f"{name}_w"), getattr(block, f"{name}_bias"))
-    elif parts == 1:
-        out = F.linear(inputs, getattr(block, f"{name}_w"), getattr(block, f"{name}_bias"))
+    if parts == 1:
+        out = linear(block, name, inputs)
     else:  # unfused HF tensors, read in place
-        out = torch.cat([F.linear(inputs, getattr(block, f"{name}{i}_w"), getattr(block, f"{name}{i}_bias"))
-                         for i in range(parts)], dim=-1)
+        out = torch.cat([linear(block, f"{name}{i}", inputs) for i in range(parts)], dim=-1)
     if gate is None:
         return out
     down, up = getattr(block, f"{name}_a"), getattr(block, f"{name}_b")  # [n r, in], [out, n r]
@@ -101,15 +98,22 @@ def project(block, name: str, inputs: torch.Tensor, gate: torch.Tensor | None) -
     return out + (delta * gate.to(delta.dtype)).to(out.dtype)
 
 
+def linear(block, key: str, inputs: torch.Tensor) -> torch.Tensor:
+    """inputs @ W^T + bias for the block's weight `key` as stored: int8, prepacked bf16 or plain."""
+    weight, bias = getattr(block, f"{key}_w"), getattr(block, f"{key}_bias")
+    if block.quantized:
+        return kernels.int8_linear(inputs, weight, getattr(block, f"{key}_scale"), bias)
+    if block.prepacked:
+        return kernels.packed_linear(inputs, weight, bias)
+    return F.linear(inputs, weight, bias)
+
+
 def _project_widened(block, name: str, inputs: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """A fused projection whose weight carries the adapters' A rows too: one GEMM gives the output and the
     low-rank activations [b, Q, n r]; the B product is a short reduction inductor fuses with the gate.
     Measured (batch 1, 8 <mtp> rows): 31.7 ms a pass against 40.1 with A and B as two GEMM calls each."""
-    wide, bias, up = getattr(block, f"{name}_wa"), getattr(block, f"{name}_wa_bias"), getattr(block, f"{name}_b")
-    if block.prepacked:
-        both = kernels.packed_linear(inputs, wide, bias)
-    else:
-        both = F.linear(inputs, wide, bias)
+    up = getattr(block, f"{name}_b")
+    both = linear(block, f"{name}_wa", inputs)
     out, low = both.split([up.shape[0], up.shape[1]], dim=-1)  # [b, Q, out], [b, Q, n r]
     return out + (_low_rank_up(low.to(up.dtype), up) * gate.to(up.dtype)).to(out.dtype)
 

@@ -1,4 +1,5 @@
-"""Linear layers over prepacked (oneDNN-blocked) bf16 weights, as one opaque op torch.compile can call.
+"""Linear layers over prepacked (oneDNN-blocked) bf16 weights, as one opaque op torch.compile can call, and
+over weight-only int8 weights (per-output-channel scales).
 
 PyTorch's bf16 F.linear on CPU hands oneDNN a plain [out, in] weight on every call; a weight reordered
 once into oneDNN's blocked layout (mkldnn._reorder_linear_weight, what inductor's freezing pass does)
@@ -45,3 +46,21 @@ def packed_linear(inputs: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor
     """inputs [..., K] @ packed^T (+ bias) -> [..., M]."""
     flat = inputs.reshape(-1, inputs.shape[-1])  # [N, K]
     return torch.ops.mtplm.packed_linear(flat, packed, bias).view(*inputs.shape[:-1], packed.shape[0])
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: weight [M, K] ~ q [M, K] * scales [M] (scales in weight's dtype)."""
+    wide = weight.detach().float()
+    scales = (wide.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [M]
+    q = torch.round(wide / scales.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scales.to(weight.dtype)
+
+
+def int8_linear(inputs: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """inputs [..., K] @ (q * scales)^T (+ bias) -> [..., M], with PyTorch's weight-only int8 kernel (reads
+    half the bytes of bf16; measured on a 2-core Zen 4 over a 30-layer model: 1 row 1.7x faster than prepacked
+    bf16, 8 rows 1.5x slower: its cost grows with the rows)."""
+    flat = inputs.reshape(-1, inputs.shape[-1])  # [N, K]
+    out = torch.ops.aten._weight_int8pack_mm(flat, q, scales.to(flat.dtype))
+    out = out if bias is None else out + bias
+    return out.view(*inputs.shape[:-1], q.shape[0])

@@ -59,27 +59,29 @@ class FastWeights(nn.Module):
     final_norm: torch.Tensor
     inv_freq: torch.Tensor
 
-    def __init__(self, model: MTPModel, fuse: bool = True, prepack: bool | None = None) -> None:
+    def __init__(self, model: MTPModel, fuse: bool = True, prepack: bool | None = None,
+                 quantize: bool = False) -> None:
         super().__init__()
         hf = model.hf
         self.shape = check_supported(model)
-        self.prepacked = prepack_default(model.dtype) if prepack is None else prepack
-        if self.prepacked and not fuse:
-            raise ValueError("prepacked weights are fused copies: prepack needs fuse")
+        self.prepacked = not quantize and (prepack_default(model.dtype) if prepack is None else prepack)
+        if (self.prepacked or quantize) and not fuse:
+            raise ValueError("prepacked and int8 weights are fused copies: they need fuse")
         decoder: Any = hf.get_decoder()  # an HF module tree: attributes by name
         self.register_buffer("embed", decoder.embed_tokens.weight, persistent=False)  # [V, D]
         self.register_buffer("final_norm", decoder.norm.weight, persistent=False)  # [D]
         self.register_buffer("inv_freq", decoder.rotary_emb.inv_freq.float().clone(), persistent=False)  # [d/2]
         self.fused = fuse
-        self.blocks = nn.ModuleList(_Block(layer, fuse, self.prepacked) for layer in decoder.layers)
+        self.quantized = quantize
+        self.blocks = nn.ModuleList(_Block(layer, fuse, self.prepacked, quantize) for layer in decoder.layers)
 
 
 class _Block(nn.Module):
     """One decoder layer's tensors: norms, projections (fused or HF's own), biases, adapters."""
 
-    def __init__(self, layer: Any, fuse: bool, prepack: bool) -> None:
+    def __init__(self, layer: Any, fuse: bool, prepack: bool, quantize: bool = False) -> None:
         super().__init__()
-        self.prepacked = prepack
+        self.prepacked, self.quantized = prepack, quantize
         attn, mlp = layer.self_attn, layer.mlp
         self.register_buffer("attn_norm", layer.input_layernorm.weight, persistent=False)  # [D]
         self.register_buffer("mlp_norm", layer.post_attention_layernorm.weight, persistent=False)  # [D]
@@ -108,16 +110,22 @@ class _Block(nn.Module):
                    prepack: bool) -> None:
         """The fused weight; with adapters also the widened [W; A] that passes with <mtp> rows read, so one
         GEMM gives the projection and the low-rank activations (a copy of W, traded for ~8 ms a pass)."""
-        self._add(name, kernels.pack(weight) if prepack else weight, bias)
+        self._add(name, weight, bias, prepack)
         if a is None:
             return
         wide = torch.cat([weight, a.to(weight.dtype)])  # [out + n r, in]
         wide_bias = None if bias is None else torch.cat([bias, bias.new_zeros(a.shape[0])])
-        self.register_buffer(f"{name}_wa", kernels.pack(wide) if prepack else wide, persistent=False)
-        self.register_buffer(f"{name}_wa_bias", wide_bias, persistent=False)
+        self._add(f"{name}_wa", wide, wide_bias, prepack)
 
-    def _add(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.register_buffer(f"{name}_w", weight.detach(), persistent=False)  # [out, in]
+    def _add(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool = False) -> None:
+        """Buffers `{name}_w` [out, in] (prepacked, int8 with `{name}_scale` [out], or as given) and `{name}_bias`."""
+        weight = weight.detach()
+        if self.quantized:
+            weight, scales = kernels.quantize_int8(weight)
+            self.register_buffer(f"{name}_scale", scales, persistent=False)
+        elif prepack:
+            weight = kernels.pack(weight)
+        self.register_buffer(f"{name}_w", weight, persistent=False)  # [out, in]
         self.register_buffer(f"{name}_bias", None if bias is None else bias.detach(), persistent=False)
 
 
