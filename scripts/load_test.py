@@ -34,6 +34,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--k-by-batch", default=None, help="passed to `mtplm serve` with --start")
+    p.add_argument("--backend", default="auto", help="passed to `mtplm serve` with --start (default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("MTPLM_API_KEY", "unused"))
     p.add_argument("--modes", default="ntp,static:2,static:4,confadapt,verified")
     p.add_argument("--clients", type=int, default=8)
@@ -64,6 +65,7 @@ def _start(args) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "mtplm.cli", "serve", "--model", args.model, "--port", str(port),
                "--dtype", args.dtype, "--max-batch", str(args.max_batch)]
     command += ["--k-by-batch", args.k_by_batch] if args.k_by_batch else []
+    command += ["--backend", args.backend]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
@@ -88,7 +90,10 @@ async def _run(args, url: str) -> dict:
     model = name if sep else Path(args.model).name  # the id `mtplm serve --model [ID=]SPEC` gives it
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     prompts = _prompts(args.prompt_set, args.clients * args.requests)
-    await _one(client, model, modes[0], prompts[0], 8)  # load the model, warm up
+    warm = time.perf_counter()  # load the model; let every mode meet its batch sizes (a compiled backend compiles)
+    for mode in modes:
+        await asyncio.gather(*(_one(client, model, mode, prompts[i % len(prompts)], 16) for i in range(args.clients)))
+    print(f"warm-up: {time.perf_counter() - warm:.0f} s", flush=True)
     records: dict[str, list[dict]] = {m: [] for m in modes}
     walls: dict[str, float] = {m: 0.0 for m in modes}
     deadline = time.monotonic() + args.time_limit
@@ -111,7 +116,7 @@ async def _run(args, url: str) -> dict:
         row["throughput_vs_plain"] = row["tokens_per_s"] / max(plain["tokens_per_s"], 1e-9)
     from mtplm.bench.machine import machine
 
-    return {"command": " ".join(sys.argv), "url": url, "model": model, "clients": args.clients,
+    return {"command": " ".join(sys.argv), "url": url, "model": model, "backend": args.backend, "clients": args.clients,
             "max_tokens": args.max_tokens, "machine": machine(), "rows": rows}
 
 
