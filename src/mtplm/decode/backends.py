@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -152,14 +153,14 @@ def describe(model: MTPModel, backend: Backend) -> DecodeModel:
     thresholds = model.meta.decode_thresholds() if model.meta is not None else None
     mask_id = model.meta.mask_id if model.meta is not None else None
     drafter = model.new_drafter if model.heads is not None else None
-    head = backend.head
+    head: Callable[[torch.Tensor], torch.Tensor] = backend.head
     if model.feature_layers:
-        dim = model.hf.get_input_embeddings().weight.shape[1]
-
-        def head(rows: torch.Tensor) -> torch.Tensor:
-            return backend.head(rows[..., :dim].contiguous())
-
+        head = partial(_final_columns, backend.head, model.hf.get_input_embeddings().weight.shape[1])
     return DecodeModel(head, mask_id, drafter, frozenset(stop_ids(model)), thresholds)
+
+
+def _final_columns(head: Callable[[torch.Tensor], torch.Tensor], dim: int, rows: torch.Tensor) -> torch.Tensor:
+    return head(rows[..., :dim].contiguous())
 
 
 def stop_ids(model: MTPModel) -> set[int]:
