@@ -109,6 +109,17 @@ def test_batched_engine_gives_each_sequence_its_own_drafter():
         assert results[i] == generate(base, ids, DecodeConfig(mode="ntp", max_new_tokens=n)).tokens
 
 
+def test_compiled_backends_refuse_a_drafter_that_reads_inner_layers():
+    """They return final states only: one clear error naming the eager backend (auto picks eager)."""
+    from mtplm.decode.backends import make_backend
+    from mtplm.decode.fast.backend import StaticBackend
+
+    model, _ = _random_drafter_model()
+    assert "EAGLE-3" in (StaticBackend.unsupported(model) or "")
+    with pytest.raises(UserError, match="--backend eager"):
+        make_backend("static", model)
+
+
 # ---- trained on the synthetic language ----
 @pytest.fixture(scope="session")
 def deep_base_dir(tmp_path_factory) -> Path:
