@@ -120,9 +120,16 @@ def _add_calibrate(sub) -> None:
 
 
 def _add_export(sub) -> None:
-    export = sub.add_parser("export", help="write trained medusa-form heads in vLLM's Medusa draft-model layout")
-    export.add_argument("checkpoint", help="a head-based checkpoint (mtplm train method=heads head_form=medusa)")
+    export = sub.add_parser("export", help="write trained heads in a serving engine's draft-model format")
+    export.add_argument("checkpoint", help="a head-based checkpoint (mtplm train method=heads head_form=medusa|eagle3)")
     export.add_argument("out", type=Path, help="folder to write (config.json + model.safetensors)")
+    export.add_argument("--format", default="medusa", choices=("medusa", "eagle3"),
+                        help="medusa: vLLM's Medusa layout (medusa heads); eagle3: the speculators Eagle3Speculator "
+                             "format that vLLM (method eagle3) and llama.cpp's converter read (eagle3 drafters) "
+                             "(default: %(default)s)")
+    export.add_argument("--verifier", default=None,
+                        help="eagle3: the target model as vLLM should load it (HF id or path; default: the "
+                             "checkpoint's base model)")
     export.set_defaults(run=_export)
 
 
@@ -287,9 +294,13 @@ def _calibrate(args) -> None:
 
 
 def _export(args) -> None:
-    from mtplm.heads.export import export_medusa
+    from mtplm.heads.export import export_eagle3, export_medusa
 
-    print(f"Medusa heads written to {export_medusa(args.checkpoint, args.out)}")
+    if args.format == "eagle3":
+        out = export_eagle3(args.checkpoint, args.out, args.verifier)
+        print(f"EAGLE-3 drafter (speculators format) written to {out}")
+    else:
+        print(f"Medusa heads written to {export_medusa(args.checkpoint, args.out)}")
 
 
 def _bench(args) -> None:

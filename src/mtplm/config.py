@@ -200,7 +200,7 @@ class TrainConfig:
     parallel: str = "ddp"  # under torchrun: ddp (replicas) | fsdp (sharded; trainable=full only)
     resume: str = ""  # "" fresh start | auto (out/train_state if present) | a train_state folder
     # method=heads (headtrain.py); k_max is K, the heads are 2..K
-    head_form: str = "medusa"  # medusa (residual MLP) | sequential (DeepSeek-V3-style chain)
+    head_form: str = "medusa"  # medusa (residual MLP) | sequential (DeepSeek-V3-style chain) | eagle3
     head_alpha: str = "decay"  # loss weights: decay (0.9^k) | a number r (r^k) | deepseek (lambda/D, 0.3 -> 0.1)
     head_lr: str = "distance"  # distance (heads 4-6 x0.8, 7-9 x0.5, ...) | flat
     curriculum: bool = True  # dynamic masking: supervise heads s..K, s ~ U[1, s_hi], s_hi: K -> 1
@@ -208,6 +208,9 @@ class TrainConfig:
     consistency_weight: float = 0.0  # lambda of MSE(E_t[head_k], E_t+1[head_k-1])
     far_heads_bf16: bool = True  # heads 5+ compute their logits in bfloat16
     head_window: int = 64  # response rows per sequence and step (heads read one row each); 0 = whole rows
+    # head_form=eagle3 (heads/eagle3.py): K-1 drafting steps unrolled in training; whole rows, not windows
+    eagle3_layers: str = "auto"  # target layers whose inputs it reads: auto (2, L//2, L-3, as speculators) | a,b,c
+    draft_vocab: int = 32000  # its vocabulary: this many of the target tokens the training labels use most
 
     def validate(self) -> TrainConfig:
         if self.method not in METHODS:
@@ -222,6 +225,8 @@ class TrainConfig:
                                 f"got {self.head_alpha!r}") from None
         if self.head_lr not in ("distance", "flat"):
             raise UserError(f"head_lr must be distance or flat, got {self.head_lr!r}")
+        if self.draft_vocab < 1:
+            raise UserError(f"draft_vocab must be >= 1, got {self.draft_vocab}")
         if not 0.0 < self.curriculum_fraction <= 1.0 or self.consistency_weight < 0:
             raise UserError("curriculum_fraction must lie in (0, 1] and consistency_weight be >= 0")
         TRAINABLE.check(self.trainable)

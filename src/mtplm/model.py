@@ -61,7 +61,7 @@ class MTPModel:
         self.tokenizer = tokenizer
         self.meta = meta
         self.gate = gate
-        self.heads = None  # heads.Heads for method "heads"
+        self.heads = None  # method "heads": heads.forms.Heads, or heads.eagle3.Eagle3Drafter
         self._adapters_on = True
 
     # ---- construction -------------------------------------------------------------------------
@@ -128,6 +128,10 @@ class MTPModel:
         """Heads 2..n+1's logits [n, V] at one row's hidden state [D]; `token` follows that row."""
         return self.heads.draft_logits(hidden, token, n, self.hf.get_input_embeddings(), self.head)
 
+    def new_drafter(self):
+        """One sequence's drafter (decode.protocol.Drafter): what it keeps between passes is its own."""
+        return self.heads.drafter(self.hf.get_input_embeddings(), self.head)
+
     def adapters_to(self, dtype: torch.dtype) -> None:
         """For inference: adapters in the base dtype, so the forward pass casts nothing."""
         for p in lora.adapter_parameters(self.hf):
@@ -171,13 +175,27 @@ class MTPModel:
             with lora.unwrapped(self.hf), self.adapters_disabled():
                 yield self
 
-    def decoder_states(self, input_ids, position_ids=None, cache=None, attention_mask=None):
-        """Final-norm hidden states [B, S, D] (the LM head is applied only where logits are needed)."""
+    def decoder_states(self, input_ids, position_ids=None, cache=None, attention_mask=None,
+                       layers: tuple[int, ...] = ()):
+        """Final-norm hidden states [B, S, D] (the LM head is applied only where logits are needed).
+
+        With `layers`, rows [B, S, D * (1 + len(layers))]: the final states, then the residual stream entering
+        each listed decoder layer (Hugging Face's hidden_states[i]; what vLLM and llama.cpp call layer i's
+        input), in the order given: the features an EAGLE-3 drafter reads.
+        """
         with self._gated(input_ids):
-            return self.hf.get_decoder()(
+            out = self.hf.get_decoder()(
                 input_ids=input_ids, position_ids=position_ids, cache=cache,
-                attention_mask=attention_mask, use_cache=cache is not None,
-            ).last_hidden_state
+                attention_mask=attention_mask, use_cache=cache is not None, output_hidden_states=bool(layers),
+            )
+        if not layers:
+            return out.last_hidden_state
+        return torch.cat([out.last_hidden_state] + [out.hidden_states[i] for i in layers], -1)
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The decoder layers whose inputs the drafter reads beside the final states (EAGLE-3), else ()."""
+        return tuple(self.heads.feature_layers) if self.heads is not None else ()
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM-head logits [..., V] in float32, with the mask token never predicted."""

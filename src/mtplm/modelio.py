@@ -68,9 +68,9 @@ def _load(spec: str | os.PathLike, dtype: str) -> MTPModel:
 
 
 def _load_heads(model: MTPModel, path: Path, meta: MTPMeta) -> MTPModel:
-    from mtplm.heads.forms import Heads
+    from mtplm.registry import HEAD_FORMS
 
-    heads = Heads(**meta.heads)
+    heads = HEAD_FORMS.get(meta.heads.get("form", "")).build(meta.heads)
     try:
         heads.load_state_dict(load_file(path / HEADS_FILE))
     except (OSError, RuntimeError) as exc:
@@ -99,7 +99,8 @@ def _apply_delta(model: MTPModel, path: Path, meta: MTPMeta) -> MTPModel:
 def save_heads(model: MTPModel, out_dir: str | os.PathLike) -> Path:
     """A head-based checkpoint: the heads' weights and metadata naming the base model. Atomic."""
     def write(tmp: Path) -> None:
-        save_file(_contiguous({k: v.float() for k, v in model.heads.state_dict().items()}), tmp / HEADS_FILE)
+        state = {k: v.float() if v.is_floating_point() else v for k, v in model.heads.state_dict().items()}
+        save_file(_contiguous(state), tmp / HEADS_FILE)
         write_meta(tmp, model.meta)
 
     return atomic_dir(Path(out_dir), write)

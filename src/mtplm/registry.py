@@ -82,4 +82,4 @@ BACKENDS: Registry = Registry("backend", "mtplm.decode.backends", "mtplm.decode.
 # training
 OBJECTIVES: Registry = Registry("objective", "mtplm.train.objectives")
 TRAINABLE: Registry = Registry("trainable variant", "mtplm.train.recipes")
-HEAD_FORMS: Registry = Registry("head form", "mtplm.heads.forms")
+HEAD_FORMS: Registry = Registry("head form", "mtplm.heads.forms", "mtplm.heads.eagle3")

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -67,7 +68,8 @@ class Backend(Protocol):
 
     def run(self, start: int, feeds: Sequence[Feed], lengths: Sequence[int]) -> torch.Tensor:
         """Slots [start, start + len(feeds)) in one pass -> hidden states [b, Q, D]; sequence i's rows are
-        [i, :len(feeds[i].tokens)], the rest is padding."""
+        [i, :len(feeds[i].tokens)], the rest is padding. A model with feature layers (MTPModel.feature_layers)
+        gets [b, Q, D * (1 + layers)]: the final states, then the features (only the eager backend has them)."""
         ...
 
     def kv(self, slot: int) -> KV: ...
@@ -144,11 +146,21 @@ def require_compiler() -> None:
 
 def describe(model: MTPModel, backend: Backend) -> DecodeModel:
     """What decoding needs of `model` run by `backend`: the backend's LM head, the mask token, the head
-    drafter, stop ids and thresholds."""
+    drafter, stop ids and thresholds.
+
+    A drafter that reads inner layers (EAGLE-3) gets rows [final state | features] from the backend; the LM
+    head then reads the first D columns (a contiguous copy: the same values and the same GEMM as plain rows)."""
     thresholds = model.meta.decode_thresholds() if model.meta is not None else None
     mask_id = model.meta.mask_id if model.meta is not None else None
-    drafter = model.draft_block if model.heads is not None else None
-    return DecodeModel(backend.head, mask_id, drafter, frozenset(stop_ids(model)), thresholds)
+    drafter = model.new_drafter if model.heads is not None else None
+    head: Callable[[torch.Tensor], torch.Tensor] = backend.head
+    if model.feature_layers:
+        head = partial(_final_columns, backend.head, model.hf.get_input_embeddings().weight.shape[1])
+    return DecodeModel(head, mask_id, drafter, frozenset(stop_ids(model)), thresholds)
+
+
+def _final_columns(head: Callable[[torch.Tensor], torch.Tensor], dim: int, rows: torch.Tensor) -> torch.Tensor:
+    return head(rows[..., :dim].contiguous())
 
 
 def stop_ids(model: MTPModel) -> set[int]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -89,13 +90,14 @@ class Decoding:
         # opt-in (decode/logprobs.py): top-N alternatives per emitted token (None: no logprobs at all),
         # and the prompt's own token logprobs from the prefill pass
         self.logprobs, self.echo = logprobs, echo
+        self.drafter = model.drafter() if model.drafter is not None else None  # head-based: this sequence's own
 
     def feed(self) -> Feed:
         """The next pass's rows: the pending tokens, the plan's drafts, and its mask blocks."""
         budget = self.max_new_tokens - self.produced
         plan = self.plan = self.strategy.plan(self.past + len(self.pending), min(budget, self.cap or budget))
         drafts = list(plan.drafts)
-        heads = self.model.draft_block is not None
+        heads = self.drafter is not None
         if plan.parents is not None and not heads:
             raise UserError("tree drafting needs a head-based checkpoint (mtplm train method=heads)")
         slots = 0 if heads else plan.slots  # heads read the block from real rows
@@ -103,6 +105,26 @@ class Decoding:
         mask = [self._mask_id()] * (blocks * slots) if blocks else []
         tokens = self.pending + drafts + mask
         return Feed(tokens, len(self.pending), len(drafts), slots, plan.quadratic, plan.parents)
+
+    def _draft_after(self, hidden: torch.Tensor, after: int, token: int, n: int) -> torch.Tensor:
+        """PassLogits' drafter: the block after the first `after` drafts (a tree: the path to node after-1)."""
+        assert self.drafter is not None and self.plan is not None
+        parents, path, node = self.plan.parents, [], after - 1
+        if parents is None:
+            path = list(range(after))
+        while parents is not None and node >= 0:
+            path.insert(0, node)
+            node = parents[node]
+        return self.drafter.block(self.past, *self._committed(hidden, path, token), n)
+
+    def _committed(self, hidden: torch.Tensor, path: list[int], token: int) -> tuple[torch.Tensor, list[int]]:
+        """The fed rows [R, W] the committed text would end with if drafts `path` were kept (pending tokens
+        first), and the token that follows each of them (`token` after the last)."""
+        assert self.plan is not None
+        pending = len(self.pending)
+        index = list(range(pending)) + [pending + i for i in path]
+        fed = self.pending + [self.plan.drafts[i] for i in path]
+        return hidden[index], fed[1:] + [token]
 
     def _mask_id(self) -> int:
         if self.model.mask_id is None:
@@ -115,9 +137,12 @@ class Decoding:
         plan, pending = self.plan, len(self.pending)
         assert plan is not None, "advance() follows feed()"
         tail = hidden[pending - 1:]  # the last pending token, the drafts, the mask blocks
-        rows = PassLogits(self.model.head, tail, len(plan.drafts), plan.slots, plan.quadratic,
-                          self.model.draft_block, logits)
+        drafter = partial(self._draft_after, hidden) if self.drafter is not None else None
+        rows = PassLogits(self.model.head, tail, len(plan.drafts), plan.slots, plan.quadratic, drafter, logits)
         outcome = self.strategy.choose(rows, self.generator)
+        if self.drafter is not None:
+            path = list(range(outcome.accepted)) if outcome.rows is None else list(outcome.rows)
+            self.drafter.commit(self.past, *self._committed(hidden, path, outcome.new[0]))
         start = self.past + pending
         if outcome.rows is None:  # the kept drafts are a prefix: they already sit where they belong
             kept = list(plan.drafts[: outcome.accepted])

@@ -37,13 +37,31 @@ class Outcome:
     rows: tuple[int, ...] | None = None  # which drafts were kept, when they are not the first `accepted` (a tree)
 
 
+class Drafter(Protocol):
+    """One sequence's head drafter (a head-based model has one per sequence; medusa and sequential heads keep
+    nothing between passes, an EAGLE-3 drafter keeps its own KV of the committed text).
+
+    `rows` [R, W] are this pass's rows that the committed text now ends with (its pending tokens, then the kept
+    drafts), at positions start .. start+R-1; `tokens` [R] is the token that follows each of them (the last one
+    is the token just chosen). W is D, or D plus the features the drafter reads (DecodeModel.head slices).
+    """
+
+    def block(self, start: int, rows: torch.Tensor, tokens: list[int], n: int) -> torch.Tensor:
+        """Logits [n, V] of the n tokens after `tokens[-1]`."""
+        ...
+
+    def commit(self, start: int, rows: torch.Tensor, tokens: list[int]) -> None:
+        """The committed text grew by these rows (called every pass, whether or not a block was drafted)."""
+        ...
+
+
 class PassLogits:
     """One pass's logits, computed from its final hidden states only where a strategy asks.
 
     hidden [1 + m + blocks*slots, D]: the last pending token, the m drafts, then the mask blocks. A
-    head-based model has no mask rows: its `drafter(hidden row, next token, n)` gives the block after
-    any prefix of the drafts. `logits`, when given, are the LM head's output for (a prefix of) those
-    rows, already computed in one call for a whole batch.
+    head-based model has no mask rows: its `drafter(after, next token, n)` gives the block after the
+    first `after` drafts (or the path to tree node after-1). `logits`, when given, are the LM head's output
+    for (a prefix of) those rows, already computed in one call for a whole batch.
     """
 
     def __init__(self, head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, drafts: int,
@@ -68,7 +86,7 @@ class PassLogits:
             return None
         if self._drafter is not None:  # heads read the block from row `after`, given the token that follows it
             token = int(self.next_token[after].argmax()) if token is None else token
-            return self._drafter(self._hidden[after], token, self.slots)
+            return self._drafter(after, token, self.slots)
         if not self.quadratic:
             if after != self.drafts:
                 return None
@@ -107,8 +125,8 @@ class Feed:
 class DecodeModel:
     """What decoding needs from a model, and nothing else (backends.describe builds it from an MTPModel)."""
 
-    head: Callable[[torch.Tensor], torch.Tensor]  # final hidden states [..., D] -> float32 logits [..., V]
+    head: Callable[[torch.Tensor], torch.Tensor]  # a pass's rows [..., W] -> float32 logits [..., V]
     mask_id: int | None  # the <mtp> token; None for base and head-based models
-    draft_block: Callable[[torch.Tensor, int, int], torch.Tensor] | None  # heads: (row [D], next token, n) -> [n, V]
+    drafter: Callable[[], Drafter] | None  # heads: a new sequence's drafter
     stop_ids: frozenset[int]  # end-of-sequence ids
     thresholds: Thresholds | None  # the checkpoint's decoding defaults; None for a base model

@@ -89,7 +89,8 @@ class RaggedCache(Cache):
 
 def ragged_pass(model: MTPModel, cache: RaggedCache, start: int, feeds: list, lengths: list[int]) -> torch.Tensor:
     """Run slots [start, start + len(feeds)) in one pass; each feed is a decode.Feed behind its slot's
-    cached `lengths[i]` positions. Returns hidden states [b, Q, D]; sequence i's rows are [i, :len(tokens)]."""
+    cached `lengths[i]` positions. Returns hidden states [b, Q, D] (plus the drafter's features, if it reads
+    any: MTPModel.decoder_states); sequence i's rows are [i, :len(tokens)]."""
     width = max(len(f.tokens) for f in feeds)
     used = cache.prepare(start, start + len(feeds), lengths, width)
     dtype = model.dtype
@@ -105,4 +106,4 @@ def ragged_pass(model: MTPModel, cache: RaggedCache, start: int, feeds: list, le
         allowed[i, :q, :past] = True
         allowed[i, :q, past: past + q] = local
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-    return model.decoder_states(ids, positions, cache, mask.unsqueeze(1))
+    return model.decoder_states(ids, positions, cache, mask.unsqueeze(1), layers=model.feature_layers)

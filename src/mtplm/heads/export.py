@@ -1,10 +1,18 @@
-"""Export trained medusa-form heads in vLLM's Medusa draft-model layout (`--speculative-config` method
-"medusa"), and read that layout back.
+"""Exports of trained heads into formats that serving engines load, and readers of them.
 
-The folder holds `config.json` (model_type "medusa": hidden_size, vocab_size, num_heads,
-num_hidden_layers = 1, medusa_fc_bias, original_lm_head) and `model.safetensors` with
-`blocks.{i}.layers.0.weight|bias` for Medusa head i (our head i + 2, token t+i+2) and
-`lm_heads.0.weight`, the base model's own LM head, which every head shares (`original_lm_head`).
+medusa  vLLM's Medusa draft-model layout (`--speculative-config` method "medusa"): `config.json` (model_type
+        "medusa": hidden_size, vocab_size, num_heads, num_hidden_layers = 1, medusa_fc_bias, original_lm_head)
+        and `model.safetensors` with `blocks.{i}.layers.0.weight|bias` for Medusa head i (our head i + 2,
+        token t+i+2) and `lm_heads.0.weight`, the base model's own LM head, which every head shares.
+eagle3  the speculators format (Eagle3Speculator, speculators 0.9): what vLLM loads with method "eagle3" and
+        llama.cpp's convert_hf_to_gguf.py turns into a draft-eagle3 GGUF (with --target-model-dir). `config.json`
+        holds speculators_model_type "eagle3", speculators_config (greedy proposals of K-1 tokens, the
+        verifier), transformer_layer_config (a one-layer Llama config: sizes, heads, rope, eps),
+        draft_vocab_size, target_hidden_size, eagle_aux_hidden_state_layer_ids and the norm flags (all false:
+        vLLM's default for a missing norm_before_residual is true); `model.safetensors` holds the drafter's
+        state dict under speculators' names (fc.weight, layers.0.*, norm.weight, lm_head.weight) plus d2t
+        (int64 offsets: target id = i + d2t[i]) and t2d (bool over the target vocabulary). The token embedding
+        is the target's (not written; vLLM and llama.cpp then share the target's).
 """
 
 from __future__ import annotations
@@ -18,8 +26,10 @@ from safetensors.torch import load_file, save_file
 
 from mtplm.errors import UserError
 from mtplm.files import atomic_dir
+from mtplm.heads.eagle3 import Eagle3Drafter
 from mtplm.heads.forms import Heads
 from mtplm.model import load_model
+from mtplm.modelio import checkpoint_dir, read_meta
 
 WEIGHTS = "model.safetensors"
 
@@ -64,3 +74,87 @@ def load_medusa(directory: str | os.PathLike) -> tuple[Heads, torch.Tensor]:
              for i in range(config["num_heads"]) for kind in ("weight", "bias")}
     heads.load_state_dict(state)
     return heads, tensors["lm_heads.0.weight"]
+
+
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose Eagle3Speculator format this follows
+
+
+def export_eagle3(checkpoint: str, out: str | os.PathLike, verifier: str | None = None) -> Path:
+    """Write an eagle3-form checkpoint in the speculators format (module docstring); `verifier` names the
+    target for vLLM (an HF id or path; default: the checkpoint's base model spec)."""
+    meta = read_meta(checkpoint_dir(checkpoint))
+    if meta.method != "heads" or meta.heads.get("form") != "eagle3":
+        form = meta.heads.get("form", "no heads") if meta.method == "heads" else f"a {meta.method} checkpoint"
+        raise UserError(f"{checkpoint} is not an eagle3 drafter ({form}): train one with `mtplm train "
+                        "method=heads head_form=eagle3`")
+    model = load_model(checkpoint, "fp32")
+    drafter = model.heads
+    tensors = {name: value.detach().contiguous() for name, value in drafter.state_dict().items()}
+    config = speculators_config(drafter.config(), verifier or meta.base_model.get("spec", ""),
+                                list(getattr(model.hf.config, "architectures", None) or [type(model.hf).__name__]))
+
+    def write(tmp: Path) -> None:
+        save_file(tensors, tmp / WEIGHTS)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    return atomic_dir(Path(out), write)
+
+
+def speculators_config(settings: dict, verifier: str, architectures: list[str]) -> dict:
+    """The config.json of an Eagle3Speculator for a drafter built from `settings` (Eagle3Drafter.config())."""
+    theta = float(settings["rope_theta"])
+    layer = {
+        "model_type": "llama", "vocab_size": settings["vocab"], "hidden_size": settings["dim"],
+        "intermediate_size": settings["intermediate"], "num_hidden_layers": 1,
+        "num_attention_heads": settings["heads"], "num_key_value_heads": settings["kv_heads"],
+        "head_dim": settings["head_dim"], "hidden_act": "silu", "rms_norm_eps": settings["eps"],
+        "max_position_embeddings": settings["max_positions"], "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "rope_scaling": None,
+        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False, "torch_dtype": "float32",
+    }
+    proposal = {"proposal_type": "greedy", "speculative_tokens": settings["k"] - 1, "verifier_accept_k": 1,
+                "accept_tolerance": 0.0}
+    return {
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": {"algorithm": "eagle3", "proposal_methods": [proposal],
+                               "default_proposal_method": "greedy",
+                               "verifier": {"name_or_path": verifier, "architectures": architectures}},
+        "transformer_layer_config": layer, "draft_vocab_size": settings["draft_vocab"],
+        "target_hidden_size": settings["dim"], "eagle_aux_hidden_state_layer_ids": list(settings["layers"]),
+        "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+        "embed_requires_grad": False, "torch_dtype": "float32",
+    }
+
+
+def load_eagle3(directory: str | os.PathLike) -> tuple[Eagle3Drafter, dict]:
+    """An Eagle3Drafter and the parsed config.json from a speculators-format folder (ours or another plain
+    one: a single Llama layer, no extra norms, no own embedding)."""
+    directory = Path(directory)
+    try:
+        config = json.loads((directory / "config.json").read_text())
+        tensors = load_file(directory / WEIGHTS)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{directory} is not a speculators export (config.json + {WEIGHTS}): {exc}") from None
+    layer = config.get("transformer_layer_config") or {}
+    if config.get("speculators_model_type") != "eagle3" or layer.get("num_hidden_layers") != 1:
+        raise UserError(f"{directory}: only single-layer speculators eagle3 drafters can be read")
+    flags = [flag for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output") if config.get(flag)]
+    if flags or layer.get("attention_bias") or layer.get("mlp_bias"):
+        raise UserError(f"{directory}: {', '.join(flags) or 'biases'} not supported by mtplm's eagle3 drafter")
+    rope = layer.get("rope_parameters") or {}
+    heads = layer["num_attention_heads"]
+    drafter = Eagle3Drafter(
+        k=config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] + 1, dim=layer["hidden_size"],
+        intermediate=layer["intermediate_size"], heads=heads, kv_heads=layer.get("num_key_value_heads", heads),
+        head_dim=layer.get("head_dim") or layer["hidden_size"] // heads, eps=layer["rms_norm_eps"],
+        rope_theta=rope.get("rope_theta", layer.get("rope_theta", 10000.0)),
+        layers=config["eagle_aux_hidden_state_layer_ids"], vocab=layer["vocab_size"],
+        draft_vocab=config["draft_vocab_size"], max_positions=layer.get("max_position_embeddings", 8192))
+    if "d2t" not in tensors and drafter.settings["draft_vocab"] == drafter.settings["vocab"]:  # no reduced vocabulary
+        tensors.update(d2t=drafter.d2t.clone(), t2d=drafter.t2d.clone())
+    try:
+        drafter.load_state_dict(tensors)
+    except RuntimeError as exc:
+        raise UserError(f"{directory / WEIGHTS} does not hold the drafter its config.json describes: {exc}") from None
+    return drafter.eval(), config

@@ -16,6 +16,8 @@ Shapes: B batch, T tokens, D hidden, V vocabulary.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -68,7 +70,25 @@ class Depth(nn.Module):
         return y + self.down(nn.functional.silu(self.gate(z)) * self.up(z))
 
 
-class Medusa:
+class BlockForm:
+    """A form made of K-1 blocks on the trunk's final state (`Heads`), trained by heads.train.
+
+    Every HEAD_FORMS entry builds its module from a checkpoint's recorded config (`build`) and trains it
+    (`train`); the two block forms share both and differ in their blocks, training states and drafting.
+    """
+
+    @staticmethod
+    def build(config: dict) -> nn.Module:
+        return Heads(**config)
+
+    @staticmethod
+    def train(cfg, progress: bool = True):
+        from mtplm.heads.train import train_heads  # train.py imports this module
+
+        return train_heads(cfg, progress)
+
+
+class Medusa(BlockForm):
     """Parallel heads: each block reads the trunk state; one LM-head call drafts them all."""
 
     @staticmethod
@@ -84,7 +104,7 @@ class Medusa:
         return lm_head(torch.stack([block(h) for block in blocks[:n]]))
 
 
-class Sequential:
+class Sequential(BlockForm):
     """A chain: each depth reads the previous depth's state and the token it predicts."""
 
     @staticmethod
@@ -117,6 +137,8 @@ HEAD_FORMS.register("sequential", "DeepSeek-V3-style chain of one-row transforme
 class Heads(nn.Module):
     """Heads 2..K. `states` gives each head's pre-LM-head hidden states; logits come from the shared head."""
 
+    feature_layers: tuple[int, ...] = ()  # they read the final state only
+
     def __init__(self, form: str, k: int, dim: int, intermediate: int | None = None) -> None:
         super().__init__()
         self.shape = HEAD_FORMS.get(form)  # the form's block, training states and drafting
@@ -142,6 +164,23 @@ class Heads(nn.Module):
         greedy token, so it calls the LM head once per depth.
         """
         return self.shape.draft(self.blocks, h, token, n, embed, lm_head)
+
+    def drafter(self, embed: nn.Module, lm_head) -> RowDrafter:
+        """A sequence's drafter (decode.protocol.Drafter): the heads read one row and keep nothing."""
+        return RowDrafter(partial(self.draft_logits, embed=embed, lm_head=lm_head))
+
+
+class RowDrafter:
+    """decode.protocol.Drafter for heads that draft from the last committed row alone."""
+
+    def __init__(self, draft) -> None:
+        self.draft = draft  # (row [D], next token, n) -> [n, V]
+
+    def block(self, start: int, rows: torch.Tensor, tokens: list[int], n: int) -> torch.Tensor:
+        return self.draft(rows[-1], tokens[-1], n)
+
+    def commit(self, start: int, rows: torch.Tensor, tokens: list[int]) -> None:
+        pass
 
 
 def head_lr_scale(k: int) -> float:

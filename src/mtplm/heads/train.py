@@ -46,6 +46,7 @@ class TrunkRow:
     tokens: torch.Tensor  # [L]
     greedy: torch.Tensor  # [L] the trunk's own greedy next token at each row
     start: int  # first row whose next token is part of the response
+    features: torch.Tensor | None = None  # [L, 3D] the inputs of the drafter's feature layers (EAGLE-3)
 
     def window(self, rows: int, k: int, rng: random.Random) -> TrunkRow:
         """`rows` consecutive response rows (plus the k tokens their heads look ahead to), at random."""
@@ -53,30 +54,35 @@ class TrunkRow:
             return self
         a = rng.randrange(self.start, len(self.tokens) - rows - k + 1)
         b = a + rows + k
-        return TrunkRow(self.hidden[a:b], self.tokens[a:b], self.greedy[a:b], 0)
+        features = self.features[a:b] if self.features is not None else None
+        return TrunkRow(self.hidden[a:b], self.tokens[a:b], self.greedy[a:b], 0, features)
 
 
 @torch.inference_mode()
 def trunk_states(model: MTPModel, samples: list[Sample], seq_len: int, progress: bool = True,
-                 cache: Path | None = None) -> list[TrunkRow]:
+                 cache: Path | None = None, layers: tuple[int, ...] = ()) -> list[TrunkRow]:
     """One frozen-trunk forward per sample, kept for every epoch (hidden states in the model's dtype).
 
-    With `cache`, the states are stored under a key of the model, dtype, samples and seq_len, and reused
-    by later runs on the same text (an ablation trains many heads on one trunk).
+    With `layers`, each row also keeps the inputs of those decoder layers, concatenated (`features`; EAGLE-3).
+    With `cache`, the states are stored under a key of the model, dtype, samples, seq_len (and layers), and
+    reused by later runs on the same text (an ablation trains many heads on one trunk).
     """
     path = None
     if cache is not None:
         key = hashlib.sha256(json.dumps([model.meta_key(), str(model.dtype), seq_len,
-                                         [(s.prompt_ids, s.response_ids) for s in samples]]).encode())
+                                         [(s.prompt_ids, s.response_ids) for s in samples]]
+                                        + ([list(layers)] if layers else [])).encode())
         path = cache / f"trunk-{key.hexdigest()[:16]}.pt"
         if path.is_file():
             return [TrunkRow(**row) for row in torch.load(path)]
     rows = []
     for sample in tqdm(samples, desc="trunk states", unit="text", disable=not progress):
         ids, prompt_len = row_ids(sample, seq_len)
-        hidden = model.decoder_states(torch.tensor([ids]))[0]
+        states = model.decoder_states(torch.tensor([ids]), layers=layers)[0]  # [L, D * (1 + len(layers))]
+        hidden = states[:, : states.shape[1] // (1 + len(layers))]
+        features = states[:, hidden.shape[1]:].clone() if layers else None
         greedy = torch.cat([model.head(chunk).argmax(-1) for chunk in hidden.split(256)])
-        rows.append(TrunkRow(hidden.clone(), torch.tensor(ids), greedy, max(0, prompt_len - 1)))
+        rows.append(TrunkRow(hidden.clone(), torch.tensor(ids), greedy, max(0, prompt_len - 1), features))
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_file(path, lambda tmp: torch.save([vars(row) for row in rows], tmp))
@@ -90,6 +96,7 @@ class HeadBatch:
     greedy: torch.Tensor  # [B, T]
     rows: torch.Tensor  # [B, T] bool: a response row (start <= t < length)
     lengths: torch.Tensor  # [B]
+    features: torch.Tensor | None = None  # [B, T, 3D] float32 (EAGLE-3)
 
     @classmethod
     def of(cls, rows: list[TrunkRow]) -> HeadBatch:
@@ -97,14 +104,18 @@ class HeadBatch:
         hidden = torch.zeros(len(rows), width, dim)
         tokens = torch.zeros(len(rows), width, dtype=torch.long)
         greedy = torch.zeros_like(tokens)
+        first = rows[0].features
+        features = torch.zeros(len(rows), width, first.shape[-1]) if first is not None else None
         for i, r in enumerate(rows):
             n = len(r.tokens)
             hidden[i, :n], tokens[i, :n], greedy[i, :n] = r.hidden.float(), r.tokens, r.greedy
             tokens[i, n:] = r.tokens[-1]
+            if features is not None and r.features is not None:
+                features[i, :n] = r.features.float()
         t = torch.arange(width)
         lengths = torch.tensor([len(r.tokens) for r in rows])
         starts = torch.tensor([r.start for r in rows])
-        return cls(hidden, tokens, greedy, (t >= starts[:, None]) & (t < lengths[:, None]), lengths)
+        return cls(hidden, tokens, greedy, (t >= starts[:, None]) & (t < lengths[:, None]), lengths, features)
 
     def valid(self, k: int) -> torch.Tensor:
         """[B, T]: rows where head k has a target (token t+k exists)."""
@@ -231,8 +242,27 @@ class HeadTrainer:
                 "consistency_mse": consistency}
 
 
-def train_heads(cfg: TrainConfig, progress: bool = True) -> Path:
+class BlockTraining:
+    """What train_heads needs of a head form: the feature layers to cache, its module and trainer, and whether
+    a step may read windows of rows (heads that read one row each) or needs whole rows (attention)."""
+
+    windows = True
+
+    @staticmethod
+    def layers(cfg: TrainConfig, model: MTPModel) -> tuple[int, ...]:
+        return ()  # the final state only
+
+    @staticmethod
+    def setup(cfg: TrainConfig, model: MTPModel, rows: list[TrunkRow]):
+        dim = model.hf.get_input_embeddings().weight.shape[1]
+        heads = Heads(cfg.head_form, cfg.k_max, dim, getattr(model.hf.config, "intermediate_size", None))
+        return heads, HeadTrainer(cfg, model, heads)
+
+
+def train_heads(cfg: TrainConfig, progress: bool = True, form=BlockTraining) -> Path:
     """`mtplm train method=heads`: trunk states once, then `steps` head updates; saves run_dir/checkpoint."""
+    import resource
+
     from mtplm.assets.models import cache_dir, model_identity, resolve_model
     from mtplm.bench.plots import training_curves
     from mtplm.train.checkpoint import MetricsLog
@@ -245,17 +275,27 @@ def train_heads(cfg: TrainConfig, progress: bool = True) -> Path:
     model = MTPModel.load(cfg.model, dtype=cfg.dtype)
     samples = load_samples(cfg.data, model.tokenizer, model.hf, run_dir, cfg)
     started = time.perf_counter()
-    rows = trunk_states(model, samples, cfg.seq_len, progress, cache=cache_dir() / "trunk")
+    rows = trunk_states(model, samples, cfg.seq_len, progress, cache_dir() / "trunk", form.layers(cfg, model))
     num_val = max(1, int(len(rows) * cfg.val_fraction))
     train_rows, val_rows = (rows[:-num_val] or rows), rows[-num_val:]
     val_batches = [HeadBatch.of(val_rows[i: i + cfg.batch_size]) for i in range(0, len(val_rows), cfg.batch_size)]
-    dim = model.hf.get_input_embeddings().weight.shape[1]
-    intermediate = getattr(model.hf.config, "intermediate_size", None)
-    heads = Heads(cfg.head_form, cfg.k_max, dim, intermediate)
-    trainer = HeadTrainer(cfg, model, heads)
-    order, rng = list(range(len(train_rows))), random.Random(cfg.seed)
+    heads, trainer = form.setup(cfg, model, train_rows)
     log = MetricsLog(run_dir, started)
-    record = log.record
+    val = _fit(cfg, trainer, train_rows, val_batches, log.record, cfg.head_window if form.windows else 0, progress)
+    log.close()
+    model.attach_heads(heads, model_identity(resolve_model(cfg.model)), spec=cfg.model)
+    model.meta.training = {"config": as_dict(cfg), "steps": cfg.steps, "samples": len(samples),
+                           "cpu_time_s": round(time.perf_counter() - started, 1), "final_val": val,
+                           "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+    out = model.save_heads(run_dir / "checkpoint")
+    training_curves(run_dir)
+    return out
+
+
+def _fit(cfg: TrainConfig, trainer, train_rows: list[TrunkRow], val_batches: list[HeadBatch], record,
+         window: int, progress: bool) -> dict:
+    """`cfg.steps` updates over shuffled batches (windows of `window` rows, 0 = whole rows); the last validation."""
+    order, rng = list(range(len(train_rows))), random.Random(cfg.seed)
     val = trainer.validate(val_batches)
     record({"step": 0, "val": val})
     bar = tqdm(range(cfg.steps), desc="train heads", unit="step", disable=not progress)
@@ -266,7 +306,7 @@ def train_heads(cfg: TrainConfig, progress: bool = True) -> Path:
             position = 0
         chosen = order[position: position + cfg.batch_size]
         position += cfg.batch_size
-        batch = HeadBatch.of([train_rows[i].window(cfg.head_window, cfg.k_max, rng) for i in chosen])
+        batch = HeadBatch.of([train_rows[i].window(window, cfg.k_max, rng) for i in chosen])
         stats = trainer.step(batch, step)
         if step % cfg.log_every == 0 or step == cfg.steps - 1:
             record({"step": step + 1, **stats})
@@ -277,10 +317,4 @@ def train_heads(cfg: TrainConfig, progress: bool = True) -> Path:
             tqdm.write(f"[step {step + 1}] held-out head agreement "
                        + " ".join(f"h{k}={a:.2f}" for k, a in enumerate(val["agreement"][1:], start=2))
                        + f"; verified tokens/forward (est.) {val['est_verified_per_forward']:.2f}")
-    log.close()
-    model.attach_heads(heads, model_identity(resolve_model(cfg.model)), spec=cfg.model)
-    model.meta.training = {"config": as_dict(cfg), "steps": cfg.steps, "samples": len(samples),
-                           "cpu_time_s": round(time.perf_counter() - started, 1), "final_val": val}
-    out = model.save_heads(run_dir / "checkpoint")
-    training_curves(run_dir)
-    return out
+    return val

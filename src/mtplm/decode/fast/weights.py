@@ -156,6 +156,9 @@ def check_supported(model: MTPModel) -> Shape:
     """The Shape of a model the fast pass can run; UserError naming what is not supported otherwise."""
     hf = model.hf
     name = type(hf).__name__
+    if model.feature_layers:
+        raise UserError("the compiled backend returns final hidden states only; an EAGLE-3 drafter reads inner "
+                        "layers too: use --backend eager")
     if name not in SUPPORTED:
         raise UserError(f"the compiled backend runs {', '.join(SUPPORTED)}; this model is {name}: "
                         f"use --backend eager")
