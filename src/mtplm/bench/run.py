@@ -17,6 +17,7 @@ import psutil
 import torch
 from tqdm import tqdm
 
+from mtplm.bench import llama_server
 from mtplm.bench.cost import Assumptions, cost_markdown
 from mtplm.bench.machine import machine
 from mtplm.bench.plots import bench_plot
@@ -56,6 +57,7 @@ def add_arguments(p) -> None:
     p.add_argument("--llama-cpp", action="store_true",
                    help="also run llama.cpp (llama-cpp-python) on the same GGUF as the native CPU reference; skipped "
                         "with a message when it is not installed")
+    llama_server.add_argument(p)
     p.add_argument("--assisted", default=None, metavar="TARGET",
                    help="also run HF assisted decoding: the base of --model drafts for TARGET (a larger model "
                         "with the same tokenizer, e.g. qwen2.5-coder-1.5b), against TARGET's own HF greedy")
@@ -78,13 +80,14 @@ class Record:
     ttft_s: float | None
     peak_rss_mb: float
     scores: dict[str, float] = field(default_factory=dict)  # task metrics (tasks.score_example), 0 or 1 each
+    passes: int | None = None  # forward passes, for outside engines that report them without `accepted`
 
 
 def summarize(mode: str, records: list[Record], plain: list[Record]) -> dict:
     """Totals over records (tokens/s = all tokens / all seconds), compared prompt by prompt with plain."""
     tokens = sum(len(r.tokens) for r in records)
     seconds = sum(r.seconds for r in records)
-    forwards = sum(len(r.accepted) for r in records)
+    forwards = sum(len(r.accepted) if r.passes is None else r.passes for r in records)
     plain_rate = sum(len(r.tokens) for r in plain) / max(1e-9, sum(r.seconds for r in plain))
     ttfts = [r.ttft_s for r in records if r.ttft_s is not None]
     return {
@@ -163,6 +166,7 @@ def run_bench(args) -> dict:
     if args.prompts < 1 or args.max_new_tokens < 1:
         raise UserError("--prompts and --max-new-tokens must be >= 1")
     modes = parse_modes(args.modes, args.k_max, args.confidence)
+    llama_server.check(args.llama_server)  # bad variants or no binary: one line before the model loads
     model = load_model(args.model, args.dtype)
     if model.meta is None and any(cfg.mode != "ntp" for _, cfg in modes):
         raise UserError(f"{args.model} is not a converted model: only plain decoding can be measured")
@@ -170,6 +174,8 @@ def run_bench(args) -> dict:
     prompts = [chat_prompt_ids(model.tokenizer, e.prompt)[-768:] for e in examples]
     stops = sorted(stop_ids(model))
     baselines = _baselines(args, model, stops)  # name -> (run(ids) -> Record parts, the name it is compared with)
+    servers = llama_server.start_servers(args, model, prompts, stops)  # None without --llama-server
+    baselines |= servers.runs() if servers else {}
     backend_name = resolve_backend(args.backend, model)
     backend = make_backend(backend_name, model, slots=1)
     if backend_name != "eager" and not args.no_eager_baseline:  # the same plain decoding on the reference pass
@@ -182,8 +188,9 @@ def run_bench(args) -> dict:
         generate(model, prompts[0], DecodeConfig(**{**asdict(cfg), "max_new_tokens": 8}), backend=backend)
     warm_up_s = time.perf_counter() - warm
     runners = {name: EagerBackend(model) if name == "ntp[eager]" else backend for name, _ in modes}
-    for example, ids in tqdm(list(zip(examples, prompts, strict=False)), desc="bench", unit="prompt"):
-        _one_prompt(model, example, ids, modes, runners, baselines, records, scorer, args.max_new_tokens)
+    with servers or nullcontext():  # the servers stop however the loop ends
+        for example, ids in tqdm(list(zip(examples, prompts, strict=False)), desc="bench", unit="prompt"):
+            _one_prompt(model, example, ids, modes, runners, baselines, records, scorer, args.max_new_tokens)
 
     reference = {name: records[baselines[name][1] if name in baselines else "ntp"] for name in records}
     rows = [summarize(name, recs, reference[name]) for name, recs in records.items()]
@@ -203,6 +210,7 @@ def run_bench(args) -> dict:
         "cost_assumptions": asdict(Assumptions(daily_tokens=args.daily_tokens, machine_watts=args.machine_watts,
                                                machine_usd_per_hour=args.machine_usd_per_hour)),
         "checkpoint": model.meta.training if model.meta else None,
+        "llama_server": servers.summary() if servers else {},
     }
     write_report(report, args.out)
     print(markdown_table(rows))
@@ -225,8 +233,10 @@ def _one_prompt(model, example, ids: list[int], modes: list, runners: dict, base
                                     scorer(example, out.tokens)))
     for name, (run, _) in baselines.items():
         with PeakMemory() as mem:
-            tokens, seconds = run(ids)
-        records[name].append(Record(source, tokens, seconds, [], None, mem.peak / 2**20, scorer(example, tokens)))
+            got = llama_server.BaselineOutput(*run(ids))
+        rss_mb = got.peak_rss_mb or mem.peak / 2**20  # an engine in its own process reports its own
+        records[name].append(Record(source, got.tokens, got.seconds, [], got.ttft_s, rss_mb,
+                                    scorer(example, got.tokens), got.passes))
 
 
 class _Scorer:
@@ -364,6 +374,7 @@ def write_report(report: dict, out: Path) -> None:
     if "cost_assumptions" in report:
         text += ["### Cost to serve (doc 000 §4.3)", "",
                  cost_markdown(report["rows"], Assumptions(**report["cost_assumptions"])), ""]
+    text += llama_server.markdown(report.get("llama_server", {}))
     text += ["Tokens emitted per forward pass (share of steps):", ""]
     for name, hist in report["histograms"].items():
         text.append(f"- {name}: " + ", ".join(f"{k}: {v:.0%}" for k, v in hist.items()))
