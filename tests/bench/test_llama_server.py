@@ -50,8 +50,11 @@ def _fake_binary(tmp_path, body: str):
 
 def test_a_server_that_exits_raises_with_its_log_tail(tmp_path):
     fake = _fake_binary(tmp_path, "echo 'error: failed to load model'; exit 1")
+    server = LlamaServer(tmp_path / "model.gguf", threads=1, context=256, binary=fake)
     with pytest.raises(LlamaServerError, match="exited with status 1(.|\n)*failed to load model"):
-        LlamaServer(tmp_path / "model.gguf", threads=1, context=256, binary=fake).start()
+        server.start()
+    assert server.log is not None and server.log.is_file()  # kept for the user after a failure
+    server.log.unlink()
 
 
 def test_a_server_that_never_answers_is_stopped_within_the_bounded_wait(tmp_path):
@@ -61,6 +64,8 @@ def test_a_server_that_never_answers_is_stopped_within_the_bounded_wait(tmp_path
     with pytest.raises(LlamaServerError, match="not ready within 1 s(.|\n)*loading forever"):
         server.start()
     assert time.perf_counter() - start < 15 and server.process is None
+    assert server.log is not None
+    server.log.unlink()
 
 
 # --- the real server on the installed SmolLM2 -------------------------------------------------------------------
@@ -115,7 +120,10 @@ def test_an_ngram_drafter_is_lossless_on_the_f16_gguf(prompts):
 def test_a_real_server_on_a_bad_gguf_fails_fast_with_its_log(tmp_path, prompts):
     bad = tmp_path / "not-a-model.gguf"
     bad.write_bytes(b"GGUF but not really")
+    server = LlamaServer(bad, threads=1, context=256, startup_timeout_s=60)
     start = time.perf_counter()
     with pytest.raises(LlamaServerError, match="exited with status"):
-        LlamaServer(bad, threads=1, context=256, startup_timeout_s=60).start()
+        server.start()
     assert time.perf_counter() - start < 60
+    assert server.log is not None
+    server.log.unlink()
