@@ -11,6 +11,11 @@ if ! command -v nginx >/dev/null && [ ! -x /usr/sbin/nginx ] && command -v apt-g
     $SUDO apt-get install -y -q nginx >/dev/null 2>&1 || { $SUDO apt-get update -q >/dev/null 2>&1 && \
         $SUDO apt-get install -y -q nginx >/dev/null 2>&1; } || echo "nginx not installed: its test will skip"
 fi
+# llama.cpp's llama-server for `mtplm bench --llama-server` and its tests (about 6 min to compile on 2 cores, once;
+# MTPLM_NO_LLAMA_SERVER=1 skips it); without it those tests skip, with their reason in the summary
+if [ -z "${MTPLM_NO_LLAMA_SERVER:-}" ]; then
+    bash scripts/install_llama_server.sh || echo "llama-server not installed: its tests will skip"
+fi
 .venv/bin/ruff check src tests scripts
 .venv/bin/mypy
 .venv/bin/python scripts/check_sizes.py

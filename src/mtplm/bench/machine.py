@@ -1,9 +1,11 @@
-"""What a report says about where it was measured: CPU, cores, threads, RAM, library versions, commit."""
+"""What a report says about where it was measured (CPU, cores, threads, RAM, library versions, commit), and
+the peak memory of what it measured."""
 
 from __future__ import annotations
 
 import platform
 import subprocess
+import threading
 from pathlib import Path
 
 import psutil
@@ -31,3 +33,25 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+class PeakMemory:
+    """Samples this process's RSS every 20 ms between start() and stop(); reports the peak in MB."""
+
+    def __init__(self) -> None:
+        self.proc, self.peak, self._stop = psutil.Process(), 0, threading.Event()
+
+    def __enter__(self):
+        self._stop.clear()
+        self.peak = self.proc.memory_info().rss
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self.thread.join()

@@ -7,18 +7,17 @@ evenly over them; speedups are ratios within the run. Benchmarks measure and nev
 from __future__ import annotations
 
 import json
-import threading
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import psutil
 import torch
 from tqdm import tqdm
 
+from mtplm.bench import llama_server
 from mtplm.bench.cost import Assumptions, cost_markdown
-from mtplm.bench.machine import machine
+from mtplm.bench.machine import PeakMemory, machine
 from mtplm.bench.plots import bench_plot
 from mtplm.bench.tasks import humaneval_problems, score_example
 from mtplm.config import DecodeConfig, add_backend_argument, add_dtype_argument, mode_grammar, parse_mode
@@ -57,6 +56,7 @@ def add_arguments(p) -> None:
     p.add_argument("--llama-cpp", action="store_true",
                    help="also run llama.cpp (llama-cpp-python) on the same GGUF as the native CPU reference; skipped "
                         "with a message when it is not installed")
+    llama_server.add_argument(p)
     p.add_argument("--assisted", default=None, metavar="TARGET",
                    help="also run HF assisted decoding: the base of --model drafts for TARGET (a larger model "
                         "with the same tokenizer, e.g. qwen2.5-coder-1.5b), against TARGET's own HF greedy")
@@ -79,13 +79,14 @@ class Record:
     ttft_s: float | None
     peak_rss_mb: float
     scores: dict[str, float] = field(default_factory=dict)  # task metrics (tasks.score_example), 0 or 1 each
+    passes: int | None = None  # forward passes, for outside engines that report them without `accepted`
 
 
 def summarize(mode: str, records: list[Record], plain: list[Record]) -> dict:
     """Totals over records (tokens/s = all tokens / all seconds), compared prompt by prompt with plain."""
     tokens = sum(len(r.tokens) for r in records)
     seconds = sum(r.seconds for r in records)
-    forwards = sum(len(r.accepted) for r in records)
+    forwards = sum(len(r.accepted) if r.passes is None else r.passes for r in records)
     plain_rate = sum(len(r.tokens) for r in plain) / max(1e-9, sum(r.seconds for r in plain))
     ttfts = [r.ttft_s for r in records if r.ttft_s is not None]
     return {
@@ -140,31 +141,8 @@ def _on_backend(item: str) -> tuple[str, str | None]:
     return item, None
 
 
-class PeakMemory:
-    """Samples this process's RSS every 20 ms between start() and stop(); reports the peak in MB."""
-
-    def __init__(self) -> None:
-        self.proc, self.peak, self._stop = psutil.Process(), 0, threading.Event()
-
-    def __enter__(self):
-        self._stop.clear()
-        self.peak = self.proc.memory_info().rss
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.02):
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self.thread.join()
-
-
 def run_bench(args) -> dict:
     from mtplm.assets.datasets import prompt_set
-    from mtplm.decode.backends import make_backend, resolve_backend
     from mtplm.decode.loop import generate, stop_ids
     from mtplm.model import load_model
     from mtplm.text import chat_prompt_ids
@@ -172,6 +150,7 @@ def run_bench(args) -> dict:
     if args.prompts < 1 or args.max_new_tokens < 1:
         raise UserError("--prompts and --max-new-tokens must be >= 1")
     modes = parse_modes(args.modes, args.k_max, args.confidence)
+    llama_server.check(args.llama_server)  # bad variants or no binary: one line before the model loads
     model = load_model(args.model, args.dtype)
     if model.meta is None and any(cfg.mode != "ntp" for _, cfg in modes):
         raise UserError(f"{args.model} is not a converted model: only plain decoding can be measured")
@@ -179,13 +158,9 @@ def run_bench(args) -> dict:
     prompts = [chat_prompt_ids(model.tokenizer, e.prompt)[-768:] for e in examples]
     stops = sorted(stop_ids(model))
     baselines = _baselines(args, model, stops)  # name -> (run(ids) -> Record parts, the name it is compared with)
-    backend_name = resolve_backend(args.backend, model)
-    if backend_name != "eager" and not args.no_eager_baseline:  # the same plain decoding on the reference pass
-        modes.append(("ntp[eager]", DecodeConfig(mode="ntp")))
-    backends = {name: make_backend(name, model, slots=1)
-                for name in {backend_name} | {_on_backend(item)[1] or backend_name for item, _ in modes}}
-    runners = {item: backends[_on_backend(item)[1] or backend_name] for item, _ in modes}
-    backend = backends[backend_name]
+    servers = llama_server.start_servers(args, model, prompts, stops)  # None without --llama-server
+    baselines |= servers.runs() if servers else {}
+    backend_name, backend, runners = _runners(args, model, modes)
     records: dict[str, list[Record]] = {name: [] for name, _ in modes} | {name: [] for name in baselines}
     scorer = _Scorer(model.tokenizer, enabled=not args.no_score)
 
@@ -193,8 +168,9 @@ def run_bench(args) -> dict:
     for name, cfg in modes:  # warm-up; the compiled backend compiles its first buckets here (and prints each)
         generate(model, prompts[0], DecodeConfig(**{**asdict(cfg), "max_new_tokens": 8}), backend=runners[name])
     warm_up_s = time.perf_counter() - warm
-    for example, ids in tqdm(list(zip(examples, prompts, strict=False)), desc="bench", unit="prompt"):
-        _one_prompt(model, example, ids, modes, runners, baselines, records, scorer, args.max_new_tokens)
+    with servers or nullcontext():  # the servers stop however the loop ends
+        for example, ids in tqdm(list(zip(examples, prompts, strict=False)), desc="bench", unit="prompt"):
+            _one_prompt(model, example, ids, modes, runners, baselines, records, scorer, args.max_new_tokens)
 
     reference = {name: records[baselines[name][1] if name in baselines else "ntp"] for name in records}
     rows = [summarize(name, recs, reference[name]) for name, recs in records.items()]
@@ -214,11 +190,25 @@ def run_bench(args) -> dict:
         "cost_assumptions": asdict(Assumptions(daily_tokens=args.daily_tokens, machine_watts=args.machine_watts,
                                                machine_usd_per_hour=args.machine_usd_per_hour)),
         "checkpoint": model.meta.training if model.meta else None,
+        "llama_server": servers.summary() if servers else {},
     }
     write_report(report, args.out)
     print(markdown_table(rows))
     print(f"\nreport: {args.out / 'report.md'}")
     return report
+
+
+def _runners(args, model, modes: list) -> tuple[str, object, dict]:
+    """The bench's backend (name, instance) and each mode's runner: its own [backend] or the bench's. Adds
+    the `ntp[eager]` row (plain decoding on the reference pass) unless the bench runs eager already."""
+    from mtplm.decode.backends import make_backend, resolve_backend
+
+    name = resolve_backend(args.backend, model)
+    if name != "eager" and not args.no_eager_baseline:
+        modes.append(("ntp[eager]", DecodeConfig(mode="ntp")))
+    backends = {each: make_backend(each, model, slots=1)
+                for each in {name} | {_on_backend(item)[1] or name for item, _ in modes}}
+    return name, backends[name], {item: backends[_on_backend(item)[1] or name] for item, _ in modes}
 
 
 def _one_prompt(model, example, ids: list[int], modes: list, runners: dict, baselines: dict, records: dict,
@@ -236,8 +226,10 @@ def _one_prompt(model, example, ids: list[int], modes: list, runners: dict, base
                                     scorer(example, out.tokens)))
     for name, (run, _) in baselines.items():
         with PeakMemory() as mem:
-            tokens, seconds = run(ids)
-        records[name].append(Record(source, tokens, seconds, [], None, mem.peak / 2**20, scorer(example, tokens)))
+            got = llama_server.BaselineOutput(*run(ids))
+        rss_mb = got.peak_rss_mb or mem.peak / 2**20  # an engine in its own process reports its own
+        records[name].append(Record(source, got.tokens, got.seconds, [], got.ttft_s, rss_mb,
+                                    scorer(example, got.tokens), got.passes))
 
 
 class _Scorer:
@@ -375,6 +367,7 @@ def write_report(report: dict, out: Path) -> None:
     if "cost_assumptions" in report:
         text += ["### Cost to serve (doc 000 §4.3)", "",
                  cost_markdown(report["rows"], Assumptions(**report["cost_assumptions"])), ""]
+    text += llama_server.markdown(report.get("llama_server", {}))
     text += ["Tokens emitted per forward pass (share of steps):", ""]
     for name, hist in report["histograms"].items():
         text.append(f"- {name}: " + ", ".join(f"{k}: {v:.0%}" for k, v in hist.items()))

