@@ -71,3 +71,22 @@ def test_two_gpus_over_nccl_match_one(base_dir, data_file, tmp_path):
     expected, got = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     for step, loss in expected.items():  # GPU kernels round differently per shape: a looser bound than on CPU
         assert got[step] == pytest.approx(loss, rel=1e-3), f"step {step}"
+
+
+def test_the_compiled_backend_decodes_the_eager_tokens_on_a_gpu(base_dir, data_file, tmp_path):
+    """The compiled pass (static store on the device, CUDA graphs where inductor can use them) against the
+    eager reference, fp32, plain and lossless modes."""
+    from mtplm.decode.backends import EagerBackend, make_backend
+
+    checkpoint = train(train_config(base_dir, data_file, tmp_path / "run", **{**RECIPE, "steps": 10}), progress=False)
+    model = MTPModel.load(checkpoint)
+    model.hf.cuda()
+    compiled, eager = make_backend("compiled", model), EagerBackend(model)
+    with torch.device("cuda"):
+        for row in chain_rows(3, seed=9):
+            ids = chat_prompt_ids(model.tokenizer, row["prompt"])
+            for cfg in (DecodeConfig(mode="ntp", max_new_tokens=16),
+                        DecodeConfig(mode="verified", k_max=4, max_new_tokens=16),
+                        DecodeConfig(mode="verified", k_max=4, drafting="quadratic", max_new_tokens=16)):
+                ours = generate(model, ids, cfg, backend=compiled).tokens
+                assert ours == generate(model, ids, cfg, backend=eager).tokens, cfg

@@ -55,7 +55,8 @@ class StaticBackend:
         self.key_buckets = key_buckets
         self.weights = FastWeights(model, fuse, prepack, quantize)
         lm_head = model.hf.get_output_embeddings().weight  # [V, D]; kept in bf16 under int8 (measured faster)
-        packed_head = self.weights.prepacked or (quantize and prepack is not False and prepack_default(model.dtype))
+        packed_head = self.weights.prepacked or (quantize and prepack is not False and lm_head.device.type == "cpu"
+                                                 and prepack_default(model.dtype))
         self._head = kernels.pack(lm_head.detach()) if packed_head else None
         self.window = sliding_window(model)
         self.capacity = 0
@@ -66,10 +67,12 @@ class StaticBackend:
         self._step: Callable[..., torch.Tensor] = decode_pass
         if compile:
             _use_mtplm_compile_cache()
+            # on a GPU, CUDA graphs replay each bucket's kernels without launch overhead (the store is static)
+            mode = "reduce-overhead" if self.weights.embed.is_cuda else None
             if regional:  # one graph per bucket for a layer, shared by every layer: a 30th of the compile
-                self._step = partial(decode_pass, step=torch.compile(layer, dynamic=False, fullgraph=True))
+                self._step = partial(decode_pass, step=torch.compile(layer, dynamic=False, fullgraph=True, mode=mode))
             else:
-                self._step = torch.compile(decode_pass, dynamic=False, fullgraph=True)
+                self._step = torch.compile(decode_pass, dynamic=False, fullgraph=True, mode=mode)
 
     # ---- a pass -----------------------------------------------------------------------------------
     def run(self, start: int, feeds: list, lengths: list[int]) -> torch.Tensor:
@@ -128,7 +131,8 @@ class StaticBackend:
             cached[i] = past
             allowed[i, :q, :q] = local
             slots[i] = start + i
-        return ids, positions, cached, allowed, slots
+        device = self.weights.embed.device  # built on the host, moved in one go (a GPU model: five copies)
+        return tuple(t.to(device, non_blocking=True) for t in (ids, positions, cached, allowed, slots))  # type: ignore
 
     def _key_length(self, needed: int) -> int:
         if not self.key_buckets:
@@ -150,7 +154,7 @@ class StaticBackend:
         dtype = self.weights.embed.dtype
         for store in (self.keys, self.values):
             for i in range(shape.layers):
-                new = torch.zeros(size, dtype=dtype)  # zeros: stale positions are finite, never NaN
+                new = torch.zeros(size, dtype=dtype, device=self.weights.embed.device)  # finite, never NaN
                 if i < len(store):
                     new[:, :, : self.capacity] = store[i]
                     store[i] = new
@@ -186,7 +190,7 @@ class StaticBackend:
 
     def keep_rows(self, slot: int, start: int, rows: list[int]) -> None:
         """Move positions start + rows[i] of a slot to start + i (a kept tree path)."""
-        index = torch.tensor([start + r for r in rows], dtype=torch.long)
+        index = torch.tensor([start + r for r in rows], dtype=torch.long, device=self.weights.embed.device)
         for store in self.keys + self.values:
             store[slot, :, start: start + len(rows)] = store[slot, :, index]
 

@@ -64,7 +64,8 @@ class FastWeights(nn.Module):
         super().__init__()
         hf = model.hf
         self.shape = check_supported(model)
-        self.prepacked = not quantize and (prepack_default(model.dtype) if prepack is None else prepack)
+        on_cpu = hf.get_input_embeddings().weight.device.type == "cpu"
+        self.prepacked = not quantize and on_cpu and (prepack_default(model.dtype) if prepack is None else prepack)
         if (self.prepacked or quantize) and not fuse:
             raise ValueError("prepacked and int8 weights are fused copies: they need fuse")
         decoder: Any = hf.get_decoder()  # an HF module tree: attributes by name
