@@ -20,6 +20,7 @@ DRAFTING = ("linear", "quadratic", "tree")
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 METHODS = ("mask", "heads")
 DTYPES = ("fp32", "bf16")
+SCHEDULES = ("cosine", "constant")  # the learning rate after warm-up: cosine to 0.1x, or constant
 
 
 @dataclass(frozen=True)
@@ -246,6 +247,8 @@ class TrainConfig:
             raise UserError(f"tau must lie in (0, 1], got {self.tau}")
         if self.steps < 0 or self.batch_size < 1 or self.seq_len < 2 * self.k_max:
             raise UserError("steps must be >= 0, batch_size >= 1 and seq_len >= 2 * k_max")
+        if self.schedule not in SCHEDULES:
+            raise UserError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.dtype not in DTYPES:
             raise UserError(f"dtype must be bf16 or fp32, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):

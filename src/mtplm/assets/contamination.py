@@ -10,9 +10,10 @@ A training text overlaps an eval text when
   * they share a run of NGRAM = 13 normalized words (the n-gram rule of the GPT-3 and Llama contamination
     studies): it catches an eval question quoted inside a longer text and near-duplicates that differ in
     case, whitespace or punctuation, while two texts that merely share a common phrase pass; or
-  * an eval text shorter than NGRAM words equals, normalized, the training text's prompt or the whole
-    training text (a short prompt cannot be found by 13-grams, and a substring rule would flag any text
-    that contains, say, "hello").
+  * an eval text of MIN_CONTAINED (6) to 12 words appears whole, as a run of words, in the training prompt
+    or response (too short for a 13-gram, long enough to be specific); or
+  * an eval text of fewer than 6 words equals, normalized, the training text's prompt or the whole training
+    text (containment would flag any text that says, say, "explain quantum computing").
 Normalization: Unicode NFKC, lower case, words = runs of letters and digits (everything else separates).
 
 Hashing the normalized text (the other option) misses near-duplicates and quotations; the n-gram rule
@@ -27,6 +28,7 @@ import unicodedata
 from collections.abc import Iterable, Iterator
 
 NGRAM = 13
+MIN_CONTAINED = 6
 _WORD = re.compile(r"[^\W_]+")
 
 
@@ -39,16 +41,18 @@ def normalized(text: str) -> str:
     return " ".join(words(text))
 
 
-def _grams(tokens: list[str]) -> Iterator[int]:
-    for i in range(len(tokens) - NGRAM + 1):
-        yield hash(" ".join(tokens[i : i + NGRAM]))
+def _grams(tokens: list[str], n: int = NGRAM) -> Iterator[int]:
+    for i in range(len(tokens) - n + 1):
+        yield hash(" ".join(tokens[i : i + n]))
 
 
 class EvalIndex:
-    """The 13-grams of the eval texts (hash -> an eval id holding it), and the eval texts too short for one."""
+    """The 13-grams of the eval texts (hash -> an eval id holding it), their shorter texts by length, and the
+    shortest ones whole."""
 
     def __init__(self, items: Iterable[tuple[str, str]] = ()) -> None:
         self.grams: dict[int, str] = {}
+        self.contained: dict[int, dict[int, str]] = {}  # word count (6..12) -> hash of the whole text -> id
         self.short: dict[str, str] = {}
         self.texts = 0
         for eval_id, text in items:
@@ -59,8 +63,10 @@ class EvalIndex:
         if not tokens:
             return
         self.texts += 1
-        if len(tokens) < NGRAM:
+        if len(tokens) < MIN_CONTAINED:
             self.short.setdefault(" ".join(tokens), eval_id)
+        elif len(tokens) < NGRAM:
+            self.contained.setdefault(len(tokens), {}).setdefault(hash(" ".join(tokens)), eval_id)
         for gram in _grams(tokens):
             self.grams.setdefault(gram, eval_id)
 
@@ -69,10 +75,11 @@ class EvalIndex:
         for part in (prompt, response, f"{prompt}\n{response}"):
             if normalized(part) in self.short:
                 return self.short[normalized(part)]
-        for part in (prompt, response):
-            for gram in _grams(words(part)):
-                if gram in self.grams:
-                    return self.grams[gram]
+        for part in (words(prompt), words(response)):
+            for size, table in [(NGRAM, self.grams), *self.contained.items()]:
+                for gram in _grams(part, size):
+                    if gram in table:
+                        return table[gram]
         return None
 
 

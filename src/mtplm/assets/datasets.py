@@ -205,13 +205,14 @@ def sharegpt_conversations(split: str) -> Iterator[Example]:
     as `prompt`, the first reply as `answer`."""
     for conversation in iter_json_array(data_file("sharegpt")):
         turns = conversation.get("conversations") or []
-        if _CONTINUATION_ID.search(conversation["id"]) or len(turns) < 2 or not in_split(conversation["id"], split):
+        example_id = f"sharegpt/{conversation['id']}"  # the id the split is keyed on, as in _sharegpt_examples
+        if _CONTINUATION_ID.search(conversation["id"]) or len(turns) < 2 or not in_split(example_id, split):
             continue
         if turns[0].get("from") != "human" or turns[1].get("from") != "gpt":
             continue
         prompt, reply = (turns[0].get("value") or "").strip(), (turns[1].get("value") or "").strip()
         if prompt and reply and sum(ch.isascii() for ch in prompt + reply) >= 0.95 * len(prompt + reply):
-            yield Example(prompt, reply, "chat", f"sharegpt/{conversation['id']}")
+            yield Example(prompt, reply, "chat", example_id)
 
 
 def _sharegpt_pool(n: int | None, split: str) -> list[Example]:

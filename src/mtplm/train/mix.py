@@ -150,8 +150,9 @@ class Pool:
             hit = self.index.hit(prompt, response)
             if hit is not None:
                 if source.kind in FILES:
-                    raise UserError(f"data {source.name}: row {number} overlaps the eval example {hit} (13 shared "
-                                    "words, or an equal short prompt): remove it; nothing is trained on eval data")
+                    raise UserError(f"data {source.name}: row {number} overlaps the eval example {hit} (a shared run "
+                                    "of 13 words, or all of a shorter eval text): remove it; nothing is trained on "
+                                    "eval data")
                 dropped_eval += 1
                 continue
             key = normalized(f"{prompt}\n{response}")

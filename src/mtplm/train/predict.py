@@ -95,8 +95,8 @@ def replay_verified(answers: list[Answer], cfg: DecodeConfig, max_new_tokens: in
     for answer in answers:
         window = WINDOWS.get(cfg.window)(cfg.k_max)
         agree = answer.agree.tolist()
-        r, avail, has_block = 0, 0, False
-        while r < answer.length:
+        r, avail, has_block, end = 0, 0, False, min(answer.length, max_new_tokens)
+        while r < end:
             k = max(1, min(window.size(answer.prompt_len + r), max_new_tokens - r))
             m = min(avail, k - 1) if has_block else 0
             kept = leading_run(torch.tensor(agree[r - 1][1 : 1 + m])) if m else 0  # drafts: slots of row r-1
@@ -106,7 +106,7 @@ def replay_verified(answers: list[Answer], cfg: DecodeConfig, max_new_tokens: in
             fed = 1 + m + slots * ((m + 1) if quadratic else 1)
             tally.rows.append(fed)
             tally.passes += 1
-            tally.tokens += min(kept + 1, answer.length - r)
+            tally.tokens += min(kept + 1, end - r)
             r += kept + 1
             has_block, avail = slots > 0 and (quadratic or kept == m), slots
     return tally
@@ -118,11 +118,11 @@ def replay_confadapt(answers: list[Answer], taus: list[float], max_new_tokens: i
     tally = Tally()
     thresholds = torch.tensor(taus)  # [k_max]
     for answer in answers:
-        r, pending = 0, 1
-        while r < answer.length:
+        r, pending, end = 0, 1, min(answer.length, max_new_tokens)
+        while r < end:
             k = max(1, min(len(taus), max_new_tokens - r))
             run = leading_run(answer.confidence[r, :k] >= thresholds[:k])
-            emitted = max(1, min(run, answer.length - r))
+            emitted = max(1, min(run, end - r))
             tally.rows.append(pending + k - 1)
             tally.passes += 1
             tally.tokens += emitted

@@ -78,17 +78,17 @@ def variants(knobs: dict, grid: str, explicit: list[dict]) -> list[Variant]:
     """`base`, then the knobs' variants (one-at-a-time or product), then the explicit ones."""
     if grid not in GRIDS:
         raise UserError(f"grid must be one of {', '.join(GRIDS)}, got {grid!r}")
-    values = {knob(name): (v if isinstance(v, list) else [v]) for name, v in knobs.items()}
+    values = {name: (v if isinstance(v, list) else [v]) for name, v in knobs.items() if knob(name)}
     if any(not v for v in values.values()):
         raise UserError("every knob needs at least one value")
     if grid == "product":
         combos = [dict(zip(values, combo, strict=True)) for combo in itertools.product(*values.values())]
     else:
         combos = [{name: value} for name, vs in values.items() for value in vs]
-    found = [Variant("base", {})] + [Variant(_label(c), c) for c in combos]
+    found = [Variant("base", {})] + [Variant(_label(c), {knob(k): v for k, v in c.items()}) for c in combos]
     for entry in explicit:
-        settings = {knob(k): v for k, v in entry.items() if k != "name"}
-        found.append(Variant(str(entry.get("name") or _label(settings)), settings))
+        chosen = {k: v for k, v in entry.items() if k != "name"}
+        found.append(Variant(str(entry.get("name") or _label(chosen)), {knob(k): v for k, v in chosen.items()}))
     unique: dict[str, Variant] = {}
     for variant in found:
         unique.setdefault(variant.name, variant)
