@@ -93,6 +93,8 @@ def write_results(name: str, rows: list[dict], out: Path, spec: Path) -> Path:
     (out / "rows.json").write_text(json.dumps(rows, indent=2) + "\n")
     compared = [c for r in rows for c in compare_table(r["predicted_tokens_per_pass"], r["measured_tokens_per_pass"],
                                                        r["variant"])]
+    during = [c for r in rows if r.get("training_predicted")
+              for c in compare_table(r["training_predicted"], r["measured_tokens_per_pass"], r["variant"])]
     fits = {m: fit([(r["train_cpu_h"], r["measured_tokens_per_pass"][m]) for r in rows
                     if m in r["measured_tokens_per_pass"]]) for m in modes}
     m, first = machine(), rows[0] if rows else {}
@@ -102,7 +104,11 @@ def write_results(name: str, rows: list[dict], out: Path, spec: Path) -> Path:
             f"`{first.get('backend')}` backend; score settings `{json.dumps(first.get('score_settings'))}`.",
             "", "Each cell: measured tokens/pass / predicted (decoder replay, train/predict.py) / wall-clock "
             "speedup over plain in the same run. `confadapt` = thresholds calibrated to 99 % token agreement.", "",
-            table_markdown(flat, modes), "", "## Predicted vs measured", "", compare_markdown(compared), "",
+            table_markdown(flat, modes), "", "## Predicted vs measured", "",
+            "Replay (train/predict.py) over the plain answers to the same held-out prompts:", "",
+            compare_markdown(compared), "",
+            "The training log's last prediction (own answers to held-out training prompts, thresholds calibrated on "
+            "them), against the same measurement:", "", compare_markdown(during) if during else "(none logged)", "",
             "## Acceptance vs compute", "", "![acceptance vs compute](acceptance_vs_compute.png)", ""]
     for mode, trend in fits.items():
         if trend:
