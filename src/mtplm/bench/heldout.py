@@ -100,6 +100,7 @@ def _decode_modes(model, settings: ScoreSettings, prompts: list[list[int]], taus
 
 def score(checkpoint: str, settings: ScoreSettings, progress: bool = True) -> dict:
     """The held-out score of `checkpoint` (see the module doc) as a JSON-ready dict."""
+    from mtplm.bench.machine import machine
     from mtplm.calibrate import calibrate
     from mtplm.decode.backends import make_backend
     from mtplm.model import load_model
@@ -134,4 +135,5 @@ def score(checkpoint: str, settings: ScoreSettings, progress: bool = True) -> di
                                 f"confadapt:{training.get('config', {}).get('tau')}":
                                     final.get("est_tokens_per_forward")},
             "training_predicted": final.get("predicted"), "plain_tokens_per_s": plain_rate,
+            "commit": machine()["commit"],
             "tokens": totals["ntp"]["tokens"], "prompts": len(held)}

@@ -61,7 +61,7 @@ def plot(rows: list[dict], modes: list[str], path: Path) -> Path | None:
     plt = _pyplot()
     if plt is None:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
     for mode, marker in zip(modes, "oDs^v", strict=False):
         points = [(r["train_cpu_h"], r["measured_tokens_per_pass"][mode]) for r in rows
                   if mode in r["measured_tokens_per_pass"]]
@@ -77,7 +77,7 @@ def plot(rows: list[dict], modes: list[str], path: Path) -> Path | None:
             ax.annotate(r["variant"], (r["train_cpu_h"], r["measured_tokens_per_pass"][first]), fontsize=7)
     ax.set(xscale="log", xlabel="training CPU-hours (log)", ylabel="held-out tokens/pass",
            title="acceptance vs compute")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(plt, fig, path)
 
 
@@ -98,8 +98,12 @@ def write_results(name: str, rows: list[dict], out: Path, spec: Path) -> Path:
     fits = {m: fit([(r["train_cpu_h"], r["measured_tokens_per_pass"][m]) for r in rows
                     if m in r["measured_tokens_per_pass"]]) for m in modes}
     m, first = machine(), rows[0] if rows else {}
+    commits = ", ".join(dict.fromkeys(str(r.get("commit", "?")) for r in rows))
     text = [f"# Sweep `{name}`", "", f"Spec: `{spec}`. Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}; "
-            f"commit {m['commit']}.", "",
+            f"measured at commit {commits}.", "",
+            "Compute: wall and CPU time (all threads) of each variant's training sessions, from loading the model "
+            "to the saved checkpoint; answers self-generated into the sweep's shared cache count in the variant "
+            "that generated them (the first to run).", "",
             f"Held-out: {first.get('prompts')} held-out prompts ({first.get('tokens')} plain tokens), decoded on the "
             f"`{first.get('backend')}` backend; score settings `{json.dumps(first.get('score_settings'))}`.",
             "", "Each cell: measured tokens/pass / predicted (decoder replay, train/predict.py) / wall-clock "
