@@ -141,7 +141,8 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self, val_batches: list[TokenBatch]) -> dict:
-        """Teacher agreement, confidence and estimated tokens/forward at k = k_max on held-out text."""
+        """Teacher agreement, confidence and the packed tokens/forward estimate at k = k_max on held-out text,
+        and the predictor's replay of each decoding mode on held-out own answers (predict.py)."""
         self.model.hf.eval()
         saved = self.regions_gen.get_state()
         self.regions_gen.manual_seed(12345)  # the same regions at every validation
