@@ -12,15 +12,19 @@ Roofline: a copy benchmark measures this machine's memory bandwidth (bytes read 
 measured 1-row pass over that floor.
 
     python scripts/pass_cost.py --backends eager,compiled --batches 1,8 --rows 1,2,4,8,16
+    python scripts/pass_cost.py --backends compiled --batches 1 --kinds mask --json runs/compiled-cost.json
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
+from pathlib import Path
 
 import torch
 
+from mtplm.bench.passcost import PassCost
 from mtplm.decode.backends import make_backend
 from mtplm.decode.protocol import Feed
 from mtplm.model import load_model
@@ -92,6 +96,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=200)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--json", type=Path, default=None,
+                   help="also write the batch-1 mask-row curve of the first backend here (mtplm train pass_cost=FILE)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -106,6 +112,9 @@ def main() -> None:
                 f"{r:2d} rows {1e3 * t:6.1f} ({t / times[0]:.2f}x)" for r, t in zip(rows_list, times, strict=True)))
             if batch == 1 and kind == "plain":
                 one_row[name] = times[0]
+            if batch == 1 and kind == "mask" and args.json and name == args.backends.split(",")[0]:
+                curve = PassCost(tuple(rows_list), tuple(itertools.accumulate(times, max)), name, args.context)
+                print(f"curve written to {curve.save(args.json)} (what pass_cost=FILE reads): {curve.describe()}")
     rate = bandwidth()
     print(f"roofline: copy bandwidth {rate / 1e9:.1f} GB/s; " + ", ".join(
         f"{name} 1-row pass {1e3 * t:.1f} ms reads {read_bytes(model, name) / 1e6:.0f} MB of weights: floor "

@@ -16,8 +16,11 @@ from mtplm.errors import UserError
 from mtplm.registry import BACKENDS, CONFIDENCE, HEAD_FORMS, OBJECTIVES, STRATEGIES, TRAINABLE, WINDOWS
 
 DRAFTING = ("linear", "quadratic", "tree")
+# the projections LoRA adapters wrap (lora.py), attention first
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 METHODS = ("mask", "heads")
 DTYPES = ("fp32", "bf16")
+SCHEDULES = ("cosine", "constant")  # the learning rate after warm-up: cosine to 0.1x, or constant
 
 
 @dataclass(frozen=True)
@@ -174,6 +177,7 @@ class TrainConfig:
     k_max: int = 16  # k ~ U[2, k_max] each step (the paper's; the shipped SmolLM2 recipe uses 8)
     lora_rank: int = 32
     lora_alpha: float = 64.0
+    lora_targets: str = "all"  # projections that train: all | attn | mlp | a comma list such as q_proj,v_proj
     lr: float = 1e-3
     warmup_steps: int = 20
     schedule: str = "cosine"  # cosine | constant
@@ -185,8 +189,12 @@ class TrainConfig:
     ground_truth_cache_gb: float = 8.0  # gated-lora: keep the texts' base KV in RAM up to this size
     region_width: int = 32  # packed layout (full / lora): tokens per region, ground truth + mask slots
     dtype: str = "bf16"  # bf16 | fp32 compute (trainable weights stay float32)
-    data: str = "self:mixed"  # self:<prompt set> | jsonl:<path> | text:<path>
+    # one source (self:<prompt set> | sharegpt | gsm8k | humaneval | jsonl:<path> | text:<path>) or a mix of them
+    # with weights, e.g. self:mixed=0.3,sharegpt=0.5,gsm8k=0.2 (train/mix.py)
+    data: str = "self:mixed"
+    data_texts: int = 0  # distinct texts in the mix (0: self_gen_prompts)
     self_gen_prompts: int = 1200
+    self_gen_cache: str = ""  # file of self-generated answers, by prompt id ("": selfgen.jsonl in out)
     self_gen_max_new_tokens: int = 256
     self_gen_batch: int = 16
     val_fraction: float = 0.05
@@ -194,6 +202,11 @@ class TrainConfig:
     log_every: int = 10
     save_every: int = 100
     tau: float = 0.9  # threshold for the validation tokens/forward estimate
+    # the decode predictor (train/predict.py): decoding simulated on held-out own answers at each validation
+    predict_modes: str = "verified,verified:quadratic,confadapt"  # bench mode strings (config.parse_mode)
+    predict_texts: int = 16  # held-out texts it reads (0: off)
+    predict_max_new_tokens: int = 128  # answers cut where the bench stops decoding
+    pass_cost: str = "measure"  # pass-cost curve for the served speedup: measure (eager, at start) | a JSON file | ""
     seed: int = 0
     threads: int = 0  # torch threads; 0 = leave torch's default
     device: str = "auto"  # auto (this rank's GPU when CUDA is available, else CPU) | cpu | cuda
@@ -239,6 +252,8 @@ class TrainConfig:
             raise UserError(f"tau must lie in (0, 1], got {self.tau}")
         if self.steps < 0 or self.batch_size < 1 or self.seq_len < 2 * self.k_max:
             raise UserError("steps must be >= 0, batch_size >= 1 and seq_len >= 2 * k_max")
+        if self.schedule not in SCHEDULES:
+            raise UserError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.dtype not in DTYPES:
             raise UserError(f"dtype must be bf16 or fp32, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -250,7 +265,28 @@ class TrainConfig:
                             "adapters that fit every device: use parallel=ddp")
         if self.save_every < 1 or self.log_every < 1 or self.val_every < 1:
             raise UserError("save_every, log_every and val_every must be >= 1")
+        if self.data_texts < 0 or self.predict_texts < 0 or self.predict_max_new_tokens < 1:
+            raise UserError("data_texts and predict_texts must be >= 0, predict_max_new_tokens >= 1")
+        from mtplm.train.mix import parse_mix  # a pure parser; the mix's loading lives above config
+
+        parse_mix(self.data)
+        lora_targets(self.lora_targets)
+        for mode in self.predict_modes.split(","):
+            if mode.strip():
+                parse_mode(mode, "fixed", self.k_max)
         return self
+
+
+LORA_GROUPS = {"all": DEFAULT_TARGETS, "attn": DEFAULT_TARGETS[:4], "mlp": DEFAULT_TARGETS[4:]}
+
+
+def lora_targets(spec: str) -> tuple[str, ...]:
+    """The projections a `lora_targets` setting names (all | attn | mlp | a comma list of projection names)."""
+    names = LORA_GROUPS.get(spec.strip()) or tuple(n.strip() for n in spec.split(",") if n.strip())
+    unknown = [n for n in names if n not in DEFAULT_TARGETS]
+    if unknown or not names:
+        raise UserError(f"lora_targets {spec!r}: use all, attn, mlp or a comma list of {', '.join(DEFAULT_TARGETS)}")
+    return names
 
 
 def override(cfg, pairs: list[str]):

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from mtplm.config import DEFAULT_TARGETS  # the one list of projection names (re-exported)
 
 
 class Gate:
@@ -106,10 +106,11 @@ def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None
             params[name].copy_(value)
 
 
-def attach_peft_lora(hf: nn.Module, rank: int, alpha: float) -> tuple[nn.Module, list[nn.Parameter]]:
-    """Plain (ungated) LoRA from peft on the same target layers: (the peft model, its adapter parameters)."""
+def attach_peft_lora(hf: nn.Module, rank: int, alpha: float,
+                     targets=DEFAULT_TARGETS) -> tuple[nn.Module, list[nn.Parameter]]:
+    """Plain (ungated) LoRA from peft on the target layers: (the peft model, its adapter parameters)."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(DEFAULT_TARGETS), lora_dropout=0.0, bias="none")
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0, bias="none")
     peft_model = get_peft_model(hf, config)
     return peft_model, [p for n, p in peft_model.named_parameters() if "lora_" in n]

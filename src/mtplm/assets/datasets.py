@@ -83,6 +83,18 @@ def gsm8k(split: str = "test") -> list[Example]:
     ]
 
 
+def gsm8k_solutions() -> list[Example]:
+    """GSM8K questions with their whole reference solution as `answer` (same ids as `gsm8k`)."""
+    rows = _read_jsonl(data_file("gsm8k"))
+    return [Example(row["question"], row["answer"], "math", f"gsm8k/{i}") for i, row in enumerate(rows)]
+
+
+def humaneval_solutions() -> list[Example]:
+    """HumanEval prompts with their canonical solution as `answer` (same ids as `humaneval`)."""
+    return [Example(row["prompt"], row["canonical_solution"], "code", row["task_id"])
+            for row in _read_jsonl(data_file("humaneval"))]
+
+
 def mtbench_prompts() -> list[Example]:
     """The 80 MT-Bench first turns, with category; answer = GPT-4 reference (math/reasoning/coding only)."""
     references = {
@@ -186,6 +198,21 @@ def _sharegpt_examples() -> Iterator[Example]:
             continue
         seen.add(prompt)
         yield Example(prompt, None, "chat", f"sharegpt/{conversation['id']}")
+
+
+def sharegpt_conversations(split: str) -> Iterator[Example]:
+    """ShareGPT opening slices of `split` in file order, streamed: first human turn (any length, mostly ASCII)
+    as `prompt`, the first reply as `answer`."""
+    for conversation in iter_json_array(data_file("sharegpt")):
+        turns = conversation.get("conversations") or []
+        example_id = f"sharegpt/{conversation['id']}"  # the id the split is keyed on, as in _sharegpt_examples
+        if _CONTINUATION_ID.search(conversation["id"]) or len(turns) < 2 or not in_split(example_id, split):
+            continue
+        if turns[0].get("from") != "human" or turns[1].get("from") != "gpt":
+            continue
+        prompt, reply = (turns[0].get("value") or "").strip(), (turns[1].get("value") or "").strip()
+        if prompt and reply and sum(ch.isascii() for ch in prompt + reply) >= 0.95 * len(prompt + reply):
+            yield Example(prompt, reply, "chat", example_id)
 
 
 def _sharegpt_pool(n: int | None, split: str) -> list[Example]:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import signal
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,7 +36,34 @@ CONFIG_FILE = "config.toml"
 # settings that may change between a run and its resumption without changing what the next step computes
 # (steps only moves the end of training; under schedule=cosine it also stretches the rest of the schedule)
 RESUMABLE_CHANGES = {"out", "resume", "steps", "save_every", "log_every", "val_every", "threads", "device",
-                     "parallel"}
+                     "parallel", "self_gen_cache", "predict_modes", "predict_texts", "predict_max_new_tokens",
+                     "pass_cost"}
+
+
+class StopRequest:
+    """The signal that asked a training run to stop (None while none has)."""
+
+    signal: int | None = None
+
+
+@contextmanager
+def stop_requests(enabled: bool):
+    """While training, SIGTERM and SIGINT ask the loop to stop at the end of its step (it saves first) instead
+    of killing it mid-step. Only where signals can be caught: one process, the main thread."""
+    request = StopRequest()
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield request
+        return
+
+    def ask(signum, frame) -> None:
+        request.signal = signum
+
+    previous = {sig: signal.signal(sig, ask) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield request
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @contextmanager

@@ -1,14 +1,17 @@
-"""Training text: prompt/response pairs, plain text, or the base model's own answers (self-generation).
+"""Training text: prompt/response pairs, plain text, the base model's own answers (self-generation), the
+packaged data sets, or a weighted mix of them (mix.py: the spec, the shares, dedup and the eval guard).
 
-Data specs (TrainConfig.data):
+Data specs (TrainConfig.data), each alone or as SOURCE=WEIGHT in a comma list:
     self:<prompt set>   the base model answers prompts of that set (datasets.prompt_set, 'train' split)
-                        greedily, in batches; cached as selfgen.jsonl in the run folder
+                        greedily, in batches; cached by prompt id in selfgen.jsonl (or self_gen_cache)
+    sharegpt | gsm8k | humaneval   the train split of a packaged data set, with its responses
     jsonl:<path>        rows {"prompt": ..., "response": ...} (chat formatted) or {"text": ...}
     text:<path>         a plain-text file (or a folder of .txt files), cut into pieces
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from dataclasses import dataclass
@@ -26,30 +29,37 @@ from mtplm.train.slots import TokenBatch
 class Sample:
     prompt_ids: list[int]  # chat-formatted prompt (empty for plain text)
     response_ids: list[int]  # the text to learn to predict, ending with EOS
+    source: str = ""  # the mix source it came from (mix.Source.name)
+
+    def tagged(self, source: str) -> Sample:
+        return dataclasses.replace(self, source=source)
 
 
 def load_samples(spec: str, tokenizer, hf_model, run_dir: Path, cfg) -> list[Sample]:
-    kind, _, arg = spec.partition(":")
+    """The training (and held-out) samples of `spec`, in pool order: `self` last (mix.py)."""
+    from mtplm.train.mix import load_mix
+
     eos = tokenizer.eos_token_id
-    if kind == "self":
-        rows = self_generate(hf_model, tokenizer, arg or "mixed", cfg, run_dir / "selfgen.jsonl")
-    elif kind == "jsonl":
-        rows = _read_jsonl(Path(arg))
-    elif kind == "text":
-        rows = [{"text": piece} for piece in _read_text(Path(arg))]
-    else:
-        raise UserError(f"unknown data spec {spec!r}: use self:<prompt set>, jsonl:<path> or text:<path>")
-    samples = []
-    for number, row in enumerate(rows, 1):
+
+    def to_sample(row: dict, number: int) -> list[Sample]:
         try:
-            samples.extend(_sample(row, tokenizer, eos))
+            return _sample(row, tokenizer, eos)
         except (AttributeError, TypeError, ValueError) as exc:  # UserError (an empty prompt) is a ValueError
             raise UserError(f"data {spec!r}, row {number}: {exc}; every row needs non-empty text, or a "
                             "non-empty prompt and a response") from None
+
+    samples = load_mix(spec, tokenizer, hf_model, run_dir, cfg, to_sample)
     if not samples:
         raise UserError(f"data {spec!r} holds no usable samples: every text or response is shorter than 2 tokens "
                         "(zero-length sequences); give rows with some text to learn from")
     return samples
+
+
+def read_rows(kind: str, path: Path) -> list[dict]:
+    """The rows of a user's file: jsonl rows as they are, text cut into {"text": piece} rows."""
+    if kind == "jsonl":
+        return _read_jsonl(path)
+    return [{"text": piece} for piece in _read_text(path)]
 
 
 def _sample(row: dict, tokenizer, eos: int) -> list[Sample]:
@@ -63,37 +73,46 @@ def _sample(row: dict, tokenizer, eos: int) -> list[Sample]:
     return [Sample(prompt_ids, response_ids)] if len(response_ids) >= 2 else []
 
 
-def self_generate(hf_model, tokenizer, prompt_set_name: str, cfg, cache_file: Path) -> list[dict]:
-    """The base model's greedy answers to `cfg.self_gen_prompts` training prompts (cached, resumable)."""
+def self_generate(hf_model, tokenizer, prompt_set_name: str, n: int, cfg, cache_file: Path,
+                  index=None) -> list[dict]:
+    """The base model's greedy answers to n training prompts of a prompt set, in the set's order.
+
+    Answers are cached by prompt id (resumable, and shared by runs that name the same cache file);
+    prompts that overlap an eval split (`index`, contamination.EvalIndex) are never answered.
+    """
     from mtplm.assets.datasets import prompt_set
 
-    done = _read_jsonl(cache_file) if cache_file.exists() else []
-    examples = prompt_set(prompt_set_name, cfg.self_gen_prompts, cfg.seed, split="train")
-    todo = examples[len(done):]
-    if not todo:
-        return done
+    done = {row.get("id"): row for row in (_read_jsonl(cache_file) if cache_file.exists() else [])}
+    examples = [e for e in prompt_set(prompt_set_name, n, cfg.seed, split="train")
+                if index is None or index.hit(e.prompt) is None]
+    todo = [e for e in examples if e.id not in done]
+    if todo:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(cache_file, "a") as sink, tqdm(total=len(examples), initial=len(examples) - len(todo),
+                                                   desc="self-generate", unit="prompt") as bar:
+            for i in range(0, len(todo), cfg.self_gen_batch):
+                chunk = todo[i : i + cfg.self_gen_batch]
+                for example, text in zip(chunk, _answer(hf_model, tokenizer, chunk, cfg), strict=True):
+                    record = {"prompt": example.prompt, "response": text, "id": example.id}
+                    sink.write(json.dumps(record) + "\n")
+                    done[example.id] = record
+                sink.flush()
+                bar.update(len(chunk))
+    return [done[e.id] for e in examples]
+
+
+def _answer(hf_model, tokenizer, chunk: list, cfg) -> list[str]:
+    """Greedy answers to one batch of prompts (left-padded, batched `generate`)."""
     tokenizer.padding_side = "left"
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
-    with open(cache_file, "a") as sink, tqdm(total=len(examples), initial=len(done), desc="self-generate",
-                                               unit="prompt") as bar:
-        for i in range(0, len(todo), cfg.self_gen_batch):
-            chunk = todo[i : i + cfg.self_gen_batch]
-            prompts = [chat_prompt_ids(tokenizer, e.prompt)[-cfg.seq_len // 2 :] for e in chunk]
-            width = max(map(len, prompts))
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-            attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-            with torch.inference_mode():
-                out = hf_model.generate(ids, attention_mask=attention, max_new_tokens=cfg.self_gen_max_new_tokens,
-                                        do_sample=False, pad_token_id=pad)
-            for example, row in zip(chunk, out[:, width:], strict=False):
-                text = tokenizer.decode(row, skip_special_tokens=True)
-                record = {"prompt": example.prompt, "response": text, "id": example.id}
-                sink.write(json.dumps(record) + "\n")
-                done.append(record)
-            sink.flush()
-            bar.update(len(chunk))
-    return done
+    prompts = [chat_prompt_ids(tokenizer, e.prompt)[-cfg.seq_len // 2 :] for e in chunk]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        out = hf_model.generate(ids, attention_mask=attention, max_new_tokens=cfg.self_gen_max_new_tokens,
+                                do_sample=False, pad_token_id=pad)
+    return [tokenizer.decode(row, skip_special_tokens=True) for row in out[:, width:]]
 
 
 class BatchStream:

@@ -25,7 +25,7 @@ from torch import nn
 from tqdm import tqdm
 
 from mtplm import lora
-from mtplm.config import TrainConfig
+from mtplm.config import TrainConfig, lora_targets
 from mtplm.masks import Regions, interleaved_regions, random_regions
 from mtplm.model import MTPModel
 from mtplm.registry import TRAINABLE
@@ -96,9 +96,13 @@ class GatedLoRA(Recipe):
         self.store: GroundTruthStore | None = None
 
     def attach(self, model: MTPModel) -> list[nn.Parameter]:
+        """Adapters on every projection (one checkpoint layout for the decoders); those outside
+        `lora_targets` keep B = 0 and do not train, so they add nothing."""
         self.model = model
         model.attach_gated_lora(self.cfg.lora_rank, self.cfg.lora_alpha)
-        return lora.adapter_parameters(model.hf)
+        chosen = lora_targets(self.cfg.lora_targets)
+        return [p for name, p in model.hf.named_parameters()
+                if ".lora_" in name and name.rsplit(".", 2)[-2] in chosen]
 
     def prepare(self, samples: list, progress: bool) -> None:
         """Run every training text through the base model once and keep its KV (if it fits)."""
@@ -150,7 +154,8 @@ class Packed(Recipe):
 class LoRA(Packed):
     def attach(self, model: MTPModel) -> list[nn.Parameter]:
         self.model = model
-        model.hf, params = lora.attach_peft_lora(model.hf, self.cfg.lora_rank, self.cfg.lora_alpha)
+        model.hf, params = lora.attach_peft_lora(model.hf, self.cfg.lora_rank, self.cfg.lora_alpha,
+                                                 lora_targets(self.cfg.lora_targets))
         return params
 
     def write(self, model: MTPModel, run_dir: Path, final: bool) -> Path:

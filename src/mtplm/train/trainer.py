@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from mtplm.bench.passcost import curve_for
 from mtplm.bench.plots import training_curves
 from mtplm.config import Thresholds, TrainConfig, as_dict
 from mtplm.errors import UserError
@@ -43,6 +44,8 @@ from mtplm.train.distributed import (
 )
 from mtplm.train.losses import entropy, run_statistics, top1
 from mtplm.train.objectives import Supervised
+from mtplm.train.predict import Predictor
+from mtplm.train.predict import describe as describe_prediction
 from mtplm.train.recipes import Recipe
 from mtplm.train.slots import SlotOutputs, TokenBatch
 
@@ -73,6 +76,7 @@ class Trainer:
         self.student = wrap(StudentLoss(self), world)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.predictor: Predictor | None = None  # set by _train: decoding replayed on held-out own answers
 
     def _lr_factor(self, step: int) -> float:
         cfg = self.cfg
@@ -137,7 +141,8 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self, val_batches: list[TokenBatch]) -> dict:
-        """Teacher agreement, confidence and estimated tokens/forward at k = k_max on held-out text."""
+        """Teacher agreement, confidence and the packed tokens/forward estimate at k = k_max on held-out text,
+        and the predictor's replay of each decoding mode on held-out own answers (predict.py)."""
         self.model.hf.eval()
         saved = self.regions_gen.get_state()
         self.regions_gen.manual_seed(12345)  # the same regions at every validation
@@ -147,7 +152,11 @@ class Trainer:
             keep = out.valid.any(-1)  # [B, M]
             logits.append(out.student_logits[keep]), labels.append(out.labels[keep]), valid.append(out.valid[keep])
         self.regions_gen.set_state(saved)
-        return run_statistics(*top1(torch.cat(logits)), torch.cat(labels), torch.cat(valid), self.cfg.tau)
+        stats = run_statistics(*top1(torch.cat(logits)), torch.cat(labels), torch.cat(valid), self.cfg.tau)
+        if self.predictor is not None:
+            with self.recipe.autocast(self.world.device.type):
+                stats.update(self.predictor())
+        return stats
 
     def restore(self, state: dict, stream: BatchStream) -> int:
         """Continue a saved run: optimiser, schedule, data position and RNGs; returns the step to start at."""
@@ -203,6 +212,7 @@ def _train(cfg: TrainConfig, world: World, progress: bool) -> Path | None:
 
     trainer = Trainer(cfg, model, world, weights=state["weights"] if state else None)
     trainer.recipe.prepare(train_samples, progress)
+    trainer.predictor = _predictor(cfg, world, model, val_samples)
     start = trainer.restore(state, stream) if state else 0
     if world.main:
         _start_run(cfg, run_dir, start if state else None, resume_from)
@@ -212,22 +222,7 @@ def _train(cfg: TrainConfig, world: World, progress: bool) -> Path | None:
     val = trainer.validate(val_batches)  # draws nothing from the training RNGs: safe to repeat on resume
     if not state:
         record({"step": 0, "val": val})
-    bar = tqdm(range(start, cfg.steps), desc="train", unit="step", disable=not progress,
-               initial=start, total=cfg.steps)
-    for step in bar:
-        stats = trainer.step(next(stream), step)
-        if step % cfg.log_every == 0 or step == cfg.steps - 1:
-            record({"step": step + 1, **stats})
-        agree = stats["agreement"]
-        bar.set_postfix(loss=f"{stats['loss']:.3f}", slot1=f"{agree[1]:.2f}" if len(agree) > 1 else "-",
-                        val_tpf=f"{val['est_tokens_per_forward']:.2f}")
-        if (step + 1) % cfg.val_every == 0 or step == cfg.steps - 1:
-            val = trainer.validate(val_batches)
-            record({"step": step + 1, "val": val})
-            if world.main:
-                tqdm.write(_describe(step + 1, val, cfg.tau))
-        if (step + 1) % cfg.save_every == 0 and step != cfg.steps - 1:
-            _save_progress(trainer, stream, run_dir, step + 1, len(samples), model_too=True)
+    val = _loop(trainer, stream, val_batches, record, start, val, progress, len(samples))
     _save_progress(trainer, stream, run_dir, max(cfg.steps, start), len(samples), model_too=False)
     if world.sharded:  # rank 0 checks and saves an ordinary, unsharded copy of the trained model
         weights = full_weights(model.hf, world)
@@ -250,6 +245,35 @@ def _train(cfg: TrainConfig, world: World, progress: bool) -> Path | None:
     return trainer.recipe.save(model, run_dir, final=True)
 
 
+def _loop(trainer: Trainer, stream: BatchStream, val_batches: list[TokenBatch], record, start: int, val: dict,
+          progress: bool, num_samples: int) -> dict:
+    """Steps start .. cfg.steps, validating, logging and saving as configured; the last validation. A SIGTERM
+    or SIGINT (one process) stops the run at the end of the step, after saving its train_state."""
+    cfg, world, run_dir = trainer.cfg, trainer.world, Path(trainer.cfg.out)
+    bar = tqdm(range(start, cfg.steps), desc="train", unit="step", disable=not progress,
+               initial=start, total=cfg.steps)
+    with checkpoint.stop_requests(world.size == 1) as stop:
+        for step in bar:
+            stats = trainer.step(next(stream), step)
+            if step % cfg.log_every == 0 or step == cfg.steps - 1:
+                record({"step": step + 1, **stats})
+            agree = stats["agreement"]
+            bar.set_postfix(loss=f"{stats['loss']:.3f}", slot1=f"{agree[1]:.2f}" if len(agree) > 1 else "-",
+                            val_tpf=f"{val['est_tokens_per_forward']:.2f}")
+            if (step + 1) % cfg.val_every == 0 or step == cfg.steps - 1:
+                val = trainer.validate(val_batches)
+                record({"step": step + 1, "val": val})
+                if world.main:
+                    tqdm.write(_describe(step + 1, val, cfg.tau))
+            if stop.signal is not None or ((step + 1) % cfg.save_every == 0 and step != cfg.steps - 1):
+                _save_progress(trainer, stream, run_dir, step + 1, num_samples, model_too=True)
+            if stop.signal is not None:
+                tqdm.write(f"stopped by signal {stop.signal} after step {step + 1}; its train_state is saved: "
+                           "continue with `mtplm train ... --resume`")
+                raise KeyboardInterrupt
+    return val
+
+
 def _split(cfg: TrainConfig, world: World, model: MTPModel,
            samples: list) -> tuple[list, list, list[TokenBatch], BatchStream]:
     """(training samples, held-out samples, held-out batches, the training batch stream)."""
@@ -265,6 +289,17 @@ def _split(cfg: TrainConfig, world: World, model: MTPModel,
         raise UserError(f"{len(train_samples)} training samples cannot fill a global batch of {cfg.batch_size} "
                         f"split over {world.size} processes: give more data or a smaller batch_size")
     return train_samples, val_samples, val_batches, BatchStream(train_samples, batch_size, cfg.seq_len, pad, cfg.seed)
+
+
+def _predictor(cfg: TrainConfig, world: World, model: MTPModel, val_samples: list) -> Predictor | None:
+    """The decode predictor over the held-out samples (rank 0 of an unsharded run), with the pass-cost curve
+    that prices its modes (bench/passcost.py)."""
+    if not cfg.predict_texts or world.sharded or not world.main:
+        return None
+    cost = curve_for(cfg.pass_cost, model)
+    if cost is not None:
+        tqdm.write(f"pass-cost curve for the predicted served speedup: {cost.describe()}")
+    return Predictor(cfg, model, val_samples, cost)
 
 
 def _start_run(cfg: TrainConfig, run_dir: Path, resumed_at: int | None, resume_from: Path | None) -> None:
@@ -348,4 +383,5 @@ def _describe(step: int, val: dict, tau: float) -> str:
     agree = " ".join(f"{a:.2f}" for a in val["agreement"][:6])
     conf = " ".join(f"{c:.2f}" for c in val["confidence"][:6])
     return (f"[val step {step}] agreement by slot {agree} | confidence {conf} | est tokens/forward "
-            f"@tau={tau}: {val['est_tokens_per_forward']:.2f} | verified est {val['est_verified_per_forward']:.2f}")
+            f"@tau={tau}: {val['est_tokens_per_forward']:.2f} | verified est {val['est_verified_per_forward']:.2f}"
+            + describe_prediction(val))

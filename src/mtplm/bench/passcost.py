@@ -1,0 +1,97 @@
+"""The pass-cost curve c(rows) of this machine: seconds of one decode pass that feeds `rows` rows (one token
+and rows-1 <mtp> slots, the passes of ConfAdapt and verified) behind a cached context, LM head included.
+
+A mode's served speedup over plain decoding is then tokens x c(1) / (the sum of c(rows) over its passes)
+(train/predict.py); that is how tokens/pass turns into wall-clock speed on the machine at hand (SPEC §5).
+`scripts/pass_cost.py --json FILE` writes a curve for any backend (compiled included); `measure` here times
+the eager backend in a few seconds, which is what a training run does when pass_cost=measure.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from mtplm.errors import UserError
+
+ROWS = (1, 2, 4, 8, 16)
+
+
+@dataclass(frozen=True)
+class PassCost:
+    rows: tuple[int, ...]  # increasing row counts, starting at 1
+    seconds: tuple[float, ...]  # best-of-repeats seconds per pass at each
+    backend: str = "eager"
+    context: int = 200
+
+    def __call__(self, n: int) -> float:
+        """c(n), linear between measured row counts and beyond the last two."""
+        rows, secs = self.rows, self.seconds
+        i = next((j for j in range(1, len(rows)) if n <= rows[j]), len(rows) - 1)
+        if i == 0:
+            return secs[0]
+        slope = (secs[i] - secs[i - 1]) / (rows[i] - rows[i - 1])
+        return max(secs[0], secs[i - 1] + slope * (n - rows[i - 1]))
+
+    def describe(self) -> str:
+        ratios = ", ".join(f"c({n})/c(1) {s / self.seconds[0]:.2f}" for n, s in zip(self.rows[1:], self.seconds[1:],
+                                                                                      strict=True))
+        return f"{self.backend} pass, context {self.context}: c(1) {1e3 * self.seconds[0]:.1f} ms, {ratios}"
+
+    def save(self, path: Path) -> Path:
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: Path) -> PassCost:
+        try:
+            raw = json.loads(Path(path).read_text())
+            curve = cls(tuple(int(r) for r in raw["rows"]), tuple(float(s) for s in raw["seconds"]),
+                        str(raw.get("backend", "?")), int(raw.get("context", 0)))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise UserError(f"pass_cost {path}: not a pass-cost curve ({exc}); write one with "
+                            "scripts/pass_cost.py --json FILE, or use pass_cost=measure") from None
+        if not curve.rows or curve.rows[0] != 1 or len(curve.rows) != len(curve.seconds):
+            raise UserError(f"pass_cost {path}: the curve must start at 1 row and give one time per row count")
+        return curve
+
+
+@torch.inference_mode()
+def measure(model, backend_name: str = "eager", rows: tuple[int, ...] = ROWS, context: int = 200,
+            repeats: int = 10) -> PassCost:
+    """Time one pass per row count (best of `repeats`, row counts interleaved) on `model` (an MTPModel)."""
+    from mtplm.decode.backends import make_backend
+    from mtplm.decode.protocol import Feed
+
+    backend = make_backend(backend_name, model, slots=1)
+    context = min(context, getattr(model.hf.config, "max_position_embeddings", context) - max(rows) - 1)
+    token = 5  # any ordinary token: the cost does not depend on which
+    backend.run(0, [Feed([token] * context, context, 0, 0, False, None)], [0])
+    feeds = {n: Feed([token] + [model.mask_id] * (n - 1), 1, 0, n - 1, False, None) for n in rows}
+    best = {n: float("inf") for n in rows}
+    was_training = model.hf.training
+    model.hf.eval()
+    for round_ in range(repeats + 1):  # round 0 warms up
+        for n, feed in feeds.items():
+            began = time.perf_counter()
+            hidden = backend.run(0, [feed], [context])
+            backend.head(hidden.reshape(-1, hidden.shape[-1]))
+            if round_:
+                best[n] = min(best[n], time.perf_counter() - began)
+    model.hf.train(was_training)
+    # a pass with more rows never costs less: the running maximum removes what noise made look cheaper
+    return PassCost(tuple(rows), tuple(itertools.accumulate((best[n] for n in rows), max)), backend_name, context)
+
+
+def curve_for(spec: str, model) -> PassCost | None:
+    """The curve a `pass_cost` setting names: '' none, 'measure' timed now (eager), else a JSON file."""
+    if not spec:
+        return None
+    if spec == "measure":
+        return measure(model)
+    return PassCost.load(Path(spec))
