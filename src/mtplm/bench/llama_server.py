@@ -240,8 +240,9 @@ def cut_at_stop(tokens: list[int], stops: list[int]) -> list[int]:
 
 
 def base_dir(model) -> Path | None:
-    """The HF directory a converted mtplm checkpoint was built on (None for an unconverted model)."""
-    path = (model.meta.base_model if model.meta else {}).get("path")
+    """The HF directory a converted mtplm checkpoint was built on; for an unconverted model, its own
+    directory (None when neither is a local HF directory)."""
+    path = (model.meta.base_model if model.meta else {}).get("path") or getattr(model.hf, "name_or_path", None)
     return Path(path) if path and (Path(path) / "config.json").is_file() else None
 
 
