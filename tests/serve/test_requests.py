@@ -155,7 +155,7 @@ def requests(draw):
 TALLY: collections.Counter = collections.Counter()
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 @given(request=requests())
 def test_fuzzed_requests_never_get_a_5xx(http, request):
     endpoint, body = request
