@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from mtplm.assets import models as assets
 from mtplm import llamacpp
+from mtplm.assets import models as assets
 from mtplm.bench import llama_server
 from mtplm.bench.llama_server import LlamaServer, LlamaServerError, Variant, cut_at_stop, parse_variants
 from mtplm.cli import main

@@ -116,9 +116,9 @@ def export_gguf_eagle3(checkpoint: str, out: str | os.PathLike, target_dir: str 
     export, in a temporary folder, run through the installed llama.cpp converter with `--target-model-dir`
     (default: the HF directory the checkpoint was trained on), whose tokenizer and config it reads."""
     meta = eagle3_meta(checkpoint)
-    converter()  # before any work: a missing install is one line
     target = Path(target_dir) if target_dir else Path(meta.base_model.get("path") or meta.base_model["spec"])
     check_target(target, meta.heads)
+    converter()  # before any work: a missing install is one line
     with tempfile.TemporaryDirectory(prefix="mtplm-eagle3-") as tmp:
         spec = export_eagle3(checkpoint, Path(tmp) / "speculators")
         return convert(spec, Path(out), "--target-model-dir", str(target), "--outtype", "f16")
