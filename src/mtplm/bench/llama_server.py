@@ -124,6 +124,7 @@ class LlamaServer:
     binary: Path | None = None
     draft_model: Path | None = None  # the draft-eagle3 GGUF
     draft_max: int = 3  # tokens an eagle3 drafter proposes per pass (llama.cpp's default: 3)
+    draft_mb: float | None = None  # its size, read at start (the scratch copy is gone when the report is made)
     startup_timeout_s: float = STARTUP_TIMEOUT_S
     timings: list[dict] = field(default_factory=list)  # the server's own timings, one per request
     startup_s: float | None = None
@@ -306,7 +307,7 @@ def summarize_timings(server: LlamaServer) -> dict:
     return {
         "gguf": str(server.gguf), "gguf_mb": round(server.gguf.stat().st_size / 2**20, 1),
         "flags": " ".join(server.flags()), "startup_s": round(server.startup_s or 0, 1),
-        "draft_gguf_mb": round(server.draft_model.stat().st_size / 2**20, 1) if server.draft_model else None,
+        "draft_gguf_mb": server.draft_mb,
         "server_tokens_per_s": 1000 * predicted / decode_ms if decode_ms else None,
         "draft_n": drafted, "draft_n_accepted": accepted,
         "acceptance": accepted / drafted if drafted else None,
@@ -339,6 +340,7 @@ def start_servers(args, model, prompts: list[list[int]], stops: list[int]) -> Se
             server = LlamaServer(gguf, threads, context, variant.drafter, binary)
             if variant.drafter == EAGLE3:
                 server.draft_model, server.draft_max = drafter, model.heads.k - 1
+                server.draft_mb = round(drafter.stat().st_size / 2**20, 1)
             started.servers[variant] = server.start()
             server.complete(prompts[0], 8, stops)  # warm-up, excluded from the summary
     except BaseException:
