@@ -122,11 +122,16 @@ def _add_calibrate(sub) -> None:
 def _add_export(sub) -> None:
     export = sub.add_parser("export", help="write trained heads in a serving engine's draft-model format")
     export.add_argument("checkpoint", help="a head-based checkpoint (mtplm train method=heads head_form=medusa|eagle3)")
-    export.add_argument("out", type=Path, help="folder to write (config.json + model.safetensors)")
-    export.add_argument("--format", default="medusa", choices=("medusa", "eagle3"),
+    export.add_argument("out", type=Path, help="folder to write (config.json + model.safetensors); a .gguf file "
+                                               "for gguf-eagle3")
+    export.add_argument("--format", default="medusa", choices=("medusa", "eagle3", "gguf-eagle3"),
                         help="medusa: vLLM's Medusa layout (medusa heads); eagle3: the speculators Eagle3Speculator "
-                             "format that vLLM (method eagle3) and llama.cpp's converter read (eagle3 drafters) "
-                             "(default: %(default)s)")
+                             "format that vLLM (method eagle3) and llama.cpp's converter read (eagle3 drafters); "
+                             "gguf-eagle3: that, converted by the installed llama.cpp for llama-server's "
+                             "--spec-type draft-eagle3 (default: %(default)s)")
+    export.add_argument("--target-model-dir", default=None, type=Path,
+                        help="gguf-eagle3: the target's HF directory (tokenizer, config; default: the base model "
+                             "the checkpoint was trained on)")
     export.add_argument("--verifier", default=None,
                         help="eagle3: the target model as vLLM should load it (HF id or path; default: the "
                              "checkpoint's base model)")
@@ -294,9 +299,14 @@ def _calibrate(args) -> None:
 
 
 def _export(args) -> None:
-    from mtplm.heads.export import export_eagle3, export_medusa
+    from mtplm.heads.export import export_eagle3, export_gguf_eagle3, export_medusa
 
-    if args.format == "eagle3":
+    if args.target_model_dir and args.format != "gguf-eagle3":
+        raise UserError("--target-model-dir is only read by --format gguf-eagle3")
+    if args.format == "gguf-eagle3":
+        out = export_gguf_eagle3(args.checkpoint, args.out, args.target_model_dir)
+        print(f"EAGLE-3 drafter (llama.cpp draft-eagle3 GGUF) written to {out}")
+    elif args.format == "eagle3":
         out = export_eagle3(args.checkpoint, args.out, args.verifier)
         print(f"EAGLE-3 drafter (speculators format) written to {out}")
     else:

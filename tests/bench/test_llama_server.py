@@ -8,13 +8,14 @@ import time
 
 import pytest
 
+from mtplm import llamacpp
 from mtplm.assets import models as assets
 from mtplm.bench import llama_server
 from mtplm.bench.llama_server import LlamaServer, LlamaServerError, Variant, cut_at_stop, parse_variants
 from mtplm.cli import main
 from mtplm.errors import UserError
 
-BINARY = llama_server.install_dir() / "bin" / "llama-server"  # read before any test points MTPLM_HOME elsewhere
+BINARY = llamacpp.install_dir() / "bin" / "llama-server"  # read before any test points MTPLM_HOME elsewhere
 BASE = assets.cache_dir() / "models" / assets.DEFAULT_MODEL
 
 

@@ -17,7 +17,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -30,14 +29,15 @@ import psutil
 
 from mtplm.assets.models import SOURCE_FILE, cache_dir, say
 from mtplm.errors import UserError
-from mtplm.files import atomic_file
+from mtplm.llamacpp import convert, converter, server_binary
 
 DEFAULT_VARIANTS = "q4,f16,f16+ngram-simple,f16+ngram-mod"
 WEIGHTS = ("q4", "f16")  # q4: the GGUF the model was converted from; f16: converted from its HF directory
 NGRAM_DRAFTERS = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")  # --spec-type values
+EAGLE3 = "eagle3"  # the benched checkpoint's own drafter, converted to a GGUF: --spec-type draft-eagle3
+DRAFTERS = (*NGRAM_DRAFTERS, EAGLE3)
 STARTUP_TIMEOUT_S = 120.0  # model load + warm-up; a 0.5B f16 GGUF loads in seconds on the CPUs measured
 REQUEST_TIMEOUT_S = 600.0  # one prompt: 128 tokens at even 1 token/s fit
-INSTALL_HINT = "run scripts/install_llama_server.sh (builds it in about 6 min on 2 cores)"
 
 
 class LlamaServerError(UserError):
@@ -57,32 +57,27 @@ class BaselineOutput(NamedTuple):
 def add_argument(parser) -> None:
     parser.add_argument("--llama-server", nargs="?", const=DEFAULT_VARIANTS, default=None, metavar="VARIANTS",
                         help="also run llama.cpp's llama-server (scripts/install_llama_server.sh) on loopback: a "
-                             "comma list of q4|f16 with an optional +<n-gram drafter> "
-                             f"({', '.join(NGRAM_DRAFTERS)}); bare: {DEFAULT_VARIANTS}")
+                             "comma list of q4|f16 with an optional +<drafter>: an n-gram drafter "
+                             f"({', '.join(NGRAM_DRAFTERS)}) or {EAGLE3} (the --model checkpoint's eagle3 "
+                             f"drafter, converted for --spec-type draft-eagle3); bare: {DEFAULT_VARIANTS}")
 
 
-def install_dir() -> Path:
-    return cache_dir() / "llama.cpp"
-
-
-def server_binary() -> Path:
-    """The installed llama-server, or a UserError saying how to install it."""
-    path = install_dir() / "bin" / "llama-server"
-    if not path.is_file():
-        raise UserError(f"llama-server is not installed ({path} is missing): {INSTALL_HINT}")
-    return path
-
-
-def check(spec: str | None) -> None:
-    """Fail early (before any model loads) on a bad --llama-server value or a missing binary."""
+def check(spec: str | None, model: str) -> None:
+    """Fail early (before any model loads) on a bad --llama-server value, a missing binary, or +eagle3 for a
+    checkpoint without an eagle3 drafter."""
     if spec is not None:
-        parse_variants(spec)
+        variants = parse_variants(spec)
         server_binary()
+        if any(v.drafter == EAGLE3 for v in variants):
+            from mtplm.heads.export import eagle3_meta
+
+            eagle3_meta(model)
+            converter()
 
 
 @dataclass(frozen=True)
 class Variant:
-    """One server configuration: which weights, and which n-gram drafter (None: plain decoding)."""
+    """One server configuration: which weights, and which drafter (None: plain decoding)."""
 
     weights: str
     drafter: str | None = None
@@ -101,9 +96,9 @@ def parse_variants(spec: str) -> list[Variant]:
     variants: list[Variant] = []
     for item in (s.strip() for s in spec.split(",") if s.strip()):
         weights, plus, drafter = item.partition("+")
-        if weights not in WEIGHTS or (plus and drafter not in NGRAM_DRAFTERS):
+        if weights not in WEIGHTS or (plus and drafter not in DRAFTERS):
             raise UserError(f"--llama-server: unknown variant {item!r}; use q4 or f16, optionally with "
-                            f"+{'|+'.join(NGRAM_DRAFTERS)} (e.g. {DEFAULT_VARIANTS})")
+                            f"+{'|+'.join(DRAFTERS)} (e.g. {DEFAULT_VARIANTS})")
         for variant in (Variant(weights), Variant(weights, drafter or None)):
             if variant not in variants:
                 variants.append(variant)
@@ -125,8 +120,11 @@ class LlamaServer:
     gguf: Path
     threads: int
     context: int
-    drafter: str | None = None
+    drafter: str | None = None  # a --spec-type, or EAGLE3 with draft_model
     binary: Path | None = None
+    draft_model: Path | None = None  # the draft-eagle3 GGUF
+    draft_max: int = 3  # tokens an eagle3 drafter proposes per pass (llama.cpp's default: 3)
+    draft_mb: float | None = None  # its size, read at start (the scratch copy is gone when the report is made)
     startup_timeout_s: float = STARTUP_TIMEOUT_S
     timings: list[dict] = field(default_factory=list)  # the server's own timings, one per request
     startup_s: float | None = None
@@ -137,6 +135,9 @@ class LlamaServer:
     def flags(self) -> list[str]:
         """Everything but the binary, the model and the address; llama.cpp's defaults for the rest."""
         flags = ["--threads", str(self.threads), "--ctx-size", str(self.context), "--parallel", "1"]
+        if self.drafter == EAGLE3:
+            return flags + ["--spec-type", "draft-eagle3", "--model-draft", str(self.draft_model),
+                            "--spec-draft-n-max", str(self.draft_max)]
         return flags + (["--spec-type", self.drafter] if self.drafter else [])
 
     def command(self, port: int) -> list[str]:
@@ -261,19 +262,9 @@ def f16_gguf(base: Path, progress: bool = True) -> Path:
     target = cache_dir() / "gguf" / f"{base.name}-f16.gguf"
     if target.is_file():
         return target
-    converter = install_dir() / "convert_hf_to_gguf.py"
-    if not converter.is_file():
-        raise UserError(f"llama.cpp's converter is not installed ({converter} is missing): {INSTALL_HINT}")
-    target.parent.mkdir(parents=True, exist_ok=True)
+    converter()  # not installed: say so before announcing a conversion
     say(f"converting {base} to an f16 GGUF (llama.cpp's convert_hf_to_gguf.py) ...", progress)
-
-    def convert(tmp: Path) -> None:
-        result = subprocess.run([sys.executable, str(converter), str(base), "--outtype", "f16", "--outfile",
-                                 str(tmp)], capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            tail = "\n".join((result.stdout + result.stderr).splitlines()[-10:])
-            raise UserError(f"convert_hf_to_gguf.py failed on {base} (exit {result.returncode}):\n{tail}")
-    return atomic_file(target, convert)
+    return convert(base, target, "--outtype", "f16")
 
 
 @dataclass
@@ -283,6 +274,7 @@ class ServerBaselines:
     servers: dict[Variant, LlamaServer]
     max_new_tokens: int
     stops: list[int]
+    scratch: tempfile.TemporaryDirectory | None = None  # holds the converted eagle3 drafter while servers run
 
     def runs(self) -> dict:
         """name -> (run(ids) -> BaselineOutput, the name of the row it is compared with)."""
@@ -296,6 +288,8 @@ class ServerBaselines:
     def close(self) -> None:
         for server in self.servers.values():
             server.close()
+        if self.scratch is not None:
+            self.scratch.cleanup()
 
     def __enter__(self) -> ServerBaselines:
         return self
@@ -314,6 +308,7 @@ def summarize_timings(server: LlamaServer) -> dict:
     return {
         "gguf": str(server.gguf), "gguf_mb": round(server.gguf.stat().st_size / 2**20, 1),
         "flags": " ".join(server.flags()), "startup_s": round(server.startup_s or 0, 1),
+        "draft_gguf_mb": server.draft_mb,
         "server_tokens_per_s": 1000 * predicted / decode_ms if decode_ms else None,
         "draft_n": drafted, "draft_n_accepted": accepted,
         "acceptance": accepted / drafted if drafted else None,
@@ -334,21 +329,36 @@ def start_servers(args, model, prompts: list[list[int]], stops: list[int]) -> Se
              "f16": f16_gguf(base) if base and any(v.weights == "f16" for v in variants) else None}
     # room for the longest prompt, the new tokens, and a drafter's longest draft (ngram-mod: 64)
     context = 256 * -(-(max(map(len, prompts)) + max_new_tokens + 80) // 256)
-    servers: dict[Variant, LlamaServer] = {}
+    started = ServerBaselines({}, max_new_tokens, stops)
     try:
+        drafter = eagle3_gguf(args.model, base, started) if any(v.drafter == EAGLE3 for v in variants) else None
         for variant in variants:
             gguf = ggufs[variant.weights]
             if gguf is None:
                 print(f"{variant.name} skipped: no {variant.weights} GGUF found for this model's base")
                 continue
             say(f"starting {variant.name} ({gguf.name}) ...")
-            servers[variant] = LlamaServer(gguf, threads, context, variant.drafter, binary).start()
-            servers[variant].complete(prompts[0], 8, stops)  # warm-up, excluded from the summary
+            server = LlamaServer(gguf, threads, context, variant.drafter, binary)
+            if variant.drafter == EAGLE3:
+                server.draft_model, server.draft_max = drafter, model.heads.k - 1
+                server.draft_mb = round(drafter.stat().st_size / 2**20, 1)
+            started.servers[variant] = server.start()
+            server.complete(prompts[0], 8, stops)  # warm-up, excluded from the summary
     except BaseException:
-        for server in servers.values():
-            server.close()
+        started.close()
         raise
-    return ServerBaselines(servers, max_new_tokens, stops)
+    return started
+
+
+def eagle3_gguf(checkpoint: str, base: Path | None, baselines: ServerBaselines) -> Path:
+    """The checkpoint's eagle3 drafter as a draft-eagle3 GGUF, in a scratch folder the baselines remove."""
+    from mtplm.heads.export import export_gguf_eagle3
+
+    if base is None:
+        raise UserError(f"--llama-server +{EAGLE3}: the HF directory {checkpoint} was trained on is gone")
+    baselines.scratch = tempfile.TemporaryDirectory(prefix="mtplm-eagle3-gguf-")
+    say(f"converting the eagle3 drafter of {checkpoint} to a draft-eagle3 GGUF ...")
+    return export_gguf_eagle3(checkpoint, Path(baselines.scratch.name) / "drafter-eagle3.gguf", base)
 
 
 def markdown(summary: dict) -> list[str]:

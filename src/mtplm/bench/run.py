@@ -150,7 +150,7 @@ def run_bench(args) -> dict:
     if args.prompts < 1 or args.max_new_tokens < 1:
         raise UserError("--prompts and --max-new-tokens must be >= 1")
     modes = parse_modes(args.modes, args.k_max, args.confidence)
-    llama_server.check(args.llama_server)  # bad variants or no binary: one line before the model loads
+    llama_server.check(args.llama_server, args.model)  # bad variants or no binary: one line before the model loads
     model = load_model(args.model, args.dtype)
     if model.meta is None and any(cfg.mode != "ntp" for _, cfg in modes):
         raise UserError(f"{args.model} is not a converted model: only plain decoding can be measured")

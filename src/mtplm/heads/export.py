@@ -13,12 +13,16 @@ eagle3  the speculators format (Eagle3Speculator, speculators 0.9): what vLLM lo
         state dict under speculators' names (fc.weight, layers.0.*, norm.weight, lm_head.weight) plus d2t
         (int64 offsets: target id = i + d2t[i]) and t2d (bool over the target vocabulary). The token embedding
         is the target's (not written; vLLM and llama.cpp then share the target's).
+gguf-eagle3  that export converted by the installed llama.cpp (mtplm.llamacpp) into the one-file draft model
+        llama-server runs with `--spec-type draft-eagle3` (f16 weights; the target's tokenizer, layer ids and
+        hidden size recorded from --target-model-dir, which must match the drafter).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -28,7 +32,8 @@ from mtplm.errors import UserError
 from mtplm.files import atomic_dir
 from mtplm.heads.eagle3 import Eagle3Drafter
 from mtplm.heads.forms import Heads
-from mtplm.model import load_model
+from mtplm.llamacpp import convert, converter
+from mtplm.model import MTPMeta, load_model
 from mtplm.modelio import checkpoint_dir, read_meta
 
 WEIGHTS = "model.safetensors"
@@ -82,11 +87,7 @@ SPECULATORS_VERSION = "0.9.0"  # the speculators release whose Eagle3Speculator 
 def export_eagle3(checkpoint: str, out: str | os.PathLike, verifier: str | None = None) -> Path:
     """Write an eagle3-form checkpoint in the speculators format (module docstring); `verifier` names the
     target for vLLM (an HF id or path; default: the checkpoint's base model spec)."""
-    meta = read_meta(checkpoint_dir(checkpoint))
-    if meta.method != "heads" or meta.heads.get("form") != "eagle3":
-        form = meta.heads.get("form", "no heads") if meta.method == "heads" else f"a {meta.method} checkpoint"
-        raise UserError(f"{checkpoint} is not an eagle3 drafter ({form}): train one with `mtplm train "
-                        "method=heads head_form=eagle3`")
+    meta = eagle3_meta(checkpoint)
     model = load_model(checkpoint, "fp32")
     drafter = model.heads
     tensors = {name: value.detach().contiguous() for name, value in drafter.state_dict().items()}
@@ -98,6 +99,46 @@ def export_eagle3(checkpoint: str, out: str | os.PathLike, verifier: str | None 
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
     return atomic_dir(Path(out), write)
+
+
+def eagle3_meta(checkpoint: str) -> MTPMeta:
+    """The metadata of an eagle3-form checkpoint, or a UserError saying what the checkpoint is instead."""
+    meta = read_meta(checkpoint_dir(checkpoint))
+    if meta.method != "heads" or meta.heads.get("form") != "eagle3":
+        form = meta.heads.get("form", "no heads") if meta.method == "heads" else f"a {meta.method} checkpoint"
+        raise UserError(f"{checkpoint} is not an eagle3 drafter ({form}): train one with `mtplm train "
+                        "method=heads head_form=eagle3`")
+    return meta
+
+
+def export_gguf_eagle3(checkpoint: str, out: str | os.PathLike, target_dir: str | os.PathLike | None = None) -> Path:
+    """A draft-eagle3 GGUF for llama-server (`--spec-type draft-eagle3 --model-draft OUT`): the speculators
+    export, in a temporary folder, run through the installed llama.cpp converter with `--target-model-dir`
+    (default: the HF directory the checkpoint was trained on), whose tokenizer and config it reads."""
+    meta = eagle3_meta(checkpoint)
+    target = Path(target_dir) if target_dir else Path(meta.base_model.get("path") or meta.base_model["spec"])
+    check_target(target, meta.heads)
+    converter()  # before any work: a missing install is one line
+    with tempfile.TemporaryDirectory(prefix="mtplm-eagle3-") as tmp:
+        spec = export_eagle3(checkpoint, Path(tmp) / "speculators")
+        return convert(spec, Path(out), "--target-model-dir", str(target), "--outtype", "f16")
+
+
+def check_target(target: Path, settings: dict) -> None:
+    """UserError unless `target` is an HF model directory the drafter described by `settings` was built for."""
+    try:
+        config = json.loads((target / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"--target-model-dir {target}: no readable config.json ({exc})") from None
+    config = {**config, **config.get("text_config", {})}
+    wanted = {"hidden_size": settings["dim"], "vocab_size": settings["vocab"]}
+    wrong = [f"{key} {config.get(key)} (the drafter's: {value})" for key, value in wanted.items()
+             if config.get(key) != value]
+    if not wrong and int(config.get("num_hidden_layers", 0)) <= max(settings["layers"]):
+        wrong = [f"num_hidden_layers {config.get('num_hidden_layers')} (the drafter reads layer "
+                 f"{max(settings['layers'])})"]
+    if wrong:
+        raise UserError(f"--target-model-dir {target} does not match the drafter: {', '.join(wrong)}")
 
 
 def speculators_config(settings: dict, verifier: str, architectures: list[str]) -> dict:
