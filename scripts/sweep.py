@@ -15,12 +15,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from mtplm.errors import UserError
+from mtplm.errors import exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mtplm.train.sweep import load_sweep, run_sweep
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("spec", type=Path, help="sweep file (TOML)")
     p.add_argument("--results", type=Path, default=None, help="results folder (default: docs/results/<name>)")
@@ -28,20 +26,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="check the sweep file and list its variants; train nothing")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
-    try:
-        if args.check:
-            sweep = load_sweep(args.spec)
-            print(f"{sweep.name}: {len(sweep.variants)} variants in {sweep.runs}: "
-                  + ", ".join(v.name for v in sweep.variants))
-            return 0
-        only = [name.strip() for name in args.only.split("|") if name.strip()]
-        out = run_sweep(args.spec, args.results, progress=not args.quiet, only=only or None)
-    except UserError as exc:
-        print(f"sweep: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted: rerun the same command to continue", file=sys.stderr)
-        return 130
+    return exit_code(lambda: _run(args), "sweep", "interrupted: rerun the same command to continue")
+
+
+def _run(args) -> int:
+    from mtplm.train.sweep import load_sweep, run_sweep
+
+    if args.check:
+        sweep = load_sweep(args.spec)
+        print(f"{sweep.name}: {len(sweep.variants)} variants in {sweep.runs}: "
+              + ", ".join(v.name for v in sweep.variants))
+        return 0
+    only = [name.strip() for name in args.only.split("|") if name.strip()]
+    out = run_sweep(args.spec, args.results, progress=not args.quiet, only=only or None)
     print(f"results: {out / 'README.md'}")
     return 0
 

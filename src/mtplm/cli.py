@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from mtplm.config import DecodeConfig, Limits, add_backend_argument, add_dtype_argument, load_train_config
-from mtplm.errors import UserError
+from mtplm.errors import UserError, exit_code
 from mtplm.registry import BACKENDS, CONFIDENCE, STRATEGIES, WINDOWS
 
 DEFAULT_CHECKPOINT = "smollm2-135m-mtp"  # the converted default model shipped inside the package
@@ -24,14 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(args, "run"):
         parser.print_help()
         return 2
-    try:
-        return args.run(args) or 0
-    except UserError as exc:
-        print(f"mtplm {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    return exit_code(lambda: args.run(args), f"mtplm {args.command}")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -64,14 +64,18 @@ def export_medusa(checkpoint: str, out: str | os.PathLike) -> Path:
     return atomic_dir(Path(out), write)
 
 
+def _read_export(directory: Path, kind: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """config.json and the safetensors weights of an export folder; UserError naming `kind` otherwise."""
+    try:
+        return json.loads((directory / "config.json").read_text()), load_file(directory / WEIGHTS)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{directory} is not {kind} (config.json + {WEIGHTS}): {exc}") from None
+
+
 def load_medusa(directory: str | os.PathLike) -> tuple[Heads, torch.Tensor]:
     """Heads and the shared LM head weight [V, D] from a folder in vLLM's Medusa layout."""
     directory = Path(directory)
-    try:
-        config = json.loads((directory / "config.json").read_text())
-        tensors = load_file(directory / WEIGHTS)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{directory} is not a Medusa export (config.json + {WEIGHTS}): {exc}") from None
+    config, tensors = _read_export(directory, "a Medusa export")
     if config.get("model_type") != "medusa" or config.get("num_hidden_layers") != 1:
         raise UserError(f"{directory}: only single-layer Medusa heads (model_type medusa) can be read")
     heads = Heads("medusa", config["num_heads"] + 1, config["hidden_size"])
@@ -172,11 +176,7 @@ def load_eagle3(directory: str | os.PathLike) -> tuple[Eagle3Drafter, dict]:
     """An Eagle3Drafter and the parsed config.json from a speculators-format folder (ours or another plain
     one: a single Llama layer, no extra norms, no own embedding)."""
     directory = Path(directory)
-    try:
-        config = json.loads((directory / "config.json").read_text())
-        tensors = load_file(directory / WEIGHTS)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{directory} is not a speculators export (config.json + {WEIGHTS}): {exc}") from None
+    config, tensors = _read_export(directory, "a speculators export")
     layer = config.get("transformer_layer_config") or {}
     if config.get("speculators_model_type") != "eagle3" or layer.get("num_hidden_layers") != 1:
         raise UserError(f"{directory}: only single-layer speculators eagle3 drafters can be read")
