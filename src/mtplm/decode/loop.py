@@ -140,7 +140,7 @@ class Decoding:
         drafter = partial(self._draft_after, hidden) if self.drafter is not None else None
         rows = PassLogits(self.model.head, tail, len(plan.drafts), plan.slots, plan.quadratic, drafter, logits)
         outcome = self.strategy.choose(rows, self.generator)
-        if self.drafter is not None:
+        if self.drafter is not None and self.drafter.keeps_state:
             path = list(range(outcome.accepted)) if outcome.rows is None else list(outcome.rows)
             self.drafter.commit(self.past, *self._committed(hidden, path, outcome.new[0]))
         start = self.past + pending

@@ -46,6 +46,8 @@ class Drafter(Protocol):
     is the token just chosen). W is D, or D plus the features the drafter reads (DecodeModel.head slices).
     """
 
+    keeps_state: bool  # False: commit() does nothing, so callers need not build its arguments
+
     def block(self, start: int, rows: torch.Tensor, tokens: list[int], n: int) -> torch.Tensor:
         """Logits [n, V] of the n tokens after `tokens[-1]`."""
         ...

@@ -209,6 +209,8 @@ class Eagle3Drafter(nn.Module):
 class Eagle3Sequence:
     """One sequence's EAGLE-3 drafting: the KV of its committed rows, extended every pass, and the chain."""
 
+    keeps_state = True  # commit() extends its KV every pass
+
     def __init__(self, drafter: Eagle3Drafter, embed: nn.Module) -> None:
         self.drafter, self.embed = drafter, embed
         layer = drafter.layer.self_attn

@@ -173,6 +173,8 @@ class Heads(nn.Module):
 class RowDrafter:
     """decode.protocol.Drafter for heads that draft from the last committed row alone."""
 
+    keeps_state = False  # nothing to commit: the loop skips building the committed rows
+
     def __init__(self, draft) -> None:
         self.draft = draft  # (row [D], next token, n) -> [n, V]
 

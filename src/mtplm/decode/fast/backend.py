@@ -36,7 +36,7 @@ import torch
 from mtplm.decode.backends import SlotKV, require_compiler
 from mtplm.decode.fast import kernels
 from mtplm.decode.fast.forward import decode_pass, layer
-from mtplm.decode.fast.weights import FastWeights, check_supported, prepack_default, sliding_window
+from mtplm.decode.fast.weights import FastWeights, check_supported, sliding_window
 from mtplm.errors import UserError
 from mtplm.model import MTPModel
 from mtplm.registry import BACKENDS
@@ -54,10 +54,8 @@ class StaticBackend:
         self.model, self.slots, self.compile = model, slots, compile
         self.key_buckets = key_buckets
         self.weights = FastWeights(model, fuse, prepack, quantize)
-        lm_head = model.hf.get_output_embeddings().weight  # [V, D]; kept in bf16 under int8 (measured faster)
-        packed_head = self.weights.prepacked or (quantize and prepack is not False and lm_head.device.type == "cpu"
-                                                 and prepack_default(model.dtype))
-        self._head = kernels.pack(lm_head.detach()) if packed_head else None
+        lm_head = model.hf.get_output_embeddings().weight  # [V, D]
+        self._head = kernels.pack(lm_head.detach()) if self.weights.pack_head else None
         self.window = sliding_window(model)
         self.capacity = 0
         self.keys: list[torch.Tensor] = []  # per layer [S + 1, KVH, C, d]

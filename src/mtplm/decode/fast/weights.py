@@ -65,7 +65,9 @@ class FastWeights(nn.Module):
         hf = model.hf
         self.shape = check_supported(model)
         on_cpu = hf.get_input_embeddings().weight.device.type == "cpu"
-        self.prepacked = not quantize and on_cpu and (prepack_default(model.dtype) if prepack is None else prepack)
+        # where bf16 prepacking pays: the LM head always (int8 kernels read it slower), projections unless int8
+        self.pack_head = on_cpu and (prepack_default(model.dtype) if prepack is None else prepack)
+        self.prepacked = self.pack_head and not quantize
         if (self.prepacked or quantize) and not fuse:
             raise ValueError("prepacked and int8 weights are fused copies: they need fuse")
         decoder: Any = hf.get_decoder()  # an HF module tree: attributes by name
