@@ -13,6 +13,10 @@ measured 1-row pass over that floor.
 
     python scripts/pass_cost.py --backends eager,compiled --batches 1,8 --rows 1,2,4,8,16
     python scripts/pass_cost.py --backends compiled --batches 1 --kinds mask --json runs/compiled-cost.json
+    python scripts/pass_cost.py --random-like scripts/gpu/smollm2-135m-config.json --device cuda   # (gpu_check.sh)
+
+`--random-like CONFIG` times a model of that shape with random weights, a `<mtp>` row and rank-32 gated
+adapters (a pass's cost depends on shapes only), so a machine without the installed model can be measured.
 """
 
 from __future__ import annotations
@@ -27,27 +31,53 @@ import torch
 from mtplm.bench.passcost import PassCost
 from mtplm.decode.backends import make_backend
 from mtplm.decode.protocol import Feed
-from mtplm.model import load_model
+from mtplm.model import MTPModel, load_model, parse_dtype
 
 
-def bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+def synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # GPU passes are timed when they end, not when they are queued
+
+
+def bandwidth(device: str, megabytes: int = 512, repeats: int = 5) -> float:
     """Bytes per second of a large copy (read + write counted), best of `repeats`."""
-    source = torch.empty(megabytes * 2**20, dtype=torch.uint8).fill_(1)
+    source = torch.empty(megabytes * 2**20, dtype=torch.uint8, device=device).fill_(1)
     target = torch.empty_like(source)
     best = float("inf")
-    for _ in range(repeats):
+    for _ in range(repeats + 1):
+        synchronize()
         began = time.perf_counter()
         target.copy_(source)
+        synchronize()
         best = min(best, time.perf_counter() - began)
     return 2 * source.numel() / best
+
+
+def random_model(config_file: Path, dtype: str) -> MTPModel:
+    """A model of the shape `config_file` describes, random weights, with `<mtp>` and rank-32 gated adapters."""
+    from tokenizers import Tokenizer, models
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_file), dtype=parse_dtype(dtype))
+    words = {"<unk>": 0, "<eos>": 1}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(words, unk_token="<unk>")),
+                                        eos_token="<eos>")
+    model = MTPModel(hf.eval(), tokenizer, None)
+    model.add_mask_token(k_max=8, base_identity={"random_like": str(config_file)})
+    model.attach_gated_lora(32, 64.0)
+    model.adapters_to(parse_dtype(dtype))
+    return model
 
 
 def best_of(runs: dict, repeats: int) -> dict[str, float]:
     best = {name: float("inf") for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
+            synchronize()
             began = time.perf_counter()
             run()
+            synchronize()
             best[name] = min(best[name], time.perf_counter() - began)
     return best
 
@@ -98,12 +128,18 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--json", type=Path, default=None,
                    help="also write the batch-1 mask-row curve of the first backend here (mtplm train pass_cost=FILE)")
+    p.add_argument("--random-like", type=Path, default=None, metavar="CONFIG",
+                   help="time random weights of this config.json's shape instead of --model")
+    p.add_argument("--device", default="cpu", help="cpu | cuda")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = load_model(args.model, args.dtype)
+    model = random_model(args.random_like, args.dtype) if args.random_like else load_model(args.model, args.dtype)
+    model.hf.to(args.device)
+    torch.set_default_device(args.device)  # the backends' inputs and caches follow the weights
     rows_list = [int(r) for r in args.rows.split(",")]
-    print(f"{args.model} {args.dtype}, context {args.context}, {torch.get_num_threads()} threads, best of "
+    print(f"{args.random_like or args.model} {args.dtype} on {args.device}, context {args.context}, "
+          f"{torch.get_num_threads()} threads, best of "
           f"{args.repeats}; ms per pass incl. the LM head (ratio to the same backend's 1-row pass)")
     one_row: dict[str, float] = {}
     for batch in (int(b) for b in args.batches.split(",")):
@@ -115,7 +151,7 @@ def main() -> None:
             if batch == 1 and kind == "mask" and args.json and name == args.backends.split(",")[0]:
                 curve = PassCost(tuple(rows_list), tuple(itertools.accumulate(times, max)), name, args.context)
                 print(f"curve written to {curve.save(args.json)} (what pass_cost=FILE reads): {curve.describe()}")
-    rate = bandwidth()
+    rate = bandwidth(args.device)
     print(f"roofline: copy bandwidth {rate / 1e9:.1f} GB/s; " + ", ".join(
         f"{name} 1-row pass {1e3 * t:.1f} ms reads {read_bytes(model, name) / 1e6:.0f} MB of weights: floor "
         f"{1e3 * read_bytes(model, name) / rate:.1f} ms, {t * rate / read_bytes(model, name):.2f}x the floor"

@@ -21,6 +21,7 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 METHODS = ("mask", "heads")
 DTYPES = ("fp32", "bf16")
 SCHEDULES = ("cosine", "constant")  # the learning rate after warm-up: cosine to 0.1x, or constant
+SELF_GEN_ENGINES = ("hf", "llama-server")  # TrainConfig.self_gen_engine: what generates the model's own answers
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,9 @@ class TrainConfig:
     self_gen_cache: str = ""  # file of self-generated answers, by prompt id ("": selfgen.jsonl in out)
     self_gen_max_new_tokens: int = 256
     self_gen_batch: int = 16
+    # hf: batched `generate` of the bf16 model | llama-server: its f16 GGUF on the installed llama-server,
+    # self_gen_batch slots decoded together (several times faster on a CPU; scripts/install_llama_server.sh)
+    self_gen_engine: str = "hf"
     val_fraction: float = 0.05
     val_every: int = 50
     log_every: int = 10
@@ -258,6 +262,9 @@ class TrainConfig:
             raise UserError(f"dtype must be bf16 or fp32, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise UserError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.self_gen_engine not in SELF_GEN_ENGINES:
+            raise UserError(f"self_gen_engine must be one of {', '.join(SELF_GEN_ENGINES)}, "
+                            f"got {self.self_gen_engine!r}")
         if self.parallel not in ("ddp", "fsdp"):
             raise UserError(f"parallel must be ddp or fsdp, got {self.parallel!r}")
         if self.parallel == "fsdp" and self.trainable != "full":

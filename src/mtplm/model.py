@@ -89,7 +89,7 @@ class MTPModel:
             weights.append(head.weight)
         with torch.no_grad():
             for weight in weights:
-                weight[mask_id] = _sample_like_rows(weight[: min(num_rows, mask_id)], generator).to(weight.dtype)
+                weight[mask_id] = _sample_like_rows(weight[: min(num_rows, mask_id)], generator).to(weight)
         self.meta = MTPMeta(mask_id=mask_id, k_max=k_max, base_model=base_identity)
 
     def attach_gated_lora(self, rank: int, alpha: float) -> None:
@@ -246,13 +246,14 @@ class MTPModel:
 
 
 def _sample_like_rows(rows: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One draw from N(mean, cov) of the given rows [N, D] (diagonal fallback if cov is not PD)."""
-    rows = rows.double()
+    """One draw from N(mean, cov) of the given rows [N, D] (diagonal fallback if cov is not PD), made on the CPU
+    (the generator's device) whatever device the rows and the default device are: the same row everywhere."""
+    rows = rows.detach().to("cpu", torch.float64)
     mean = rows.mean(0)
     centered = rows - mean
     cov = centered.T @ centered / max(1, rows.shape[0] - 1)
-    z = torch.randn(rows.shape[1], generator=generator, dtype=torch.float64)
-    chol, info = torch.linalg.cholesky_ex(cov + 1e-6 * torch.eye(rows.shape[1], dtype=torch.float64))
+    z = torch.randn(rows.shape[1], generator=generator, dtype=torch.float64, device="cpu")
+    chol, info = torch.linalg.cholesky_ex(cov + 1e-6 * torch.eye(rows.shape[1], dtype=torch.float64, device="cpu"))
     if int(info) == 0:
         return (mean + chol @ z).float()
     return (mean + centered.std(0) * z).float()

@@ -128,3 +128,30 @@ def test_a_real_server_on_a_bad_gguf_fails_fast_with_its_log(tmp_path, prompts):
     assert time.perf_counter() - start < 60
     assert server.log is not None
     server.log.unlink()
+
+
+@pytest.mark.slow
+def test_self_generation_on_llama_server_caches_exactly_what_the_server_decodes(tmp_path, prompts):
+    """self_gen_engine=llama-server: the cached answers are the server's greedy decoding of each training prompt
+    (chat formatted, cut at the end of turn, decoded to text), and a second call reads the cache alone."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from mtplm.assets.datasets import prompt_set
+    from mtplm.config import TrainConfig
+    from mtplm.text import chat_prompt_ids
+    from mtplm.train.data import self_generate
+
+    tokenizer = AutoTokenizer.from_pretrained(BASE)
+    cfg = TrainConfig(self_gen_engine="llama-server", self_gen_batch=1, self_gen_max_new_tokens=12, seq_len=256)
+    base_model = SimpleNamespace(name_or_path=str(BASE))  # the engine reads only where the weights are
+    cache = tmp_path / "selfgen.jsonl"
+    rows = self_generate(base_model, tokenizer, "structured", 3, cfg, cache)
+    examples = prompt_set("structured", 3, 0, split="train")
+    assert [row["id"] for row in rows] == [e.id for e in examples]
+    with LlamaServer(llama_server.f16_gguf(BASE), threads=2, context=1024) as server:
+        for row, example in zip(rows, examples, strict=True):
+            tokens = server.complete(chat_prompt_ids(tokenizer, example.prompt), 12, [tokenizer.eos_token_id]).tokens
+            assert row["response"] == tokenizer.decode(tokens, skip_special_tokens=True)
+    assert self_generate(None, tokenizer, "structured", 3, cfg, cache) == rows  # all cached: no engine starts

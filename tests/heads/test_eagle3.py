@@ -290,3 +290,30 @@ def test_feature_layer_ids_are_checked():
     for spec, layers in (("auto", 4), ("1,2", 4), ("1,1,2", 4), ("1,2,4", 4), ("a,b,c", 4)):
         with pytest.raises(UserError, match="eagle3_layers"):
             resolve_layers(spec, layers)
+
+
+@pytest.mark.parametrize("form", ["sequential", "eagle3"])
+def test_a_resumed_head_run_ends_where_the_uninterrupted_one_does(form, deep_base_dir, data_file, tmp_path):
+    """Head training saves out/train_state every save_every steps; a run continued from step 3 (resume=auto)
+    draws the same batches and ends with the same weights and losses as the run that never stopped."""
+    import shutil
+
+    from synthetic import train_config
+
+    from mtplm.train.trainer import train
+
+    settings = dict(method="heads", head_form=form, steps=6, save_every=3, val_every=3, log_every=1, lr=3e-3,
+                    batch_size=4, draft_vocab=40, eagle3_layers="1,2,3")
+    whole = train(train_config(deep_base_dir, data_file, tmp_path / "whole", **settings), progress=False)
+    shutil.copytree(tmp_path / "whole" / "train_state", tmp_path / "resumed" / "train_state")  # stopped at 3
+    resumed = train(train_config(deep_base_dir, data_file, tmp_path / "resumed", resume="auto", **settings),
+                    progress=False)
+
+    def losses(run: str) -> dict:
+        rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        return {row["step"]: row["loss"] for row in rows if "loss" in row and row["step"] > 3}
+
+    assert losses("resumed") == losses("whole") and len(losses("whole")) == 3
+    expected = load_model(str(whole)).heads.state_dict()
+    for name, tensor in load_model(str(resumed)).heads.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name

@@ -126,6 +126,7 @@ class LlamaServer:
     draft_max: int = 3  # tokens an eagle3 drafter proposes per pass (llama.cpp's default: 3)
     draft_mb: float | None = None  # its size, read at start (the scratch copy is gone when the report is made)
     startup_timeout_s: float = STARTUP_TIMEOUT_S
+    parallel: int = 1  # request slots decoded together (continuous batching); the context is split among them
     timings: list[dict] = field(default_factory=list)  # the server's own timings, one per request
     startup_s: float | None = None
     url: str = field(init=False, default="")
@@ -134,7 +135,7 @@ class LlamaServer:
 
     def flags(self) -> list[str]:
         """Everything but the binary, the model and the address; llama.cpp's defaults for the rest."""
-        flags = ["--threads", str(self.threads), "--ctx-size", str(self.context), "--parallel", "1"]
+        flags = ["--threads", str(self.threads), "--ctx-size", str(self.context), "--parallel", str(self.parallel)]
         if self.drafter == EAGLE3:
             return flags + ["--spec-type", "draft-eagle3", "--model-draft", str(self.draft_model),
                             "--spec-draft-n-max", str(self.draft_max)]

@@ -33,7 +33,9 @@ def warp(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One draw per row of probs [..., V] -> token ids [...]."""
     flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    if generator is not None:  # drawn where the generator lives (the CPU), so a seed means the same draws anywhere
+        flat = flat.to(generator.device)
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1]).to(probs.device)
 
 
 @CONFIDENCE.register("top1", "top-1 probability; the paper's")
@@ -71,7 +73,7 @@ def speculative_accept(target: torch.Tensor, drafts: torch.Tensor, proposal: tor
         rows = torch.arange(m)
         p, q = target[rows, drafts], proposal[rows, drafts]
         ratio = torch.where(q > 0, p / q.clamp_min(1e-30), torch.ones_like(p)).clamp(max=1.0)
-        draws = torch.rand(m, generator=generator)
+        draws = torch.rand(m, generator=generator, device=generator.device if generator else None).to(ratio.device)
         rejected = (draws >= ratio).nonzero()
         if len(rejected):
             j = int(rejected[0])

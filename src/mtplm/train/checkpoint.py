@@ -141,9 +141,9 @@ def load_train_state(path: Path, cfg: TrainConfig) -> dict:
 
 
 def restore_rngs(state: dict, trainer) -> None:
-    trainer.rng.setstate(_tuples(state["trainer_rng"]))
+    trainer.rng.setstate(as_tuples(state["trainer_rng"]))
     trainer.regions_gen.set_state(state["regions_rng"])
-    random.setstate(_tuples(state["python_rng"]))
+    random.setstate(as_tuples(state["python_rng"]))
     torch.set_rng_state(state["torch_rng"])
     if state["cuda_rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda_rng"])
@@ -183,6 +183,6 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
         atomic_file(path, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
 
 
-def _tuples(value):
+def as_tuples(value):
     """random.Random states are nested tuples; a saved one may come back with lists inside."""
-    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+    return tuple(as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value

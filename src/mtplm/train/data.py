@@ -14,6 +14,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,11 +91,12 @@ def self_generate(hf_model, tokenizer, prompt_set_name: str, n: int, cfg, cache_
     todo = [e for e in examples if e.id not in done]
     if todo:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
-        with open(cache_file, "a") as sink, tqdm(total=len(examples), initial=len(examples) - len(todo),
-                                                   desc="self-generate", unit="prompt") as bar:
-            for i in range(0, len(todo), cfg.self_gen_batch):
-                chunk = todo[i : i + cfg.self_gen_batch]
-                for example, text in zip(chunk, _answer(hf_model, tokenizer, chunk, cfg), strict=True):
+        with open(cache_file, "a") as sink, _answerer(hf_model, tokenizer, cfg) as (answer, step), \
+                tqdm(total=len(examples), initial=len(examples) - len(todo), desc="self-generate",
+                     unit="prompt") as bar:
+            for i in range(0, len(todo), step):
+                chunk = todo[i : i + step]
+                for example, text in zip(chunk, answer(chunk), strict=True):
                     record = {"prompt": example.prompt, "response": text, "id": example.id}
                     sink.write(json.dumps(record) + "\n")
                     done[example.id] = record
@@ -101,11 +105,39 @@ def self_generate(hf_model, tokenizer, prompt_set_name: str, n: int, cfg, cache_
     return [done[e.id] for e in examples]
 
 
+def _prompt(tokenizer, example, cfg) -> list[int]:
+    return chat_prompt_ids(tokenizer, example.prompt)[-cfg.seq_len // 2 :]
+
+
+@contextmanager
+def _answerer(hf_model, tokenizer, cfg) -> Iterator:
+    """(answer(chunk) -> greedy answer texts, chunk size) for the configured engine (cfg.self_gen_engine). The
+    server is sent 8 batches at a time, so its slots refill as answers end instead of waiting for the longest."""
+    if cfg.self_gen_engine == "hf":
+        yield (lambda chunk: _answer(hf_model, tokenizer, chunk, cfg)), cfg.self_gen_batch
+        return
+    from mtplm.bench.llama_server import LlamaServer, f16_gguf
+
+    base = Path(getattr(hf_model, "name_or_path", "") or ".")
+    if not (base / "config.json").is_file():
+        raise UserError("self_gen_engine=llama-server needs a model installed as a local HF directory "
+                        f"(got {str(base)!r}); use self_gen_engine=hf")
+    slots, width = cfg.self_gen_batch, cfg.seq_len // 2 + cfg.self_gen_max_new_tokens
+    stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    with LlamaServer(f16_gguf(base), torch.get_num_threads(), slots * width, parallel=slots) as server, \
+            ThreadPoolExecutor(slots) as pool:
+        def answer(chunk: list) -> list[str]:
+            ids = [_prompt(tokenizer, e, cfg) for e in chunk]
+            outs = pool.map(lambda p: server.complete(p, cfg.self_gen_max_new_tokens, stops).tokens, ids)
+            return [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in outs]
+        yield answer, 8 * slots
+
+
 def _answer(hf_model, tokenizer, chunk: list, cfg) -> list[str]:
     """Greedy answers to one batch of prompts (left-padded, batched `generate`)."""
     tokenizer.padding_side = "left"
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    prompts = [chat_prompt_ids(tokenizer, e.prompt)[-cfg.seq_len // 2 :] for e in chunk]
+    prompts = [_prompt(tokenizer, e, cfg) for e in chunk]
     width = max(map(len, prompts))
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])

@@ -153,6 +153,8 @@ class StaticBackend:
         for store in (self.keys, self.values):
             for i in range(shape.layers):
                 new = torch.zeros(size, dtype=dtype, device=self.weights.embed.device)  # finite, never NaN
+                if new.is_cuda:  # a fixed address: CUDA graphs may then write into it in place, not skip the bucket
+                    torch._dynamo.mark_static_address(new)
                 if i < len(store):
                     new[:, :, : self.capacity] = store[i]
                     store[i] = new
