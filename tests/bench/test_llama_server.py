@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import stat
 import time
+from pathlib import Path
 
 import pytest
 
@@ -24,7 +25,12 @@ def test_variants_bring_their_plain_row_and_bad_ones_are_refused():
     assert Variant("f16", "ngram-mod").name == "llama-server:f16+ngram-mod"
     assert [v.name for v in parse_variants(llama_server.DEFAULT_VARIANTS)] == [
         "llama-server:q4", "llama-server:f16", "llama-server:f16+ngram-simple", "llama-server:f16+ngram-mod"]
-    for bad in ("q8", "f16+eagle", "f16+", ","):
+    cut = parse_variants("f16+eagle3@0.5,f16+eagle3")  # @P: llama.cpp's --spec-draft-p-min, eagle3 only
+    assert [v.name for v in cut] == ["llama-server:f16", "llama-server:f16+eagle3@0.5", "llama-server:f16+eagle3"]
+    assert cut[1].p_min == 0.5 and cut[2].p_min is None
+    server = LlamaServer(Path("m.gguf"), 2, 256, "eagle3", draft_model=Path("d.gguf"), draft_max=4, draft_p_min=0.5)
+    assert server.flags()[-4:] == ["--spec-draft-n-max", "4", "--spec-draft-p-min", "0.5"]
+    for bad in ("q8", "f16+eagle", "f16+", ",", "f16+eagle3@1", "f16+eagle3@x", "f16+ngram-mod@0.5"):
         with pytest.raises(UserError):
             parse_variants(bad)
 

@@ -58,8 +58,9 @@ def add_argument(parser) -> None:
     parser.add_argument("--llama-server", nargs="?", const=DEFAULT_VARIANTS, default=None, metavar="VARIANTS",
                         help="also run llama.cpp's llama-server (scripts/install_llama_server.sh) on loopback: a "
                              "comma list of q4|f16 with an optional +<drafter>: an n-gram drafter "
-                             f"({', '.join(NGRAM_DRAFTERS)}) or {EAGLE3} (the --model checkpoint's eagle3 "
-                             f"drafter, converted for --spec-type draft-eagle3); bare: {DEFAULT_VARIANTS}")
+                             f"({', '.join(NGRAM_DRAFTERS)}) or {EAGLE3}[@P] (the --model checkpoint's eagle3 "
+                             "drafter, converted for --spec-type draft-eagle3; @P: stop a draft at a token the "
+                             f"drafter gives less than P, --spec-draft-p-min); bare: {DEFAULT_VARIANTS}")
 
 
 def check(spec: str | None, model: str) -> None:
@@ -81,10 +82,12 @@ class Variant:
 
     weights: str
     drafter: str | None = None
+    p_min: float | None = None  # eagle3: llama.cpp's --spec-draft-p-min (None: its default, 0: full drafts)
 
     @property
     def name(self) -> str:
-        return f"llama-server:{self.weights}" + (f"+{self.drafter}" if self.drafter else "")
+        drafter = f"+{self.drafter}" + (f"@{self.p_min:g}" if self.p_min is not None else "") if self.drafter else ""
+        return f"llama-server:{self.weights}{drafter}"
 
     @property
     def plain(self) -> Variant:
@@ -96,15 +99,23 @@ def parse_variants(spec: str) -> list[Variant]:
     variants: list[Variant] = []
     for item in (s.strip() for s in spec.split(",") if s.strip()):
         weights, plus, drafter = item.partition("+")
-        if weights not in WEIGHTS or (plus and drafter not in DRAFTERS):
+        drafter, at, p_min = drafter.partition("@")
+        if weights not in WEIGHTS or (plus and drafter not in DRAFTERS) or (at and not _probability(p_min, drafter)):
             raise UserError(f"--llama-server: unknown variant {item!r}; use q4 or f16, optionally with "
-                            f"+{'|+'.join(DRAFTERS)} (e.g. {DEFAULT_VARIANTS})")
-        for variant in (Variant(weights), Variant(weights, drafter or None)):
+                            f"+{'|+'.join(DRAFTERS)} (eagle3@P with 0 <= P < 1; e.g. {DEFAULT_VARIANTS})")
+        for variant in (Variant(weights), Variant(weights, drafter or None, float(p_min) if at else None)):
             if variant not in variants:
                 variants.append(variant)
     if not variants:
         raise UserError(f"--llama-server: no variants given (e.g. {DEFAULT_VARIANTS})")
     return variants
+
+
+def _probability(text: str, drafter: str) -> bool:
+    try:
+        return drafter == EAGLE3 and 0.0 <= float(text) < 1.0
+    except ValueError:
+        return False
 
 
 def free_port() -> int:
@@ -124,6 +135,7 @@ class LlamaServer:
     binary: Path | None = None
     draft_model: Path | None = None  # the draft-eagle3 GGUF
     draft_max: int = 3  # tokens an eagle3 drafter proposes per pass (llama.cpp's default: 3)
+    draft_p_min: float | None = None  # --spec-draft-p-min (None: llama.cpp's default)
     draft_mb: float | None = None  # its size, read at start (the scratch copy is gone when the report is made)
     startup_timeout_s: float = STARTUP_TIMEOUT_S
     parallel: int = 1  # request slots decoded together (continuous batching); the context is split among them
@@ -138,7 +150,8 @@ class LlamaServer:
         flags = ["--threads", str(self.threads), "--ctx-size", str(self.context), "--parallel", str(self.parallel)]
         if self.drafter == EAGLE3:
             return flags + ["--spec-type", "draft-eagle3", "--model-draft", str(self.draft_model),
-                            "--spec-draft-n-max", str(self.draft_max)]
+                            "--spec-draft-n-max", str(self.draft_max)] + (
+                ["--spec-draft-p-min", str(self.draft_p_min)] if self.draft_p_min is not None else [])
         return flags + (["--spec-type", self.drafter] if self.drafter else [])
 
     def command(self, port: int) -> list[str]:
@@ -342,6 +355,7 @@ def start_servers(args, model, prompts: list[list[int]], stops: list[int]) -> Se
             server = LlamaServer(gguf, threads, context, variant.drafter, binary)
             if variant.drafter == EAGLE3:
                 server.draft_model, server.draft_max = drafter, model.heads.k - 1
+                server.draft_p_min = variant.p_min
                 server.draft_mb = round(drafter.stat().st_size / 2**20, 1)
             started.servers[variant] = server.start()
             server.complete(prompts[0], 8, stops)  # warm-up, excluded from the summary
