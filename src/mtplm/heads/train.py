@@ -34,9 +34,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from mtplm.config import TrainConfig, as_dict
-from mtplm.errors import UserError
 from mtplm.files import atomic_file
 from mtplm.heads.forms import Heads, head_lr_scale, head_weights
+from mtplm.heads.resume import Loop, restore, save, saved_state
 from mtplm.model import MTPModel
 from mtplm.train.data import Sample, row_ids
 
@@ -282,7 +282,7 @@ def train_heads(cfg: TrainConfig, progress: bool = True, form=BlockTraining) -> 
     train_rows, val_rows = (rows[:-num_val] or rows), rows[-num_val:]
     val_batches = [HeadBatch.of(val_rows[i: i + cfg.batch_size]) for i in range(0, len(val_rows), cfg.batch_size)]
     heads, trainer = form.setup(cfg, model, train_rows)
-    state = _saved_state(cfg)  # before the log opens: resuming first cuts the metrics after the saved step
+    state = saved_state(cfg)  # before the log opens: resuming first cuts the metrics after the saved step
     log = MetricsLog(run_dir, started)
     val = _fit(cfg, trainer, train_rows, val_batches, log.record, cfg.head_window if form.windows else 0, progress,
                state)
@@ -296,28 +296,15 @@ def train_heads(cfg: TrainConfig, progress: bool = True, form=BlockTraining) -> 
     return out
 
 
-def _saved_state(cfg: TrainConfig) -> dict | None:
-    """The train_state `cfg.resume` names (checked against cfg), with the metrics logged after it dropped."""
-    from mtplm.train import checkpoint
-
-    saved = checkpoint.find_train_state(cfg)
-    if saved is None:
-        return None
-    state = checkpoint.load_train_state(saved, cfg)
-    checkpoint.truncate_metrics(Path(cfg.out), state["step"])
-    tqdm.write(f"resuming from {saved} at step {state['step']}")
-    return state
-
-
 def _fit(cfg: TrainConfig, trainer, train_rows: list[TrunkRow], val_batches: list[HeadBatch], record,
          window: int, progress: bool, state: dict | None = None) -> dict:
     """`cfg.steps` updates over shuffled batches (windows of `window` rows, 0 = whole rows); the last validation.
     Saves out/train_state every `save_every` steps and when a SIGTERM / SIGINT stops it; `state` continues one."""
     from mtplm.train import checkpoint
 
-    loop = _Loop(list(range(len(train_rows))), len(train_rows), random.Random(cfg.seed))
+    loop = Loop(list(range(len(train_rows))), len(train_rows), random.Random(cfg.seed))
     if state is not None:
-        start, val = _restore(state, trainer, loop)
+        start, val = restore(state, trainer, loop)
     else:
         start, val = 0, trainer.validate(val_batches)
         record({"step": 0, "val": val})
@@ -337,69 +324,9 @@ def _fit(cfg: TrainConfig, trainer, train_rows: list[TrunkRow], val_batches: lis
                            + " ".join(f"h{k}={a:.2f}" for k, a in enumerate(val["agreement"][1:], start=2))
                            + f"; verified tokens/forward (est.) {val['est_verified_per_forward']:.2f}")
             if stop.signal is not None or ((step + 1) % cfg.save_every == 0 and step != cfg.steps - 1):
-                _save(cfg, trainer, loop, step + 1, val)
+                save(cfg, trainer, loop, step + 1, val)
             if stop.signal is not None:
                 tqdm.write(f"stopped by signal {stop.signal} after step {step + 1}; its train_state is saved: "
                            "continue with resume=auto")
                 raise KeyboardInterrupt
     return val
-
-
-@dataclass
-class _Loop:
-    """The order batches are drawn in: a shuffled permutation, the place in it, and the shuffling RNG."""
-
-    order: list[int]
-    position: int
-    rng: random.Random
-
-    def next(self, size: int) -> list[int]:
-        if self.position + size > len(self.order):
-            self.rng.shuffle(self.order)
-            self.position = 0
-        self.position += size
-        return self.order[self.position - size: self.position]
-
-
-def _trained(trainer) -> list[torch.Tensor]:
-    return [p for group in trainer.opt.param_groups for p in group["params"]]
-
-
-def _save(cfg: TrainConfig, trainer, loop: _Loop, step: int, val: dict) -> None:
-    """out/train_state, atomically: the trained parameters in the optimizer's order, its state, the loop's."""
-    from mtplm.config import to_toml
-    from mtplm.files import atomic_dir
-    from mtplm.train.checkpoint import CONFIG_FILE, STATE_DIR, STATE_FILE, disk_errors
-
-    generator = getattr(trainer, "generator", None)
-    state = {"step": step, "params": [p.detach().clone() for p in _trained(trainer)],
-             "optimizer": trainer.opt.state_dict(), "order": loop.order, "position": loop.position,
-             "loop_rng": loop.rng.getstate(), "generator": generator.get_state() if generator else None,
-             "torch_rng": torch.get_rng_state(), "val": val}
-
-    def write(tmp: Path) -> None:
-        torch.save(state, tmp / STATE_FILE)
-        (tmp / CONFIG_FILE).write_text(to_toml(cfg))
-
-    target = Path(cfg.out) / STATE_DIR
-    with disk_errors(target):
-        atomic_dir(target, write)
-
-
-def _restore(state: dict, trainer, loop: _Loop) -> tuple[int, dict]:
-    from mtplm.train.checkpoint import as_tuples
-
-    params = _trained(trainer)
-    shapes = [tuple(p.shape) for p in params]
-    if shapes != [tuple(q.shape) for q in state["params"]]:
-        raise UserError("the saved train_state does not fit these heads: was it saved by another head form?")
-    with torch.no_grad():
-        for p, saved in zip(params, state["params"], strict=True):
-            p.copy_(saved)
-    trainer.opt.load_state_dict(state["optimizer"])
-    loop.order, loop.position = list(state["order"]), state["position"]
-    loop.rng.setstate(as_tuples(state["loop_rng"]))
-    if state["generator"] is not None:
-        trainer.generator.set_state(state["generator"])
-    torch.set_rng_state(state["torch_rng"])
-    return state["step"], state["val"]
