@@ -157,3 +157,16 @@ def test_self_generation_never_answers_an_eval_prompt_and_caches_by_id(tmp_path)
     assert [r["id"] for r in again] == [e.id for e in prompt_set("structured", 4, 0, split="train")
                                         if e.id != train_prompts[2].id]
     assert all(json.loads(line)["id"] for line in Path(cache).read_text().splitlines())
+
+
+def test_a_self_generation_cache_torn_by_a_kill_drops_only_its_last_line(tmp_path):
+    cfg = TrainConfig(self_gen_batch=4)
+    cache = tmp_path / "selfgen.jsonl"
+    whole = self_generate(_StubModel(), tiny_tokenizer(), "structured", 4, cfg, cache)
+    lines = cache.read_text().splitlines()
+    cache.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])  # killed while writing the 4th answer
+    assert self_generate(_StubModel(), tiny_tokenizer(), "structured", 4, cfg, cache) == whole
+    assert [json.loads(line) for line in cache.read_text().splitlines()] == whole  # re-answered on its own line
+    cache.write_text("not json\n" + cache.read_text())  # damage anywhere else is not a kill: refused
+    with pytest.raises(UserError, match="cannot read training data"):
+        self_generate(_StubModel(), tiny_tokenizer(), "structured", 4, cfg, cache)

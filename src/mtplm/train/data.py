@@ -85,7 +85,7 @@ def self_generate(hf_model, tokenizer, prompt_set_name: str, n: int, cfg, cache_
     """
     from mtplm.assets.datasets import prompt_set
 
-    done = {row.get("id"): row for row in (_read_jsonl(cache_file) if cache_file.exists() else [])}
+    done = {row.get("id"): row for row in _read_cache(cache_file)}
     examples = [e for e in prompt_set(prompt_set_name, n, cfg.seed, split="train")
                 if index is None or index.hit(e.prompt) is None]
     todo = [e for e in examples if e.id not in done]
@@ -103,6 +103,29 @@ def self_generate(hf_model, tokenizer, prompt_set_name: str, n: int, cfg, cache_
                 sink.flush()
                 bar.update(len(chunk))
     return [done[e.id] for e in examples]
+
+
+def _read_cache(cache_file: Path) -> list[dict]:
+    """The cached answers. A run killed while appending can leave its last line torn: that line is dropped
+    (and the file rewritten without it, so the next answer starts on a line of its own); any other bad line
+    is an error."""
+    if not cache_file.exists():
+        return []
+    lines = cache_file.read_text().splitlines()
+    if lines and not _parses(lines[-1]):
+        from mtplm.files import atomic_file
+
+        kept = lines[:-1]
+        atomic_file(cache_file, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
+    return _read_jsonl(cache_file)
+
+
+def _parses(line: str) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return not line.strip()  # a blank line is harmless
+    return True
 
 
 def _prompt(tokenizer, example, cfg) -> list[int]:
