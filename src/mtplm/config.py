@@ -199,7 +199,7 @@ class TrainConfig:
     self_gen_max_new_tokens: int = 256
     self_gen_batch: int = 16
     # hf: batched `generate` of the bf16 model | llama-server: its f16 GGUF on the installed llama-server,
-    # self_gen_batch slots decoded together (several times faster on a CPU; scripts/install_llama_server.sh)
+    # self_gen_batch slots decoded together, continuously batched (scripts/install_llama_server.sh)
     self_gen_engine: str = "hf"
     val_fraction: float = 0.05
     val_every: int = 50

@@ -86,8 +86,10 @@ class Variant:
 
     @property
     def name(self) -> str:
-        drafter = f"+{self.drafter}" + (f"@{self.p_min:g}" if self.p_min is not None else "") if self.drafter else ""
-        return f"llama-server:{self.weights}{drafter}"
+        name = f"llama-server:{self.weights}"
+        if self.drafter:
+            name += f"+{self.drafter}"
+        return name + (f"@{self.p_min:g}" if self.p_min is not None else "")
 
     @property
     def plain(self) -> Variant:

@@ -28,7 +28,6 @@ def saved_state(cfg: TrainConfig) -> dict | None:
     return state
 
 
-
 @dataclass
 class Loop:
     """The order batches are drawn in: a shuffled permutation, the place in it, and the shuffling RNG."""
@@ -51,23 +50,14 @@ def _trained(trainer) -> list[torch.Tensor]:
 
 def save(cfg: TrainConfig, trainer, loop: Loop, step: int, val: dict) -> None:
     """out/train_state, atomically: the trained parameters in the optimizer's order, its state, the loop's."""
-    from mtplm.config import to_toml
-    from mtplm.files import atomic_dir
-    from mtplm.train.checkpoint import CONFIG_FILE, STATE_DIR, STATE_FILE, disk_errors
+    from mtplm.train.checkpoint import write_train_state
 
     generator = getattr(trainer, "generator", None)
     state = {"step": step, "params": [p.detach().clone() for p in _trained(trainer)],
              "optimizer": trainer.opt.state_dict(), "order": loop.order, "position": loop.position,
              "loop_rng": loop.rng.getstate(), "generator": generator.get_state() if generator else None,
              "torch_rng": torch.get_rng_state(), "val": val}
-
-    def write(tmp: Path) -> None:
-        torch.save(state, tmp / STATE_FILE)
-        (tmp / CONFIG_FILE).write_text(to_toml(cfg))
-
-    target = Path(cfg.out) / STATE_DIR
-    with disk_errors(target):
-        atomic_dir(target, write)
+    write_train_state(Path(cfg.out), cfg, state)
 
 
 def restore(state: dict, trainer, loop: Loop) -> tuple[int, dict]:

@@ -95,7 +95,13 @@ def save_train_state(run_dir: Path, cfg: TrainConfig, trainer, stream, step: int
         "torch_rng": torch.get_rng_state(),
         "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
-    summary = {"step": step, "samples": samples, "world_size": world_size, "saved": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return write_train_state(run_dir, cfg, state, {"samples": samples, "world_size": world_size})
+
+
+def write_train_state(run_dir: Path, cfg: TrainConfig, state: dict, summary: dict | None = None) -> Path:
+    """<run_dir>/train_state, atomically: `state` (torch.save), the config that made it, a readable summary.
+    Both trainers save through here (train/trainer.py for mask tokens, heads/resume.py for heads)."""
+    summary = {"step": state["step"], **(summary or {}), "saved": time.strftime("%Y-%m-%d %H:%M:%S")}
 
     def write(tmp: Path) -> None:
         torch.save(state, tmp / STATE_FILE)

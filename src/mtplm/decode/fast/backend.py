@@ -45,6 +45,12 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
 MIN_KEYS = 128
 
 
+def _copied(step: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """A per-layer CUDA graph writes every replay into the same output buffer: the next layer's replay would
+    overwrite the input it reads, so each layer's output is copied out first."""
+    return lambda *args: step(*args).clone()
+
+
 class StaticBackend:
     """Runs passes of up to `slots` sequences over a static KV store of `capacity` positions per slot."""
 
@@ -68,7 +74,8 @@ class StaticBackend:
             # on a GPU, CUDA graphs replay each bucket's kernels without launch overhead (the store is static)
             mode = "reduce-overhead" if self.weights.embed.is_cuda else None
             if regional:  # one graph per bucket for a layer, shared by every layer: a 30th of the compile
-                self._step = partial(decode_pass, step=torch.compile(layer, dynamic=False, fullgraph=True, mode=mode))
+                step = torch.compile(layer, dynamic=False, fullgraph=True, mode=mode)
+                self._step = partial(decode_pass, step=_copied(step) if mode else step)
             else:
                 self._step = torch.compile(decode_pass, dynamic=False, fullgraph=True, mode=mode)
 

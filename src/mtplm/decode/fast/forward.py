@@ -44,8 +44,6 @@ def decode_pass(weights: FastWeights, keys: list[torch.Tensor], values: list[tor
     hidden, rope, mask, gate, write = prepare(weights, ids, positions, lengths, allowed, kv_len, adapters)
     for block, key_store, value_store in zip(weights.blocks, keys, values, strict=False):
         hidden = step(block, shape, hidden, rope, mask, gate, (key_store, value_store), slots, write, kv_len)
-        if hidden.is_cuda and step is not layer:  # a per-layer CUDA graph reuses its output buffer on its next replay
-            hidden = hidden.clone()
     return rms_norm(hidden, weights.final_norm, shape.eps)
 
 
