@@ -75,6 +75,34 @@ def test_a_server_that_never_answers_is_stopped_within_the_bounded_wait(tmp_path
     server.log.unlink()
 
 
+def test_sigterm_to_a_command_stops_its_server_and_exits_with_one_line(tmp_path):
+    """A run stopped with SIGTERM (a scheduler, `kill`) while it holds a llama-server, e.g. during
+    self-generation, stops that server on its way out instead of leaving it running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    pid_file = tmp_path / "server.pid"
+    fake = _fake_binary(tmp_path, f"echo $$ > {pid_file}; exec sleep 600")
+    script = ("import sys; from pathlib import Path; from mtplm.errors import exit_code; "
+              "from mtplm.bench.llama_server import LlamaServer; "
+              f"server = LlamaServer(Path('m.gguf'), 1, 64, binary=Path({str(fake)!r}), startup_timeout_s=300); "
+              "sys.exit(exit_code(server.start, 'mtplm train'))")
+    run = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    deadline = time.perf_counter() + 60
+    while not (pid_file.is_file() and pid_file.read_text().strip()) and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    server_pid = int(pid_file.read_text())
+    os.kill(run.pid, signal.SIGTERM)
+    _, stderr = run.communicate(timeout=30)
+    assert run.returncode == 128 + signal.SIGTERM
+    assert stderr.strip().splitlines() == ["mtplm train: terminated"]
+    assert not psutil.pid_exists(server_pid) or psutil.Process(server_pid).status() == psutil.STATUS_ZOMBIE
+
+
 # --- the real server on the installed SmolLM2 -------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

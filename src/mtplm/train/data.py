@@ -111,13 +111,13 @@ def _read_cache(cache_file: Path) -> list[dict]:
     is an error."""
     if not cache_file.exists():
         return []
-    lines = cache_file.read_text().splitlines()
+    lines = _lines(cache_file)
     if lines and not _parses(lines[-1]):
         from mtplm.files import atomic_file
 
-        kept = lines[:-1]
-        atomic_file(cache_file, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
-    return _read_jsonl(cache_file)
+        lines = lines[:-1]
+        atomic_file(cache_file, lambda tmp: tmp.write_text("".join(line + "\n" for line in lines)))
+    return _rows(cache_file, lines)
 
 
 def _parses(line: str) -> bool:
@@ -225,10 +225,21 @@ def collate(samples: list[Sample], seq_len: int, pad_id: int, indices: list[int]
 
 
 def _read_jsonl(path: Path) -> list[dict]:
+    return _rows(path, _lines(path))
+
+
+def _lines(path: Path) -> list[str]:
     try:
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-    except (OSError, ValueError) as exc:
+        return path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read training data {path}: {exc}") from None
+
+
+def _rows(path: Path, lines: list[str]) -> list[dict]:
+    """The rows of a JSONL file's lines, each checked for the keys training reads."""
+    try:
+        rows = [json.loads(line) for line in lines if line.strip()]
+    except ValueError as exc:
         raise UserError(f"cannot read training data {path}: {exc}") from None
     for i, row in enumerate(rows):
         if not isinstance(row, dict) or not ("text" in row or {"prompt", "response"} <= row.keys()):
