@@ -136,3 +136,32 @@ def test_distributed_settings_are_checked():
         TrainConfig(parallel="zero3").validate()
     with pytest.raises(UserError, match="device must be"):
         TrainConfig(device="tpu").validate()
+
+
+def test_a_tied_lm_head_is_neither_saved_as_trainable_nor_refused_on_resume():
+    """SmolLM2 ties its LM head to the embeddings: the frozen alias must not ride along in train_state (it
+    once did, and the resume then refused the state as 'unknown lm_head.weight')."""
+    from conftest import tiny_llama
+
+    from mtplm.train.distributed import World, trainable_state
+    from mtplm.train.trainer import Trainer
+
+    def tied() -> MTPModel:
+        model = MTPModel(tiny_llama(tied=True), tiny_tokenizer(), None)
+        model.add_mask_token(k_max=4, base_identity={"name": "tiny-tied"})
+        return model
+
+    cfg = TrainConfig(trainable="gated-lora", lora_rank=4, lora_alpha=8.0)
+    first = Trainer(cfg, tied())
+    assert first.model.hf.lm_head.weight is first.model.hf.get_input_embeddings().weight
+    with torch.no_grad():
+        for name, p in first.model.hf.named_parameters():
+            if ".lora_b" in name:
+                p.normal_(0, 0.2)
+    weights, _ = trainable_state(first.model.hf, first.optimizer, World())
+    assert weights and all(".lora_" in name for name in weights)
+    old_state = {**weights, "lm_head.weight": first.model.hf.lm_head.weight.detach().clone()}
+    for saved in (weights, old_state):
+        resumed = dict(Trainer(cfg, tied(), weights=saved).model.hf.named_parameters())
+        for name, w in weights.items():
+            torch.testing.assert_close(resumed[name].detach(), w)

@@ -37,7 +37,7 @@ CONFIG_FILE = "config.toml"
 # (steps only moves the end of training; under schedule=cosine it also stretches the rest of the schedule)
 RESUMABLE_CHANGES = {"out", "resume", "steps", "save_every", "log_every", "val_every", "threads", "device",
                      "parallel", "self_gen_cache", "predict_modes", "predict_texts", "predict_max_new_tokens",
-                     "pass_cost"}
+                     "pass_cost", "ground_truth_cache_gb"}
 
 
 class StopRequest:
@@ -156,13 +156,16 @@ def restore_rngs(state: dict, trainer) -> None:
 
 
 def load_weights(hf: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    """Put saved trainable weights back (before any sharding); every trainable parameter must be there."""
-    trainable = {name for name, p in hf.named_parameters() if p.requires_grad}
-    missing, unknown = trainable - weights.keys(), weights.keys() - dict(hf.named_parameters()).keys()
+    """Put saved trainable weights back (before any sharding); every trainable parameter must be there. A
+    frozen weight in the state (the tied LM-head alias of the embeddings, which states saved before the
+    save filtered it carry) is known to the model and left as it is."""
+    names = dict(hf.named_parameters(remove_duplicate=False))  # tied weights under every name
+    trainable = {name for name, p in names.items() if p.requires_grad}
+    missing, unknown = trainable - weights.keys(), weights.keys() - names.keys()
     if missing or unknown:
         raise UserError(f"the saved weights do not fit this model (missing {sorted(missing)[:3]}, unknown "
                         f"{sorted(unknown)[:3]}): was it saved with another model or trainable=?")
-    hf.load_state_dict(weights, strict=False)
+    hf.load_state_dict({name: w for name, w in weights.items() if name in trainable}, strict=False)
 
 
 class MetricsLog:

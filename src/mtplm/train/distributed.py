@@ -156,7 +156,11 @@ def trainable_state(hf: nn.Module, optimizer: torch.optim.Optimizer, world: Worl
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     options = StateDictOptions(full_state_dict=world.sharded, cpu_offload=True, ignore_frozen_params=True)
-    return get_state_dict(hf, optimizer, options=options)
+    weights, optimizer_state = get_state_dict(hf, optimizer, options=options)
+    # a frozen weight tied to another name (an LM head tied to the embeddings) still comes back under its
+    # second name: keep the trainable ones only
+    trainable = {name for name, p in hf.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return {name: w for name, w in weights.items() if name in trainable}, optimizer_state
 
 
 def load_optimizer_state(hf: nn.Module, optimizer: torch.optim.Optimizer, state: dict, world: World) -> None:
