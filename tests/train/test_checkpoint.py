@@ -165,3 +165,26 @@ def test_a_tied_lm_head_is_neither_saved_as_trainable_nor_refused_on_resume():
         resumed = dict(Trainer(cfg, tied(), weights=saved).model.hf.named_parameters())
         for name, w in weights.items():
             torch.testing.assert_close(resumed[name].detach(), w)
+
+
+def test_the_ground_truth_kv_is_kept_only_where_it_fits_the_budget_and_the_free_ram(monkeypatch, capsys):
+    """Under gated LoRA the texts' base KV is cached once, but never past ground_truth_cache_gb nor past
+    the share of free RAM the steps can spare (a 15 GB store beside 5 GB of training once ran out of 23 GB):
+    past either, training recomputes it each step."""
+    from types import SimpleNamespace
+
+    from mtplm.train import recipes
+    from mtplm.train.data import Sample
+
+    samples = [Sample([1, 2], list(range(3, 20))) for _ in range(12)]
+
+    def prepared(gb: float):
+        recipe = recipes.GatedLoRA(TrainConfig(seq_len=32, ground_truth_cache_gb=gb))
+        recipe.model = tiny_mtp(gated=True)
+        recipe.prepare(samples, progress=False)
+        return recipe.store
+
+    assert prepared(1.0) is not None and len(prepared(1.0).states) == len(samples)
+    assert prepared(1e-9) is None and "more than ground_truth_cache_gb" in capsys.readouterr().out
+    monkeypatch.setattr(recipes.psutil, "virtual_memory", lambda: SimpleNamespace(available=1000))
+    assert prepared(1.0) is None and "more than the RAM training can spare" in capsys.readouterr().out
