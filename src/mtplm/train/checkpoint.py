@@ -29,6 +29,7 @@ import torch
 from mtplm.config import TrainConfig, load_train_config, to_toml
 from mtplm.errors import UserError
 from mtplm.files import atomic_dir, atomic_file
+from mtplm.train.distributed import trainable_names
 
 STATE_DIR = "train_state"
 STATE_FILE = "state.pt"
@@ -159,8 +160,8 @@ def load_weights(hf: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
     """Put saved trainable weights back (before any sharding); every trainable parameter must be there. A
     frozen weight in the state (the tied LM-head alias of the embeddings, which states saved before the
     save filtered it carry) is known to the model and left as it is."""
+    trainable = trainable_names(hf)
     names = dict(hf.named_parameters(remove_duplicate=False))  # tied weights under every name
-    trainable = {name for name, p in names.items() if p.requires_grad}
     missing, unknown = trainable - weights.keys(), weights.keys() - names.keys()
     if missing or unknown:
         raise UserError(f"the saved weights do not fit this model (missing {sorted(missing)[:3]}, unknown "

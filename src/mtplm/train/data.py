@@ -147,13 +147,16 @@ def _answerer(hf_model, tokenizer, cfg) -> Iterator:
                         f"(got {str(base)!r}); use self_gen_engine=hf")
     slots, width = cfg.self_gen_batch, cfg.seq_len // 2 + cfg.self_gen_max_new_tokens
     stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    with LlamaServer(f16_gguf(base), torch.get_num_threads(), slots * width, parallel=slots) as server, \
-            ThreadPoolExecutor(slots) as pool:
+    pool = ThreadPoolExecutor(slots)
+    with LlamaServer(f16_gguf(base), torch.get_num_threads(), slots * width, parallel=slots) as server:
         def answer(chunk: list) -> list[str]:
             ids = [_prompt(tokenizer, e, cfg) for e in chunk]
             outs = pool.map(lambda p: server.complete(p, cfg.self_gen_max_new_tokens, stops).tokens, ids)
             return [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in outs]
-        yield answer, 8 * slots
+        try:
+            yield answer, 8 * slots
+        finally:  # on a stop, queued prompts are dropped and the server's exit ends those in flight
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _answer(hf_model, tokenizer, chunk: list, cfg) -> list[str]:

@@ -159,8 +159,13 @@ def trainable_state(hf: nn.Module, optimizer: torch.optim.Optimizer, world: Worl
     weights, optimizer_state = get_state_dict(hf, optimizer, options=options)
     # a frozen weight tied to another name (an LM head tied to the embeddings) still comes back under its
     # second name: keep the trainable ones only
-    trainable = {name for name, p in hf.named_parameters(remove_duplicate=False) if p.requires_grad}
+    trainable = trainable_names(hf)
     return {name: w for name, w in weights.items() if name in trainable}, optimizer_state
+
+
+def trainable_names(hf: nn.Module) -> set[str]:
+    """Every name of a parameter that trains, tied aliases included."""
+    return {name for name, p in hf.named_parameters(remove_duplicate=False) if p.requires_grad}
 
 
 def load_optimizer_state(hf: nn.Module, optimizer: torch.optim.Optimizer, state: dict, world: World) -> None:
