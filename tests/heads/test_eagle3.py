@@ -306,6 +306,8 @@ def test_a_resumed_head_run_ends_where_the_uninterrupted_one_does(form, deep_bas
                     batch_size=4, draft_vocab=40, eagle3_layers="1,2,3")
     whole = train(train_config(deep_base_dir, data_file, tmp_path / "whole", **settings), progress=False)
     shutil.copytree(tmp_path / "whole" / "train_state", tmp_path / "resumed" / "train_state")  # stopped at 3
+    shutil.copy(tmp_path / "whole" / "compute.json", tmp_path / "resumed")  # ... after one session's compute
+    first = json.loads((tmp_path / "whole" / "compute.json").read_text())
     resumed = train(train_config(deep_base_dir, data_file, tmp_path / "resumed", resume="auto", **settings),
                     progress=False)
 
@@ -314,6 +316,10 @@ def test_a_resumed_head_run_ends_where_the_uninterrupted_one_does(form, deep_bas
         return {row["step"]: row["loss"] for row in rows if "loss" in row and row["step"] > 3}
 
     assert losses("resumed") == losses("whole") and len(losses("whole")) == 3
+    compute = json.loads((resumed / "mtplm.json").read_text())["training"]["compute"]
+    assert first["sessions"] == 1 and compute["sessions"] == 2  # the metadata counts both sessions
+    assert compute["wall_s"] > first["wall_s"] and compute["cpu_s"] > first["cpu_s"]
+    assert json.loads((tmp_path / "resumed" / "compute.json").read_text())["sessions"] == 2
     expected = load_model(str(whole)).heads.state_dict()
     for name, tensor in load_model(str(resumed)).heads.state_dict().items():
         assert torch.equal(tensor, expected[name]), name

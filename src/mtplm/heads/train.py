@@ -263,6 +263,13 @@ class BlockTraining:
 
 def train_heads(cfg: TrainConfig, progress: bool = True, form=BlockTraining) -> Path:
     """`mtplm train method=heads`: trunk states once, then `steps` head updates; saves run_dir/checkpoint."""
+    from mtplm.train.checkpoint import ComputeClock
+
+    with ComputeClock(Path(cfg.out)) as clock:
+        return _train_heads(cfg, progress, form, clock)
+
+
+def _train_heads(cfg: TrainConfig, progress: bool, form, clock) -> Path:
     import resource
 
     from mtplm.assets.models import cache_dir, model_identity, resolve_model
@@ -289,7 +296,7 @@ def train_heads(cfg: TrainConfig, progress: bool = True, form=BlockTraining) -> 
     log.close()
     model.attach_heads(heads, model_identity(resolve_model(cfg.model)), spec=cfg.model)
     model.meta.training = {"config": as_dict(cfg), "steps": cfg.steps, "samples": len(samples),
-                           "cpu_time_s": round(time.perf_counter() - started, 1), "final_val": val,
+                           "compute": clock.totals(), "final_val": val,
                            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
     out = model.save_heads(run_dir / "checkpoint")
     training_curves(run_dir)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
 import signal
 import threading
@@ -196,3 +197,42 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
 def as_tuples(value):
     """random.Random states are nested tuples; a saved one may come back with lists inside."""
     return tuple(as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+class ComputeClock:
+    """The compute a run has cost over all its sessions, kept in <out>/compute.json.
+
+    A session is one `mtplm train` process; its wall seconds and CPU seconds (every thread of the process,
+    and a llama-server it started for self-generation once that has exited) are added when it ends, however
+    it ends short of SIGKILL, so a resumed run reports what the whole run cost."""
+
+    FILE = "compute.json"
+
+    def __init__(self, run_dir: Path, writes: bool = True) -> None:
+        self.path, self.writes = Path(run_dir) / self.FILE, writes
+        self.wall, self.cpu = time.perf_counter(), _cpu_seconds()
+
+    def _before(self) -> dict:
+        if self.path.is_file():
+            return json.loads(self.path.read_text())
+        return {"wall_s": 0.0, "cpu_s": 0.0, "sessions": 0}
+
+    def totals(self) -> dict:
+        """Earlier sessions plus this one so far."""
+        before = self._before()
+        return {"wall_s": round(before["wall_s"] + time.perf_counter() - self.wall, 1),
+                "cpu_s": round(before["cpu_s"] + _cpu_seconds() - self.cpu, 1),
+                "sessions": before["sessions"] + 1}
+
+    def __enter__(self) -> ComputeClock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.writes and self.path.parent.is_dir():  # a run refused before it began leaves no folder
+            totals = self.totals()
+            atomic_file(self.path, lambda tmp: tmp.write_text(json.dumps(totals) + "\n"))
+
+
+def _cpu_seconds() -> float:
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system

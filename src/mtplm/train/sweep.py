@@ -21,9 +21,9 @@ A sweep file (TOML):
 Knobs are TrainConfig settings, or the aliases in ALIASES (texts, rank, projections, teacher). The
 variant called `base` (no knob changed) always runs. Each variant resumes: a finished one (score.json)
 is skipped, a trained one is only scored, and a half-trained one continues from its train_state (training
-saves every save_every steps, and at the end of the step on SIGTERM / SIGINT). Compute is the wall and
-CPU time (time.process_time: every thread of this process) of the training sessions, self-generation
-included; a killed session's time is kept.
+saves every save_every steps, and at the end of the step on SIGTERM / SIGINT). Compute is the run's
+compute.json (train/checkpoint.py ComputeClock): the wall and CPU time of every training session,
+self-generation included; a session stopped by SIGTERM / Ctrl-C keeps its time.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import csv
 import dataclasses
 import itertools
 import json
-import time
 from pathlib import Path
 
 import tomllib
@@ -145,12 +144,7 @@ def run_variant(sweep: Sweep, variant: Variant, progress: bool = True) -> dict:
         return json.loads(done.read_text())
     trained = out / "trained.json"
     if not trained.is_file():
-        out.mkdir(parents=True, exist_ok=True)
-        wall, cpu = time.perf_counter(), time.process_time()
-        try:
-            checkpoint = train(cfg, progress=progress)
-        finally:  # a killed session's compute still counts
-            _add_compute(out, time.perf_counter() - wall, time.process_time() - cpu)
+        checkpoint = train(cfg, progress=progress)  # each session adds its compute to <out>/compute.json
         trained.write_text(json.dumps({"checkpoint": str(checkpoint)}) + "\n")
     checkpoint = json.loads(trained.read_text())["checkpoint"]
     compute = json.loads((out / "compute.json").read_text())
@@ -159,13 +153,6 @@ def run_variant(sweep: Sweep, variant: Variant, progress: bool = True) -> dict:
            **score(checkpoint, ScoreSettings(**sweep.score), progress)}
     done.write_text(json.dumps(row, indent=2) + "\n")
     return row
-
-
-def _add_compute(out: Path, wall_s: float, cpu_s: float) -> None:
-    path = out / "compute.json"
-    total = json.loads(path.read_text()) if path.is_file() else {"wall_s": 0.0, "cpu_s": 0.0, "sessions": 0}
-    total = {"wall_s": total["wall_s"] + wall_s, "cpu_s": total["cpu_s"] + cpu_s, "sessions": total["sessions"] + 1}
-    path.write_text(json.dumps(total) + "\n")
 
 
 def run_sweep(path: Path, results: Path | None = None, progress: bool = True, only: list[str] | None = None) -> Path:

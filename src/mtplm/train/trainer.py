@@ -201,6 +201,11 @@ def train(cfg: TrainConfig, progress: bool = True) -> Path | None:
 
 
 def _train(cfg: TrainConfig, world: World, progress: bool) -> Path | None:
+    with checkpoint.ComputeClock(Path(cfg.out), writes=world.main) as clock:
+        return _run(cfg, world, progress, clock)
+
+
+def _run(cfg: TrainConfig, world: World, progress: bool, clock: checkpoint.ComputeClock) -> Path | None:
     torch.manual_seed(cfg.seed)
     run_dir = Path(cfg.out)
     resume_from = checkpoint.find_train_state(cfg)
@@ -232,8 +237,7 @@ def _train(cfg: TrainConfig, world: World, progress: bool) -> Path | None:
         return None
 
     model.meta.training = {"config": as_dict(cfg), "steps": cfg.steps, "samples": len(samples),
-                           "world_size": world.size, "cpu_time_s": round(time.perf_counter() - started, 1),
-                           "final_val": val}
+                           "world_size": world.size, "compute": clock.totals(), "final_val": val}
     trainer.recipe.save(model, run_dir, final=True)  # the trained weights are safe before anything else can fail
     check = decode_check(model, val_samples[:8], cfg)
     record({"step": cfg.steps, "decode_check": check})
