@@ -320,6 +320,8 @@ def test_a_resumed_head_run_ends_where_the_uninterrupted_one_does(form, deep_bas
     assert first["sessions"] == 1 and compute["sessions"] == 2  # the metadata counts both sessions
     assert compute["wall_s"] > first["wall_s"] and compute["cpu_s"] > first["cpu_s"]
     assert json.loads((tmp_path / "resumed" / "compute.json").read_text())["sessions"] == 2
+    stamps = [json.loads(line)["elapsed_s"] for line in (tmp_path / "resumed" / "metrics.jsonl").open()]
+    assert min(stamps) >= first["wall_s"]  # the log's clock runs on from the first session's
     expected = load_model(str(whole)).heads.state_dict()
     for name, tensor in load_model(str(resumed)).heads.state_dict().items():
         assert torch.equal(tensor, expected[name]), name

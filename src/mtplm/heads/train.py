@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -283,14 +282,13 @@ def _train_heads(cfg: TrainConfig, progress: bool, form, clock) -> Path:
     (run_dir / "config.json").write_text(json.dumps(as_dict(cfg), indent=2) + "\n")
     model = MTPModel.load(cfg.model, dtype=cfg.dtype)
     samples = load_samples(cfg.data, model.tokenizer, model.hf, run_dir, cfg)
-    started = time.perf_counter()
     rows = trunk_states(model, samples, cfg.seq_len, progress, cache_dir() / "trunk", form.layers(cfg, model))
     num_val = max(1, int(len(rows) * cfg.val_fraction))
     train_rows, val_rows = (rows[:-num_val] or rows), rows[-num_val:]
     val_batches = [HeadBatch.of(val_rows[i: i + cfg.batch_size]) for i in range(0, len(val_rows), cfg.batch_size)]
     heads, trainer = form.setup(cfg, model, train_rows)
     state = saved_state(cfg)  # before the log opens: resuming first cuts the metrics after the saved step
-    log = MetricsLog(run_dir, started)
+    log = MetricsLog(run_dir, clock)
     val = _fit(cfg, trainer, train_rows, val_batches, log.record, cfg.head_window if form.windows else 0, progress,
                state)
     log.close()

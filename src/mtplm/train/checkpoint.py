@@ -171,13 +171,15 @@ def load_weights(hf: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
 
 
 class MetricsLog:
-    """A run's metrics.jsonl: one JSON object per line, stamped with the seconds since the run started."""
+    """A run's metrics.jsonl: one JSON object per line, stamped with the run's compute so far (`clock`,
+    every session of a resumed run): elapsed_s wall seconds and cpu_s CPU seconds."""
 
-    def __init__(self, run_dir: Path, started: float) -> None:
-        self.file, self.started = open(run_dir / "metrics.jsonl", "a"), started
+    def __init__(self, run_dir: Path, clock: ComputeClock) -> None:
+        self.file, self.clock = open(run_dir / "metrics.jsonl", "a"), clock
 
     def record(self, entry: dict) -> None:
-        self.file.write(json.dumps({**entry, "elapsed_s": round(time.perf_counter() - self.started, 1)}) + "\n")
+        totals = self.clock.totals()
+        self.file.write(json.dumps({**entry, "elapsed_s": totals["wall_s"], "cpu_s": totals["cpu_s"]}) + "\n")
         self.file.flush()
 
     def close(self) -> None:
@@ -211,15 +213,13 @@ class ComputeClock:
     def __init__(self, run_dir: Path, writes: bool = True) -> None:
         self.path, self.writes = Path(run_dir) / self.FILE, writes
         self.wall, self.cpu = time.perf_counter(), _cpu_seconds()
-
-    def _before(self) -> dict:
+        self.before = {"wall_s": 0.0, "cpu_s": 0.0, "sessions": 0}
         if self.path.is_file():
-            return json.loads(self.path.read_text())
-        return {"wall_s": 0.0, "cpu_s": 0.0, "sessions": 0}
+            self.before = json.loads(self.path.read_text())
 
     def totals(self) -> dict:
         """Earlier sessions plus this one so far."""
-        before = self._before()
+        before = self.before
         return {"wall_s": round(before["wall_s"] + time.perf_counter() - self.wall, 1),
                 "cpu_s": round(before["cpu_s"] + _cpu_seconds() - self.cpu, 1),
                 "sessions": before["sessions"] + 1}

@@ -12,7 +12,6 @@ import json
 import math
 import os
 import random
-import time
 from pathlib import Path
 
 import torch
@@ -221,8 +220,7 @@ def _run(cfg: TrainConfig, world: World, progress: bool, clock: checkpoint.Compu
     start = trainer.restore(state, stream) if state else 0
     if world.main:
         _start_run(cfg, run_dir, start if state else None, resume_from)
-    started = time.perf_counter()
-    log = checkpoint.MetricsLog(run_dir, started) if world.main else None
+    log = checkpoint.MetricsLog(run_dir, clock) if world.main else None
     record = log.record if log else lambda entry: None
     val = trainer.validate(val_batches)  # draws nothing from the training RNGs: safe to repeat on resume
     if not state:
