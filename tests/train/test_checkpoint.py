@@ -6,6 +6,7 @@ import errno
 import json
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -188,3 +189,25 @@ def test_the_ground_truth_kv_is_kept_only_where_it_fits_the_budget_and_the_free_
     assert prepared(1e-9) is None and "more than ground_truth_cache_gb" in capsys.readouterr().out
     monkeypatch.setattr(recipes.psutil, "virtual_memory", lambda: SimpleNamespace(available=1000))
     assert prepared(1.0) is None and "more than the RAM training can spare" in capsys.readouterr().out
+
+
+def test_compute_adds_up_over_resumed_sessions_and_restarts_with_a_fresh_run(tmp_path):
+    from mtplm.train.checkpoint import ComputeClock
+
+    def session(fresh: bool = False) -> dict:
+        with ComputeClock(tmp_path) as clock:
+            if fresh:
+                clock.fresh()
+            started = time.process_time()
+            while time.process_time() - started < 0.25:  # some CPU time
+                pass
+        return json.loads((tmp_path / "compute.json").read_text())
+
+    first = session()
+    second = session()  # a resumed session counts on
+    assert (first["sessions"], second["sessions"]) == (1, 2)
+    assert second["cpu_s"] > first["cpu_s"] > 0 and second["wall_s"] > first["wall_s"]
+    assert session(fresh=True)["sessions"] == 1  # a run started over does not inherit the old compute
+    with ComputeClock(tmp_path / "never-made"):
+        pass
+    assert not (tmp_path / "never-made").exists()  # a run refused before it began leaves nothing behind

@@ -288,6 +288,8 @@ def _train_heads(cfg: TrainConfig, progress: bool, form, clock) -> Path:
     val_batches = [HeadBatch.of(val_rows[i: i + cfg.batch_size]) for i in range(0, len(val_rows), cfg.batch_size)]
     heads, trainer = form.setup(cfg, model, train_rows)
     state = saved_state(cfg)  # before the log opens: resuming first cuts the metrics after the saved step
+    if state is None:
+        clock.fresh()
     log = MetricsLog(run_dir, clock)
     val = _fit(cfg, trainer, train_rows, val_batches, log.record, cfg.head_window if form.windows else 0, progress,
                state)

@@ -213,9 +213,13 @@ class ComputeClock:
     def __init__(self, run_dir: Path, writes: bool = True) -> None:
         self.path, self.writes = Path(run_dir) / self.FILE, writes
         self.wall, self.cpu = time.perf_counter(), _cpu_seconds()
-        self.before = {"wall_s": 0.0, "cpu_s": 0.0, "sessions": 0}
+        self.fresh()
         if self.path.is_file():
             self.before = json.loads(self.path.read_text())
+
+    def fresh(self) -> None:
+        """The run starts over (nothing resumed): earlier sessions' compute is not its compute."""
+        self.before = {"wall_s": 0.0, "cpu_s": 0.0, "sessions": 0}
 
     def totals(self) -> dict:
         """Earlier sessions plus this one so far."""

@@ -209,6 +209,8 @@ def _run(cfg: TrainConfig, world: World, progress: bool, clock: checkpoint.Compu
     run_dir = Path(cfg.out)
     resume_from = checkpoint.find_train_state(cfg)
     state = checkpoint.load_train_state(resume_from, cfg) if resume_from else None
+    if state is None:
+        clock.fresh()
     model = _load_model(cfg, world)
     samples = _load_samples(cfg, model, world)
     _add_mask_token(model, cfg)
