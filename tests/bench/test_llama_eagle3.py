@@ -4,6 +4,8 @@ drafting with it gives exactly llama-server's plain greedy token ids (slow)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -129,3 +131,58 @@ def test_llama_server_with_our_drafter_is_plain_greedy(drafter_gguf):
         outputs = [drafted.complete(ids, 48, [2]).tokens for ids in prompts]
     assert outputs == expected
     assert sum(t.get("draft_n", 0) for t in drafted.timings) > 0  # the drafter ran and was verified
+
+
+# ---- a Qwen2-architecture target (Qwen2.5 models): its llama.cpp graph must hand EAGLE-3 its layer inputs ----
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory) -> tuple[Path, Path]:
+    """A random 4-layer Qwen2ForCausalLM with the installed SmolLM2 tokenizer (a tokenizer llama.cpp's converter
+    knows); (its folder, its GGUF in f32, so that batched and single-row passes round alike at near ties)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    if not (INSTALL / "bin" / "llama-server").is_file():
+        pytest.skip("llama-server is not installed: run scripts/install_llama_server.sh")
+    if not (BASE / "config.json").is_file():
+        pytest.skip("default model not installed: run `mtplm setup`")
+    tokenizer = AutoTokenizer.from_pretrained(BASE)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("qwen2") / "tiny-qwen2"
+    Qwen2ForCausalLM(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json"):
+        if (BASE / name).is_file():  # copied as they are: the converter recognizes this tokenizer by its files
+            shutil.copy(BASE / name, out / name)
+    # transformers loads the tokenizer of any model_type "qwen2" folder as Qwen2Tokenizer (Qwen's pre-tokenizer),
+    # which the converter does not recognize on this vocabulary; it converts a copy whose config says "llama" to
+    # transformers, while the converter still builds the graph from `architectures` (Qwen2ForCausalLM: qwen2)
+    copy = out.parent / "for-the-converter"
+    shutil.copytree(out, copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    gguf = llamacpp.convert(copy, out.parent / "target.gguf", "--outtype", "f32")  # f32: random logits lie close
+    return out, gguf
+
+
+@pytest.mark.slow
+def test_a_qwen2_target_drafts_with_our_eagle3_drafter_in_llama_server(tiny_qwen2, tmp_path):
+    """Stock llama.cpp 11434 aborts here (its qwen2 graph records no layer inputs); the install patches that."""
+    from gguf import GGUFReader
+
+    base, target = tiny_qwen2
+    field = GGUFReader(target).fields["general.architecture"]
+    assert bytes(field.parts[field.data[0]]).decode() == "qwen2"
+    checkpoint = eagle3_checkpoint(base, tmp_path / "eagle3", [1, 2, 3], 2048)
+    drafter = tmp_path / "drafter.gguf"
+    assert main(["export", "--format", "gguf-eagle3", str(checkpoint), str(drafter), "--target-model-dir",
+                 str(target.parent / "for-the-converter")]) == 0
+    prompts = [[1 + i, 500 + 7 * i, 90 + i, 3000 + i] for i in range(6)]
+    with LlamaServer(target, threads=2, context=512) as plain, \
+            LlamaServer(target, threads=2, context=512, drafter=EAGLE3, draft_model=drafter) as drafted:
+        expected = [plain.complete(ids, 24, []).tokens for ids in prompts]
+        outputs = [drafted.complete(ids, 24, []).tokens for ids in prompts]
+    assert outputs == expected and all(len(out) == 24 for out in outputs)
+    assert sum(t.get("draft_n", 0) for t in drafted.timings) > 0
