@@ -45,11 +45,11 @@ def hours_to(target: float, trend: tuple[float, float]) -> float | None:
 
 
 def plot(points: dict, final: dict, trends: dict, title: str, path: Path) -> None:
-    import matplotlib
+    from mtplm.bench.plots import _pyplot, _save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for (mode, pts), marker in zip(points.items(), "os", strict=False):
         line = ax.plot([x for x, _ in pts], [y for _, y in pts], marker=marker, label=f"{mode}: replay during training")
@@ -64,9 +64,7 @@ def plot(points: dict, final: dict, trends: dict, title: str, path: Path) -> Non
     ax.set(xscale="log", xlabel="training wall-clock hours on this machine (log)", ylabel="held-out tokens/pass",
            title=title)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def main() -> None:

@@ -37,6 +37,7 @@ from mtplm.files import atomic_file
 from mtplm.heads.forms import Heads, head_lr_scale, head_weights
 from mtplm.heads.resume import Loop, restore, save, saved_state
 from mtplm.model import MTPModel
+from mtplm.train.checkpoint import ComputeClock, MetricsLog
 from mtplm.train.data import Sample, row_ids
 
 
@@ -262,18 +263,15 @@ class BlockTraining:
 
 def train_heads(cfg: TrainConfig, progress: bool = True, form=BlockTraining) -> Path:
     """`mtplm train method=heads`: trunk states once, then `steps` head updates; saves run_dir/checkpoint."""
-    from mtplm.train.checkpoint import ComputeClock
-
     with ComputeClock(Path(cfg.out)) as clock:
         return _train_heads(cfg, progress, form, clock)
 
 
-def _train_heads(cfg: TrainConfig, progress: bool, form, clock) -> Path:
+def _train_heads(cfg: TrainConfig, progress: bool, form, clock: ComputeClock) -> Path:
     import resource
 
     from mtplm.assets.models import cache_dir, model_identity, resolve_model
     from mtplm.bench.plots import training_curves
-    from mtplm.train.checkpoint import MetricsLog
     from mtplm.train.data import load_samples
 
     torch.manual_seed(cfg.seed)

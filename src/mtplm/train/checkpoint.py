@@ -213,20 +213,19 @@ class ComputeClock:
     def __init__(self, run_dir: Path, writes: bool = True) -> None:
         self.path, self.writes = Path(run_dir) / self.FILE, writes
         self.wall, self.cpu = time.perf_counter(), _cpu_seconds()
-        self.fresh()
-        if self.path.is_file():
-            self.before = json.loads(self.path.read_text())
+        self.before = json.loads(self.path.read_text()) if self.path.is_file() else self.NONE
+
+    NONE = {"wall_s": 0.0, "cpu_s": 0.0, "sessions": 0}
 
     def fresh(self) -> None:
         """The run starts over (nothing resumed): earlier sessions' compute is not its compute."""
-        self.before = {"wall_s": 0.0, "cpu_s": 0.0, "sessions": 0}
+        self.before = self.NONE
 
     def totals(self) -> dict:
         """Earlier sessions plus this one so far."""
-        before = self.before
-        return {"wall_s": round(before["wall_s"] + time.perf_counter() - self.wall, 1),
-                "cpu_s": round(before["cpu_s"] + _cpu_seconds() - self.cpu, 1),
-                "sessions": before["sessions"] + 1}
+        return {"wall_s": round(self.before["wall_s"] + time.perf_counter() - self.wall, 1),
+                "cpu_s": round(self.before["cpu_s"] + _cpu_seconds() - self.cpu, 1),
+                "sessions": self.before["sessions"] + 1}
 
     def __enter__(self) -> ComputeClock:
         return self

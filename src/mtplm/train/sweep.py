@@ -135,6 +135,7 @@ def config(sweep: Sweep, variant: Variant) -> TrainConfig:
 def run_variant(sweep: Sweep, variant: Variant, progress: bool = True) -> dict:
     """Train (or resume) and score one variant; its row of the table (also <out>/score.json)."""
     from mtplm.bench.heldout import ScoreSettings, score
+    from mtplm.train.checkpoint import ComputeClock
     from mtplm.train.trainer import train
 
     cfg = config(sweep, variant)
@@ -147,7 +148,7 @@ def run_variant(sweep: Sweep, variant: Variant, progress: bool = True) -> dict:
         checkpoint = train(cfg, progress=progress)  # each session adds its compute to <out>/compute.json
         trained.write_text(json.dumps({"checkpoint": str(checkpoint)}) + "\n")
     checkpoint = json.loads(trained.read_text())["checkpoint"]
-    compute = json.loads((out / "compute.json").read_text())
+    compute = json.loads((out / ComputeClock.FILE).read_text())
     row = {"variant": variant.name, "settings": variant.settings, "steps": cfg.steps, "k_max": cfg.k_max,
            "train_wall_h": compute["wall_s"] / 3600, "train_cpu_h": compute["cpu_s"] / 3600,
            **score(checkpoint, ScoreSettings(**sweep.score), progress)}
