@@ -48,6 +48,9 @@ def test_bench_writes_json_markdown_and_plot(tmp_path):
     passed = sum(s["mean"] * s["n"] for s in scores.values())
     assert plain["task_accuracy"] == pytest.approx(passed / 4)
     assert "Cost to serve" in (tmp_path / "bench" / "report.md").read_text()
+    # the replayable mask-slot rows are predicted too; a row on another backend is not
+    assert [r["mode"] for r in report["predicted"]["rows"]] == ["static:2", "confadapt:0.5", "verified:quadratic"]
+    assert "Predicted vs measured" in (tmp_path / "bench" / "report.md").read_text()
 
 
 def test_cost_table_scales_with_measured_speed():
@@ -79,3 +82,36 @@ def test_assisted_decoding_baseline_is_compared_with_its_own_target(tmp_path):
     assert report["compared_with"][f"hf-assisted[{target}]"] == f"hf-generate[{target}]"
     assert assisted["identical_outputs"] == 1.0  # assisted greedy decoding is lossless against its target
     assert rows["ntp"]["identical_outputs"] == 1.0
+
+
+def test_bench_prediction_matches_what_the_same_run_measured(chain_checkpoint):
+    """The bench's predicted rows replay the decoders' own rules over the plain answers: verified exactly."""
+    from synthetic import chain_rows
+
+    from mtplm.bench.predicted import predicted_rows
+    from mtplm.bench.run import Record, parse_modes, summarize
+    from mtplm.decode.backends import make_backend
+    from mtplm.decode.loop import generate
+    from mtplm.model import MTPModel
+    from mtplm.text import chat_prompt_ids
+
+    model = MTPModel.load(chain_checkpoint)
+    modes = parse_modes("verified,verified:quadratic@3,confadapt:0.9,verified:tree,ntp[eager]", None, "top1")
+    prompts = [chat_prompt_ids(model.tokenizer, row["prompt"]) for row in chain_rows(8, seed=77)]
+    records = {name: [] for name, _ in modes}
+    for ids in prompts:
+        for name, cfg in modes:
+            cfg.max_new_tokens = 24
+            if cfg.drafting == "tree":
+                continue
+            out = generate(model, ids, cfg)
+            records[name].append(Record("chain", out.tokens, out.elapsed_s, out.accepted, out.ttft_s, 0.0))
+    rows = {name: summarize(name, recs, records["ntp"]) for name, recs in records.items() if recs}
+    predicted = predicted_rows(model, modes, prompts, records["ntp"], rows, make_backend("eager", model), "eager", 24)
+    by_mode = {r["mode"]: r for r in predicted["rows"]}
+    assert list(by_mode) == ["verified", "verified:quadratic@3", "confadapt:0.9"]  # no tree, no other backend
+    for mode in ("verified", "verified:quadratic@3"):
+        assert by_mode[mode]["measured_tokens_per_pass"] > 1.5  # the slots learned the language: drafts are kept
+        assert by_mode[mode]["predicted_tokens_per_pass"] == pytest.approx(by_mode[mode]["measured_tokens_per_pass"],
+                                                                           rel=0.03)
+    assert all(r["predicted_speedup"] > 0 for r in predicted["rows"]) and "c(1)" in predicted["curve"]

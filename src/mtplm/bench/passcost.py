@@ -63,12 +63,13 @@ class PassCost:
 
 @torch.inference_mode()
 def measure(model, backend_name: str = "eager", rows: tuple[int, ...] = ROWS, context: int = 200,
-            repeats: int = 10) -> PassCost:
-    """Time one pass per row count (best of `repeats`, row counts interleaved) on `model` (an MTPModel)."""
+            repeats: int = 10, backend=None) -> PassCost:
+    """Time one pass per row count (best of `repeats`, row counts interleaved) on `model` (an MTPModel), on
+    `backend` if given (its slot 0 is overwritten; a compiled one keeps its compiled buckets), else a new one."""
     from mtplm.decode.backends import make_backend
     from mtplm.decode.protocol import Feed
 
-    backend = make_backend(backend_name, model, slots=1)
+    backend = backend or make_backend(backend_name, model, slots=1)
     context = min(context, getattr(model.hf.config, "max_position_embeddings", context) - max(rows) - 1)
     token = 5  # any ordinary token: the cost does not depend on which
     backend.run(0, [Feed([token] * context, context, 0, 0, False, None)], [0])

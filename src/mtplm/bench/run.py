@@ -19,6 +19,8 @@ from mtplm.bench import llama_server
 from mtplm.bench.cost import Assumptions, cost_markdown
 from mtplm.bench.machine import PeakMemory, machine
 from mtplm.bench.plots import bench_plot
+from mtplm.bench.predicted import markdown as predicted_markdown
+from mtplm.bench.predicted import predicted_rows
 from mtplm.bench.tasks import humaneval_problems, score_example
 from mtplm.config import DecodeConfig, add_backend_argument, add_dtype_argument, mode_grammar, parse_mode
 from mtplm.errors import UserError
@@ -62,6 +64,8 @@ def add_arguments(p) -> None:
                         "with the same tokenizer, e.g. qwen2.5-coder-1.5b), against TARGET's own HF greedy")
     p.add_argument("--no-score", action="store_true",
                    help="skip task scoring (GSM8K exact match, HumanEval pass@1, structured-output parsing)")
+    p.add_argument("--no-predict", action="store_true",
+                   help="skip the predicted-vs-measured table (decoder replay over the plain answers)")
     p.add_argument("--daily-tokens", type=float, default=1e9, help="cost table: tokens/day to serve (default: 1e9)")
     p.add_argument("--machine-watts", type=float, default=60.0, help="cost table: watts per machine (default: 60)")
     p.add_argument("--machine-usd-per-hour", type=float, default=0.08, help="cost table: machine price (default: 0.08)")
@@ -178,6 +182,9 @@ def run_bench(args) -> dict:
     by_source = {src: [summarize(name, [r for r in recs if r.source == src],
                                  [r for r in reference[name] if r.source == src])
                        for name, recs in records.items()] for src in sources}
+    predicted = {} if args.no_predict else predicted_rows(model, modes, prompts, records["ntp"],
+                                                          {r["mode"]: r for r in rows}, backend, backend_name,
+                                                          args.max_new_tokens)
     report = {
         "command": "mtplm bench " + " ".join(getattr(args, "argv", [])),
         "model": args.model, "dtype": args.dtype, "prompt_set": args.prompt_set, "prompts": len(prompts),
@@ -190,10 +197,11 @@ def run_bench(args) -> dict:
         "cost_assumptions": asdict(Assumptions(daily_tokens=args.daily_tokens, machine_watts=args.machine_watts,
                                                machine_usd_per_hour=args.machine_usd_per_hour)),
         "checkpoint": model.meta.training if model.meta else None,
-        "llama_server": servers.summary() if servers else {},
+        "llama_server": servers.summary() if servers else {}, "predicted": predicted,
     }
     write_report(report, args.out)
     print(markdown_table(rows))
+    print("\n".join(["", *predicted_markdown(predicted)]).rstrip())
     print(f"\nreport: {args.out / 'report.md'}")
     return report
 
@@ -368,6 +376,7 @@ def write_report(report: dict, out: Path) -> None:
         text += ["### Cost to serve (doc 000 §4.3)", "",
                  cost_markdown(report["rows"], Assumptions(**report["cost_assumptions"])), ""]
     text += llama_server.markdown(report.get("llama_server", {}))
+    text += predicted_markdown(report.get("predicted", {}))
     text += ["Tokens emitted per forward pass (share of steps):", ""]
     for name, hist in report["histograms"].items():
         text.append(f"- {name}: " + ", ".join(f"{k}: {v:.0%}" for k, v in hist.items()))
