@@ -181,9 +181,10 @@ def _decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k-max", type=int, default=None,
                    help="ConfAdapt block size / verified: most tokens per pass (default: the checkpoint's)")
     p.add_argument("--drafting", default=d.drafting,
-                   help="verified: linear | quadratic | tree (head-based checkpoints) (default: %(default)s)")
+                   help="verified: linear | quadratic | tree (top choices per depth, verified at once) "
+                        "(default: %(default)s)")
     p.add_argument("--tree-widths", default=d.tree_widths,
-                   help="tree drafting: candidates per depth from the heads' top choices (default: %(default)s)")
+                   help="tree drafting: candidates per depth from the top choices (default: %(default)s)")
     p.add_argument("--window", default=d.window, help=f"verified: {WINDOWS.describe()} (default: %(default)s)")
     p.add_argument("--tau", type=float, default=None, help="ConfAdapt threshold in (0, 1] (default: the checkpoint's)")
     p.add_argument("--confidence", default=d.confidence, help=f"{CONFIDENCE.describe()} (default: %(default)s)")

@@ -68,8 +68,8 @@ class DecodeConfig:
     # verified mode; defaults = the fastest wall-clock setting measured on this CPU (README, Benchmark).
     # Where extra rows in a pass are nearly free (GPU), quadratic drafting accepts the most tokens per pass.
     drafting: str = "linear"  # linear (one mask block, after the last draft) | quadratic (a block after every draft)
-    #                           | tree (heads only: candidates from each head's top choices, verified at once)
-    tree_widths: str = "2,2"  # tree drafting: candidates per depth from the heads' top choices; deeper depths 1
+    #                           | tree (candidates from the heads' or mask slots' top choices, verified at once)
+    tree_widths: str = "2,2"  # tree drafting: candidates per depth from the top choices; deeper depths 1
     window: str = "adaptive"  # a WINDOWS registry name (decode/windows.py)
     temperature: float = 0.0  # 0 = greedy; > 0 samples (verified: exactly the model's distribution)
     top_k: int = 0

@@ -120,44 +120,47 @@ def step_layout(pending: int, drafts: int, slots: int, quadratic: bool,
     following node parents[i], -1: the last pending token), then mask blocks of `slots` each.
 
     Mask blocks come one after the last draft (linear), or one after the last committed token and after
-    every draft (quadratic: whatever prefix survives verification, a block conditioned on exactly that
-    prefix exists). Real tokens come first and attend causally to real tokens only, so their logits and
-    KV equal a plain forward's and rejected parts crop off the end of the cache. Block j sits at the
-    positions that follow real row pending-1+j and sees the real rows up to there and its own earlier
+    every draft (quadratic; for a tree, after every node: whatever path survives verification, a block
+    conditioned on exactly that path exists). Real tokens come first and attend causally to real tokens
+    (a tree node: to its ancestors) only, so their logits and KV equal a plain forward's and rejected parts
+    crop off the end of the cache. Block j sits at the positions that follow real row pending-1+j and sees
+    the real rows up to there (a tree: the pending tokens, node j-1 and its ancestors) and its own earlier
     slots. Every row also sees the whole cache (the caller's business).
     """
     if parents is not None:
-        return _tree_rows(pending, parents)
+        return _tree_rows(pending, parents, slots if quadratic else 0)
     real = pending + drafts
     if not (quadratic and drafts and slots):  # one block at most, after the last token: plain causal
         size = real + slots
         return torch.arange(size), torch.ones(size, size, dtype=torch.bool).tril()
-    blocks = drafts + 1
-    q_block = torch.cat([torch.full((real,), -1), torch.arange(blocks).repeat_interleave(slots)])
-    q_slot = torch.cat([torch.full((real,), -1), torch.arange(slots).repeat(blocks)])
-    q_limit = torch.cat([torch.arange(real), (pending - 1 + torch.arange(blocks)).repeat_interleave(slots)])
-    offsets = torch.cat([torch.arange(real), q_limit[real:] + 1 + q_slot[real:]])
-    index = torch.arange(len(q_block))
-    blocked = _blocked_mask(q_block[None], q_slot[None], q_limit[None], q_block[None], q_slot[None], index[None],
-                            torch.float32)
-    return offsets, blocked[0, 0] == 0
+    return _tree_rows(pending, list(range(-1, drafts - 1)), slots)  # linear drafts: a chain-shaped tree
 
 
-def _tree_rows(pending: int, parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Node i sits one position after its parent and sees the pending tokens and its own ancestors."""
+def _tree_rows(pending: int, parents: list[int], slots: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Node i sits one position after its parent and sees the pending tokens and its own ancestors; with
+    `slots`, a mask block follows the last pending token and then each node, seeing what its anchor sees."""
+    nodes = len(parents)
     depth: list[int] = []
-    for parent in parents:
+    lineage: list[list[int]] = []  # each node's ancestors and itself, as fed rows
+    for i, parent in enumerate(parents):
         depth.append(1 if parent < 0 else depth[parent] + 1)
-    size = pending + len(parents)
+        lineage.append(([] if parent < 0 else lineage[parent]) + [pending + i])
+    real = pending + nodes
+    size = real + (nodes + 1) * slots if slots else real
     allowed = torch.zeros(size, size, dtype=torch.bool)
     allowed[:pending, :pending] = torch.ones(pending, pending, dtype=torch.bool).tril()
     allowed[pending:, :pending] = True
-    for i, parent in enumerate(parents):
-        allowed[pending + i, pending + i] = True
-        while parent >= 0:
-            allowed[pending + i, pending + parent] = True
-            parent = parents[parent]
-    return torch.cat([torch.arange(pending), pending - 1 + torch.tensor(depth, dtype=torch.long)]), allowed
+    offsets = [*range(pending), *(pending - 1 + d for d in depth)]
+    for i in range(nodes):
+        allowed[pending + i, lineage[i]] = True
+    for block in range(nodes + 1 if slots else 0):  # block 0 after the pending tokens, block j after node j-1
+        anchor = pending - 1 + (depth[block - 1] if block else 0)
+        first = real + block * slots
+        for slot in range(slots):
+            allowed[first + slot, lineage[block - 1] if block else []] = True
+            allowed[first + slot, first: first + slot + 1] = True
+            offsets.append(anchor + 1 + slot)
+    return torch.tensor(offsets, dtype=torch.long), allowed
 
 
 def with_cache(past: int, offsets: torch.Tensor, allowed: torch.Tensor,

@@ -24,6 +24,7 @@ MODES = [
     DecodeConfig(mode="confadapt", tau=0.9, k_max=4, backoff=True),
     DecodeConfig(mode="verified", k_max=4, drafting="linear", window="adaptive"),
     DecodeConfig(mode="verified", k_max=4, drafting="quadratic", window="fixed"),
+    DecodeConfig(mode="verified", k_max=4, drafting="tree", tree_widths="2,1,1", window="fixed"),
     DecodeConfig(mode="verified", k_max=4, temperature=0.8, seed=3),
     DecodeConfig(mode="ntp", temperature=1.0, top_p=0.9, seed=5),
 ]

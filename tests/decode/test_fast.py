@@ -53,8 +53,10 @@ def masked(model: MTPModel, tokens: list[int], drafts: int, slots: int, quadrati
     return Feed(tokens + [model.mask_id] * (blocks * slots), pending, drafts, slots, quadratic, None)
 
 
-def tree(tokens: list[int], parents: tuple[int, ...]) -> Feed:
-    return Feed(tokens, len(tokens) - len(parents), len(parents), 0, False, parents)
+def tree(tokens: list[int], parents: tuple[int, ...], model: MTPModel | None = None, slots: int = 0) -> Feed:
+    """A draft tree; with `model` and `slots`, a mask block after the pending tokens and after every node."""
+    blocks = [model.mask_id] * ((len(parents) + 1) * slots) if model is not None else []
+    return Feed(tokens + blocks, len(tokens) - len(parents), len(parents), slots, bool(blocks), parents)
 
 
 class Pair:
@@ -95,6 +97,7 @@ def test_every_layout_matches_the_eager_pass(arch):
          masked(model, [5], 0, 2, quadratic=False) if mask_rows else plain([5]),
          tree([6, 7, 8, 9, 10], (-1, 0, 0, 1))],
         [tree([1, 2, 3], (-1, -1)), plain([5, 6, 7]), plain([8])],
+        [tree([1, 2, 3, 4], (-1, -1, 0), model, 2) if mask_rows else plain([1]), plain([2]), plain([3])],
     ]
     for feeds in steps:
         pair.step(0, feeds, lengths)

@@ -168,3 +168,47 @@ def test_verified_sampling_is_seeded_and_matches_the_models_distribution():
     assert drafted > 0.3 * n  # the second token often came from an accepted draft
     # sampling noise alone gives ~0.06 here; keeping every draft (no acceptance test) gives ~0.24
     assert 0.5 * (counts / n - exact).abs().sum() < 0.1
+
+
+@pytest.mark.parametrize("widths", ["2,1,1", "2,2", "3,1"])
+def test_mask_slot_trees_are_plain_greedy(chain_checkpoint, widths):
+    """A tree from the mask slots' top choices, a block fed after every node: fp32 output is plain greedy. At
+    k_max 4, 2,1,1 fits the row budget three deep, as deep as quadratic drafting, so it needs no more passes
+    (the tree holds quadratic's chain of top choices); 2,2 and 3,1 fit two deep only."""
+    model = MTPModel.load(chain_checkpoint)
+    prompts = [chat_prompt_ids(model.tokenizer, row["prompt"]) for row in chain_rows(6, seed=99)]
+    prompts += _random_prompts(4, seed=7)
+    tree_forwards = quadratic_forwards = 0
+    for i, prompt in enumerate(prompts):
+        plain = generate(model, prompt, DecodeConfig(mode="ntp", max_new_tokens=24)).tokens
+        tree = _verified(model, prompt, 24, k_max=4, drafting="tree", tree_widths=widths, window="fixed")
+        assert tree.tokens == plain, f"prompt {i}"
+        tree_forwards += tree.forwards
+        quadratic_forwards += _verified(model, prompt, 24, k_max=4, drafting="quadratic", window="fixed").forwards
+    assert tree_forwards < 1.2 * quadratic_forwards  # trees really were accepted
+    if widths == "2,1,1":
+        assert tree_forwards <= quadratic_forwards
+
+
+def test_a_mask_slot_tree_stays_within_the_row_budget(chain_checkpoint):
+    """Deep windows and wide trees: every pass feeds at most MAX_TREE_ROWS rows from its last pending token on."""
+    from mtplm.decode.backends import EagerBackend
+    from mtplm.decode.verified import MAX_TREE_ROWS
+
+    class Recording(EagerBackend):
+        rows: list[int] = []
+
+        def run(self, start, feeds, lengths):
+            self.rows += [len(feed.tokens) - feed.pending + 1 for feed in feeds]
+            return super().run(start, feeds, lengths)
+
+    model = MTPModel.load(chain_checkpoint)
+    prompt = chat_prompt_ids(model.tokenizer, chain_rows(1, seed=5)[0]["prompt"])
+    cfg = DecodeConfig(mode="verified", drafting="tree", tree_widths="3,3,2", k_max=8, window="fixed",
+                       max_new_tokens=24)
+    backend = Recording(model, slots=1)
+    steps = list(stream(model, prompt, make_strategy(cfg, Thresholds(k_max=8)), 24, set(), backend=backend))
+    plain = generate(model, prompt, DecodeConfig(mode="ntp", max_new_tokens=24)).tokens
+    assert [t for step in steps for t in step.tokens][: len(plain)] == plain
+    assert max(step.drafted for step in steps) >= 3  # trees were drafted ...
+    assert max(backend.rows) <= MAX_TREE_ROWS  # ... none beyond the budget (unbounded: 824 rows at depth 7)

@@ -44,8 +44,6 @@ CHAT = {"model": "mtp", "messages": [{"role": "user", "content": "t1 t2"}], "max
     ({**COMPLETION, "n": 2, "seed": 2**64 - 1}, "seed"),  # used to fail after the first choice was submitted
     ({**COMPLETION, "seed": -1}, "seed"),
     ({**COMPLETION, "temperature": 1.0, "top_p": 1e-300}, "top_p"),  # used to sample from NaN
-    ({**COMPLETION, "temperature": 0, "mode": "verified:tree"}, "mode"),  # tree needs heads: was a 500
-    ({**COMPLETION, "temperature": 0, "max_tokens": 2, "mode": "verified:tree"}, "mode"),  # ... or a 200
     ({**COMPLETION, "mode": "static:1000"}, "mode"),
     ({**COMPLETION, "mode": "confadapt:0.9@100000"}, "mode"),
     ({**COMPLETION, "mode": "verified:quadratic@1000"}, "mode"),

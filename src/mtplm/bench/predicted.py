@@ -4,9 +4,9 @@ served speedup replayed over the plain answers (train/predict.py), priced on thi
 
 This is what a training run's log predicts from its validation answers; here both sides come from the same
 prompts, so the error column says how far the predictor can be trusted on this machine. Modes the replay
-does not model (tree drafting, sampling, a row on another backend, a confidence other than top-1) are left
-out. The answers are plain greedy output, so verified's replay is exact up to bf16 multi-row rounding;
-ConfAdapt is replayed on the greedy text (after a confident wrong token the real decoder diverges).
+does not model (sampling, a row on another backend, a confidence other than top-1) are left out. The
+answers are plain greedy output, so verified's replay is exact up to bf16 multi-row rounding; ConfAdapt
+is replayed on the greedy text (after a confident wrong token the real decoder diverges).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def replayable(item: str, cfg: DecodeConfig) -> bool:
     if "[" in item or cfg.temperature > 0:
         return False
     if cfg.mode == "verified":
-        return cfg.drafting in ("linear", "quadratic")
+        return True
     return cfg.mode in ("static", "confadapt") and cfg.confidence == "top1"
 
 

@@ -97,10 +97,7 @@ class Decoding:
         budget = self.max_new_tokens - self.produced
         plan = self.plan = self.strategy.plan(self.past + len(self.pending), min(budget, self.cap or budget))
         drafts = list(plan.drafts)
-        heads = self.drafter is not None
-        if plan.parents is not None and not heads:
-            raise UserError("tree drafting needs a head-based checkpoint (mtplm train method=heads)")
-        slots = 0 if heads else plan.slots  # heads read the block from real rows
+        slots = 0 if self.drafter is not None else plan.slots  # heads read the block from real rows
         blocks = (len(drafts) + 1 if plan.quadratic else 1) if slots else 0
         mask = [self._mask_id()] * (blocks * slots) if blocks else []
         tokens = self.pending + drafts + mask

@@ -77,6 +77,11 @@ class PassLogits:
             return self._logits[start:stop]
         return self._head(self._hidden[start:stop])
 
+    @property
+    def mask_rows(self) -> bool:
+        """Whether this pass's blocks are <mtp> rows it fed (else a head drafter computes them)."""
+        return self._drafter is None and self.slots > 0
+
     @cached_property
     def next_token(self) -> torch.Tensor:
         """[m+1, V]: the next-token logits at the last committed token and after each draft."""

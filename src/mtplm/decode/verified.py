@@ -71,38 +71,53 @@ class Verified:
         return warp(logits, self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
 
 
-class TreeVerified:
-    """Greedy verification of a draft tree built from the heads' top choices (Medusa-style).
+MAX_TREE_ROWS = 32  # a mask-slot tree's pass: the compiled backend's largest row bucket
 
-    Depth d offers the top tree_widths[d] tokens of head d+2 (1 beyond the list) under every node of
-    depth d-1; one pass checks every node against its parent's next-token argmax and keeps the longest
+
+class TreeVerified:
+    """Greedy verification of a draft tree built from the drafter's top choices (Medusa-style).
+
+    Depth d offers the top tree_widths[d] tokens of block position d (1 beyond the list) under every node
+    of depth d-1; one pass checks every node against its parent's next-token argmax and keeps the longest
     agreeing path, whose KV the loop moves up and keeps (the backend's kv.keep_rows). The output is plain greedy.
+
+    The block comes from the heads, or from mask slots: then the pass also feeds a block after every node
+    (step_layout), 1 + n + (n + 1) * depth rows for n nodes, so the tree is as deep as fits MAX_TREE_ROWS
+    (at most k - 1); the strategy learns which kind it drafts for from the first pass's logits.
     """
 
     def __init__(self, cfg: DecodeConfig) -> None:
         self.window = WINDOWS.get(cfg.window)(cfg.k_max)
         self.widths = [int(w) for w in cfg.tree_widths.split(",")]
-        self.block: torch.Tensor | None = None  # [n, V]: the heads' logits after the last committed token
+        self.block: torch.Tensor | None = None  # [n, V]: the drafter's logits after the last committed token
         self.nodes: list[tuple[int, int]] = []  # (token, parent) of this pass's tree
         self.levels = 0  # its depth
+        self.mask_blocks = False  # the block comes from mask slots fed after every node (not from heads)
 
     def plan(self, context_len: int, budget: int) -> Plan:
         k = max(1, min(self.window.size(context_len), budget))
-        self.levels = min(k - 1, 0 if self.block is None else len(self.block))
+        depth = self._depth(k - 1) if self.mask_blocks else k - 1
+        self.levels = min(depth, 0 if self.block is None else len(self.block))
         self.nodes, frontier = [], [-1]
         block = self.block if self.block is not None else torch.empty(0, 0)  # no block: levels == 0
         for d in range(self.levels):
-            width = self.widths[d] if d < len(self.widths) else 1
-            top = block[d].topk(width).indices.tolist()
+            top = block[d].topk(self._width(d)).indices.tolist()
             frontier = [self._add(token, parent) for parent in frontier for token in top]
         tokens, parents = tuple(t for t, _ in self.nodes), tuple(p for _, p in self.nodes)
-        return Plan(k, tokens, k - 1, parents=parents if self.nodes else None)
+        return Plan(k, tokens, depth, quadratic=True, parents=parents if self.nodes else None)
+
+    def _width(self, depth: int) -> int:
+        return tree_width(self.widths, depth)
+
+    def _depth(self, most: int) -> int:
+        return mask_tree_depth(self.widths, most)
 
     def _add(self, token: int, parent: int) -> int:
         self.nodes.append((token, parent))
         return len(self.nodes) - 1
 
     def choose(self, logits: PassLogits, generator: torch.Generator) -> Outcome:
+        self.mask_blocks = logits.mask_rows
         target = logits.next_token.argmax(-1).tolist()  # row 0: the last committed token; row i+1: node i
         path, current = [], -1
         while True:
@@ -117,6 +132,27 @@ class TreeVerified:
             self.window.update(self.levels, len(path))
         self.block = logits.block(current + 1, token)
         return Outcome(len(path), (token,), rows=tuple(path))
+
+
+def tree_width(widths: list[int], depth: int) -> int:
+    """Candidates per node at `depth` (0-based): the listed width, 1 beyond the list."""
+    return widths[depth] if depth < len(widths) else 1
+
+
+def tree_nodes(widths: list[int], levels: int) -> int:
+    """Nodes of a tree `levels` deep: every node of a depth has tree_width children."""
+    nodes, level = 0, 1
+    for depth in range(levels):
+        level *= tree_width(widths, depth)
+        nodes += level
+    return nodes
+
+
+def mask_tree_depth(widths: list[int], most: int) -> int:
+    """The deepest mask-slot tree (and block) up to `most` whose pass, 1 + n + (n + 1) * depth rows for n
+    nodes, fits MAX_TREE_ROWS; one level at least."""
+    fits = [d for d in range(1, most + 1) if 1 + tree_nodes(widths, d) * (d + 1) + d <= MAX_TREE_ROWS]
+    return max(fits, default=1)
 
 
 @STRATEGIES.register("verified", "lossless: drafts from mask slots or heads, kept where the model agrees")

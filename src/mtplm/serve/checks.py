@@ -67,9 +67,6 @@ def _mode(mode: str | None, spec: DecodeModel, default_mode: str) -> DecodeConfi
     if spec.thresholds is None:
         raise APIError(400, f"mode {cfg.mode!r} needs a converted model (one with an <mtp> token or heads): "
                             "this model decodes with mode ntp only", "mode", "invalid_mode")
-    if cfg.drafting == "tree" and spec.drafter is None:
-        raise APIError(400, "tree drafting needs a head-based checkpoint (mtplm train method=heads): use "
-                            "verified or verified:quadratic with this model", "mode", "invalid_mode")
     limit = spec.thresholds.k_max
     k = cfg.k if cfg.mode == "static" else cfg.k_max
     if k is not None and k > limit:

@@ -45,6 +45,7 @@ class Answer:
     prompt_len: int
     confidence: torch.Tensor  # [n, k] top-1 probability of each prediction
     agree: torch.Tensor  # [n, k] prediction == the answer token at its offset (True past the answer's end)
+    rank: torch.Tensor | None = None  # [n, k] the answer token's rank in each prediction (0: its argmax)
 
     @property
     def length(self) -> int:
@@ -76,7 +77,7 @@ def answer_records(model, prompt_ids: list[int], answer_ids: list[int], k: int, 
     length, start, n = ids.shape[1], len(prompt_ids) - 1, len(answer_ids)
     batch = TokenBatch(ids, torch.tensor([length]), torch.tensor([start]))
     confidence_of = CONFIDENCE.get(measure)
-    confidence, agree = [], []
+    confidence, agree, rank = [], [], []
     for first in range(0, n, chunk):
         ends = torch.arange(start + first, start + min(n, first + chunk)).unsqueeze(0)  # [1, M]
         regions = make_regions(ends, k, batch.lengths)
@@ -85,7 +86,9 @@ def answer_records(model, prompt_ids: list[int], answer_ids: list[int], k: int, 
         valid = out.valid[0]
         confidence.append(torch.where(valid, confidence_of(logits), torch.ones(())))
         agree.append((logits.argmax(-1) == out.labels[0]) | ~valid)
-    return Answer(len(prompt_ids), torch.cat(confidence), torch.cat(agree))
+        above = (logits > logits.gather(-1, out.labels[0].unsqueeze(-1))).sum(-1)  # [M, k]
+        rank.append(torch.where(valid, above, torch.zeros_like(above)))
+    return Answer(len(prompt_ids), torch.cat(confidence), torch.cat(agree), torch.cat(rank))
 
 
 def replay_verified(answers: list[Answer], cfg: DecodeConfig, max_new_tokens: int) -> Tally:
@@ -109,6 +112,36 @@ def replay_verified(answers: list[Answer], cfg: DecodeConfig, max_new_tokens: in
             tally.tokens += min(kept + 1, end - r)
             r += kept + 1
             has_block, avail = slots > 0 and (quadratic or kept == m), slots
+    return tally
+
+
+def replay_tree(answers: list[Answer], cfg: DecodeConfig, max_new_tokens: int) -> Tally:
+    """Tree drafting over mask slots (verified.TreeVerified: a block after every node, the depth that fits its
+    row budget) replayed over the records: a pass keeps the leading depths whose answer token is among the
+    block's top tree_width candidates there (every combination is a node of the tree)."""
+    from mtplm.decode.verified import mask_tree_depth, tree_nodes, tree_width
+
+    widths = [int(w) for w in cfg.tree_widths.split(",")]
+    tally = Tally()
+    for answer in answers:
+        assert answer.rank is not None, "tree replay needs the records' ranks (answer_records)"
+        window = WINDOWS.get(cfg.window)(cfg.k_max)
+        ranks = answer.rank.tolist()
+        r, block, end = 0, 0, min(answer.length, max_new_tokens)
+        while r < end:
+            k = max(1, min(window.size(answer.prompt_len + r), max_new_tokens - r))
+            depth = mask_tree_depth(widths, k - 1) if block else k - 1  # the first pass: no tree, a full block
+            levels = min(depth, block)
+            hits = [ranks[r - 1][1 + d] < tree_width(widths, d) for d in range(levels)]
+            kept = leading_run(torch.tensor(hits, dtype=torch.bool))
+            if levels:
+                window.update(levels, kept)
+            nodes = tree_nodes(widths, levels)
+            tally.rows.append(1 + nodes + (nodes + 1) * depth if nodes else 1 + depth)
+            tally.passes += 1
+            tally.tokens += min(kept + 1, end - r)
+            r += kept + 1
+            block = depth
     return tally
 
 
@@ -136,6 +169,8 @@ def replay(answers: list[Answer], mode: str, k_max: int, max_new_tokens: int,
     replayed over the records. ConfAdapt without a tau uses `taus` (calibrated), else DecodeConfig's tau."""
     cfg = parse_mode(mode, "fixed", k_max)
     k = cfg.k_max or k_max
+    if cfg.mode == "verified" and cfg.drafting == "tree":
+        return replay_tree(answers, dataclasses.replace(cfg, k_max=k), max_new_tokens)
     if cfg.mode == "verified":
         return replay_verified(answers, dataclasses.replace(cfg, k_max=k), max_new_tokens)
     if cfg.mode == "confadapt":
