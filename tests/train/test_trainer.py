@@ -91,7 +91,7 @@ def test_cli_train_then_generate_round_trip(base_dir, data_file, tmp_path):
     (("generate", "hi", "--tau", "0"), "tau must lie in (0, 1]"),
     (("generate", "   "), "prompt is empty"),
     (("generate", "hi", "--mode", "verified", "--drafting", "zigzag"), "unknown drafting"),
-    (("generate", "hi", "--mode", "verified", "--drafting", "tree"), "needs a head-based checkpoint"),
+    (("generate", "hi", "--mode", "verified", "--drafting", "tree", "--tree-widths", "2,0"), "tree_widths must be"),
     (("generate", "hi", "--mode", "verified", "--window", "big"), "unknown window policy"),
     (("generate", "hi", "--mode", "lossless"), "unknown decoding mode"),
     (("generate", "hi", "--backend", "turbo"),
