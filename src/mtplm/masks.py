@@ -17,6 +17,7 @@ Shapes: B batch, L ground-truth length, M regions, K = k-1 mask slots, S = L + M
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -125,15 +126,28 @@ def step_layout(pending: int, drafts: int, slots: int, quadratic: bool,
     (a tree node: to its ancestors) only, so their logits and KV equal a plain forward's and rejected parts
     crop off the end of the cache. Block j sits at the positions that follow real row pending-1+j and sees
     the real rows up to there (a tree: the pending tokens, node j-1 and its ancestors) and its own earlier
-    slots. Every row also sees the whole cache (the caller's business).
+    slots. Every row also sees the whole cache (the caller's business). Decode-sized layouts (a loop meets a
+    handful) are cached, so read the tensors, never write them; a prompt's large one is built each time.
     """
+    key = (pending, drafts, slots, quadratic, None if parents is None else tuple(parents))
+    return (_cached_layout if pending + drafts <= CACHED_LAYOUT_ROWS else _layout)(*key)
+
+
+CACHED_LAYOUT_ROWS = 64  # layouts with at most this many pending tokens and drafts are cached
+
+
+def _layout(pending: int, drafts: int, slots: int, quadratic: bool,
+            parents: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor]:
     if parents is not None:
-        return _tree_rows(pending, parents, slots if quadratic else 0)
+        return _tree_rows(pending, list(parents), slots if quadratic else 0)
     real = pending + drafts
     if not (quadratic and drafts and slots):  # one block at most, after the last token: plain causal
         size = real + slots
         return torch.arange(size), torch.ones(size, size, dtype=torch.bool).tril()
     return _tree_rows(pending, list(range(-1, drafts - 1)), slots)  # linear drafts: a chain-shaped tree
+
+
+_cached_layout = functools.lru_cache(maxsize=256)(_layout)
 
 
 def _tree_rows(pending: int, parents: list[int], slots: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -96,21 +96,15 @@ class TreeVerified:
 
     def plan(self, context_len: int, budget: int) -> Plan:
         k = max(1, min(self.window.size(context_len), budget))
-        depth = self._depth(k - 1) if self.mask_blocks else k - 1
+        depth = mask_tree_depth(self.widths, k - 1) if self.mask_blocks else k - 1
         self.levels = min(depth, 0 if self.block is None else len(self.block))
         self.nodes, frontier = [], [-1]
         block = self.block if self.block is not None else torch.empty(0, 0)  # no block: levels == 0
         for d in range(self.levels):
-            top = block[d].topk(self._width(d)).indices.tolist()
+            top = block[d].topk(tree_width(self.widths, d)).indices.tolist()
             frontier = [self._add(token, parent) for parent in frontier for token in top]
         tokens, parents = tuple(t for t, _ in self.nodes), tuple(p for _, p in self.nodes)
         return Plan(k, tokens, depth, quadratic=True, parents=parents if self.nodes else None)
-
-    def _width(self, depth: int) -> int:
-        return tree_width(self.widths, depth)
-
-    def _depth(self, most: int) -> int:
-        return mask_tree_depth(self.widths, most)
 
     def _add(self, token: int, parent: int) -> int:
         self.nodes.append((token, parent))
