@@ -11,7 +11,14 @@ import json
 import sys
 from pathlib import Path
 
-from mtplm.config import DecodeConfig, Limits, add_backend_argument, add_dtype_argument, load_train_config
+from mtplm.config import (
+    LOOKUP_TOKENS,
+    DecodeConfig,
+    Limits,
+    add_backend_argument,
+    add_dtype_argument,
+    load_train_config,
+)
 from mtplm.errors import UserError, exit_code
 from mtplm.registry import BACKENDS, CONFIDENCE, STRATEGIES, WINDOWS
 
@@ -185,6 +192,10 @@ def _decode_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     p.add_argument("--tree-widths", default=d.tree_widths,
                    help="tree drafting: candidates per depth from the top choices (default: %(default)s)")
+    p.add_argument("--lookup", type=int, default=d.lookup, metavar="N",
+                   help="verified: also draft up to N tokens copied from the prompt and answer so far (prompt "
+                        f"lookup; greedy); --drafting lookup: those drafts alone, on any model (default N "
+                        f"{LOOKUP_TOKENS}) (default: %(default)s)")
     p.add_argument("--window", default=d.window, help=f"verified: {WINDOWS.describe()} (default: %(default)s)")
     p.add_argument("--tau", type=float, default=None, help="ConfAdapt threshold in (0, 1] (default: the checkpoint's)")
     p.add_argument("--confidence", default=d.confidence, help=f"{CONFIDENCE.describe()} (default: %(default)s)")
@@ -201,8 +212,8 @@ def _decode_arguments(p: argparse.ArgumentParser) -> None:
 def decode_config(args) -> DecodeConfig:
     return DecodeConfig(mode=args.mode, k=args.k, k_max=args.k_max, tau=args.tau, confidence=args.confidence,
                         backoff=args.backoff, drafting=args.drafting, tree_widths=args.tree_widths,
-                        window=args.window, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                        max_new_tokens=args.max_new_tokens, seed=args.seed).validate()
+                        lookup=args.lookup, window=args.window, temperature=args.temperature, top_k=args.top_k,
+                        top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed).validate()
 
 
 def _setup(args) -> None:

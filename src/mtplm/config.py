@@ -15,7 +15,8 @@ import tomllib
 from mtplm.errors import UserError
 from mtplm.registry import BACKENDS, CONFIDENCE, HEAD_FORMS, OBJECTIVES, STRATEGIES, TRAINABLE, WINDOWS
 
-DRAFTING = ("linear", "quadratic", "tree")
+DRAFTING = ("linear", "quadratic", "tree", "lookup")  # lookup: drafts copied from the text alone (decode/lookup.py)
+LOOKUP_TOKENS = 8  # copied drafts per pass when a mode asks for lookup without a number
 # the projections LoRA adapters wrap (lora.py), attention first
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 METHODS = ("mask", "heads")
@@ -70,12 +71,31 @@ class DecodeConfig:
     drafting: str = "linear"  # linear (one mask block, after the last draft) | quadratic (a block after every draft)
     #                           | tree (candidates from the heads' or mask slots' top choices, verified at once)
     tree_widths: str = "2,2"  # tree drafting: candidates per depth from the top choices; deeper depths 1
+    # most drafts copied from the text so far per pass (prompt lookup, decode/lookup.py), beside linear or
+    # quadratic mask drafts (greedy), or alone with drafting=lookup (any model, base models too); 0: none
+    lookup: int = 0
     window: str = "adaptive"  # a WINDOWS registry name (decode/windows.py)
     temperature: float = 0.0  # 0 = greedy; > 0 samples (verified: exactly the model's distribution)
     top_k: int = 0
     top_p: float = 1.0
     max_new_tokens: int = 256
     seed: int = 0
+
+    def needs_conversion(self) -> bool:
+        """Whether the mode needs mask slots or heads (every mode but plain, and lookup drafting alone)."""
+        return self.mode != "ntp" and not (self.mode == "verified" and self.drafting == "lookup")
+
+    def _check_lookup(self) -> None:
+        if self.lookup < 0:
+            raise UserError(f"lookup must be >= 0 (copied drafts per pass; 0: none), got {self.lookup}")
+        if self.drafting == "lookup" and not self.lookup:
+            self.lookup = LOOKUP_TOKENS
+        if self.lookup and self.drafting == "tree":
+            raise UserError("lookup drafts join linear or quadratic drafting, not tree: use --drafting quadratic "
+                            "--lookup N, or drop --lookup")
+        if self.lookup and self.drafting != "lookup" and self.temperature > 0:
+            raise UserError("lookup beside mask drafts verifies greedy decoding only: send temperature 0, or "
+                            "sample with drafting lookup alone")
 
     def validate(self) -> DecodeConfig:
         STRATEGIES.check(self.mode)
@@ -99,6 +119,7 @@ class DecodeConfig:
             if self.temperature > 0:
                 raise UserError("tree drafting verifies greedy decoding only: use --drafting linear or quadratic "
                                 "to sample with --temperature")
+        self._check_lookup()
         WINDOWS.check(self.window)
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise UserError("temperature must be >= 0, top_p in (0, 1] and top_k >= 0")
@@ -110,7 +131,7 @@ class DecodeConfig:
 def mode_grammar() -> str:
     """How a decoding mode is written as one string (CLI --modes, the server's `mode` field), from the registries."""
     return (f"ntp, static:K, confadapt[:TAU[:{'|'.join(CONFIDENCE.names())}]][@K] or "
-            f"verified[:{'|'.join(DRAFTING)}[:{'|'.join(WINDOWS.names())}]][@K]")
+            f"verified[:{'|'.join(DRAFTING)}[+lookup][:{'|'.join(WINDOWS.names())}]][@K]")
 
 
 BACKEND_ENV = "MTPLM_BACKEND"  # what --backend auto means when set (e.g. eager in a test run)
@@ -157,7 +178,11 @@ def parse_mode(spec: str, window: str = "adaptive", k_max: int | None = None,
             cfg = DecodeConfig(mode="confadapt", tau=float(value) if value else None, k_max=k_max,
                                confidence=measure or confidence)
         elif kind == "verified":
-            cfg = DecodeConfig(mode="verified", k_max=k_max, drafting=value or "linear", window=measure or window)
+            drafting, plus, extra = (value or "linear").partition("+")
+            if plus and (extra != "lookup" or drafting == "lookup"):
+                raise ValueError
+            cfg = DecodeConfig(mode="verified", k_max=k_max, drafting=drafting, window=measure or window,
+                               lookup=LOOKUP_TOKENS if plus else 0)
         else:
             raise ValueError
         return cfg.validate()

@@ -114,45 +114,51 @@ def _blocked_mask(q_block, q_slot, q_limit, k_block, k_slot, k_pos, dtype) -> to
     return mask.masked_fill(~allowed, torch.finfo(dtype).min).unsqueeze(1)
 
 
-def step_layout(pending: int, drafts: int, slots: int, quadratic: bool,
-                parents: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def step_layout(pending: int, drafts: int, slots: int, quadratic: bool, parents: list[int] | None = None,
+                anchors: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Position offsets [Q] (added to the cache length) and attention allowed [Q, Q] among one decode
     step's fed rows: `pending` uncached committed tokens, then `drafts` guesses (or a draft tree, node i
     following node parents[i], -1: the last pending token), then mask blocks of `slots` each.
 
     Mask blocks come one after the last draft (linear), or one after the last committed token and after
     every draft (quadratic; for a tree, after every node: whatever path survives verification, a block
-    conditioned on exactly that path exists). Real tokens come first and attend causally to real tokens
-    (a tree node: to its ancestors) only, so their logits and KV equal a plain forward's and rejected parts
-    crop off the end of the cache. Block j sits at the positions that follow real row pending-1+j and sees
-    the real rows up to there (a tree: the pending tokens, node j-1 and its ancestors) and its own earlier
-    slots. Every row also sees the whole cache (the caller's business). Decode-sized layouts (a loop meets a
-    handful) are cached, so read the tensors, never write them; a prompt's large one is built each time.
+    conditioned on exactly that path exists). A tree may instead name its `anchors`: the nodes a block
+    follows (-1: the last pending token), in block order; a path that ends elsewhere has no block.
+
+    Real tokens come first and attend causally to real tokens (a tree node: to its ancestors) only, so
+    their logits and KV equal a plain forward's and rejected parts crop off the end of the cache. A block
+    sits at the positions that follow its anchor and sees the real rows up to there (a tree: the pending
+    tokens, its anchor and the anchor's ancestors) and its own earlier slots. Every row also sees the
+    whole cache (the caller's business). Decode-sized layouts (a loop meets a handful) are cached, so
+    read the tensors, never write them; a prompt's large one is built each time.
     """
-    key = (pending, drafts, slots, quadratic, None if parents is None else tuple(parents))
+    key = (pending, drafts, slots, quadratic, None if parents is None else tuple(parents), anchors)
     return (_cached_layout if pending + drafts <= CACHED_LAYOUT_ROWS else _layout)(*key)
 
 
 CACHED_LAYOUT_ROWS = 64  # layouts with at most this many pending tokens and drafts are cached
 
 
-def _layout(pending: int, drafts: int, slots: int, quadratic: bool,
-            parents: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _layout(pending: int, drafts: int, slots: int, quadratic: bool, parents: tuple[int, ...] | None,
+            anchors: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if parents is not None:
-        return _tree_rows(pending, list(parents), slots if quadratic else 0)
+        if anchors is None:
+            anchors = tuple(range(-1, len(parents))) if quadratic and slots else ()
+        return _tree_rows(pending, list(parents), slots, anchors)
     real = pending + drafts
     if not (quadratic and drafts and slots):  # one block at most, after the last token: plain causal
         size = real + slots
         return torch.arange(size), torch.ones(size, size, dtype=torch.bool).tril()
-    return _tree_rows(pending, list(range(-1, drafts - 1)), slots)  # linear drafts: a chain-shaped tree
+    return _tree_rows(pending, list(range(-1, drafts - 1)), slots, tuple(range(-1, drafts)))  # a chain-shaped tree
 
 
 _cached_layout = functools.lru_cache(maxsize=256)(_layout)
 
 
-def _tree_rows(pending: int, parents: list[int], slots: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Node i sits one position after its parent and sees the pending tokens and its own ancestors; with
-    `slots`, a mask block follows the last pending token and then each node, seeing what its anchor sees."""
+def _tree_rows(pending: int, parents: list[int], slots: int = 0,
+               anchors: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """Node i sits one position after its parent and sees the pending tokens and its own ancestors; a mask
+    block of `slots` follows each anchor (-1: the last pending token), seeing what its anchor sees."""
     nodes = len(parents)
     depth: list[int] = []
     lineage: list[list[int]] = []  # each node's ancestors and itself, as fed rows
@@ -160,18 +166,19 @@ def _tree_rows(pending: int, parents: list[int], slots: int = 0) -> tuple[torch.
         depth.append(1 if parent < 0 else depth[parent] + 1)
         lineage.append(([] if parent < 0 else lineage[parent]) + [pending + i])
     real = pending + nodes
-    size = real + (nodes + 1) * slots if slots else real
+    anchors = anchors if slots else ()
+    size = real + len(anchors) * slots
     allowed = torch.zeros(size, size, dtype=torch.bool)
     allowed[:pending, :pending] = torch.ones(pending, pending, dtype=torch.bool).tril()
     allowed[pending:, :pending] = True
     offsets = [*range(pending), *(pending - 1 + d for d in depth)]
     for i in range(nodes):
         allowed[pending + i, lineage[i]] = True
-    for block in range(nodes + 1 if slots else 0):  # block 0 after the pending tokens, block j after node j-1
-        anchor = pending - 1 + (depth[block - 1] if block else 0)
+    for block, node in enumerate(anchors):
+        anchor = pending - 1 + (depth[node] if node >= 0 else 0)
         first = real + block * slots
         for slot in range(slots):
-            allowed[first + slot, lineage[block - 1] if block else []] = True
+            allowed[first + slot, lineage[node] if node >= 0 else []] = True
             allowed[first + slot, first: first + slot + 1] = True
             offsets.append(anchor + 1 + slot)
     return torch.tensor(offsets, dtype=torch.long), allowed

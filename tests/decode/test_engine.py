@@ -25,6 +25,8 @@ MODES = [
     DecodeConfig(mode="verified", k_max=4, drafting="linear", window="adaptive"),
     DecodeConfig(mode="verified", k_max=4, drafting="quadratic", window="fixed"),
     DecodeConfig(mode="verified", k_max=4, drafting="tree", tree_widths="2,1,1", window="fixed"),
+    DecodeConfig(mode="verified", k_max=4, drafting="quadratic", lookup=6, window="fixed"),
+    DecodeConfig(mode="verified", drafting="lookup", lookup=5),
     DecodeConfig(mode="verified", k_max=4, temperature=0.8, seed=3),
     DecodeConfig(mode="ntp", temperature=1.0, top_p=0.9, seed=5),
 ]

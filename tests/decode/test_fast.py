@@ -59,6 +59,14 @@ def tree(tokens: list[int], parents: tuple[int, ...], model: MTPModel | None = N
     return Feed(tokens + blocks, len(tokens) - len(parents), len(parents), slots, bool(blocks), parents)
 
 
+def anchored(model: MTPModel, tokens: list[int], parents: tuple[int, ...], anchors: tuple[int, ...],
+             slots: int) -> Feed:
+    """A draft tree whose mask blocks follow only the `anchors` (a chain of mask drafts and a copied branch)."""
+    pending = len(tokens) - len(parents)
+    return Feed(tokens + [model.mask_id] * (len(anchors) * slots), pending, len(parents), slots, True, parents,
+                anchors)
+
+
 class Pair:
     """The eager reference and a fast backend fed the same passes; `step` checks they agree."""
 
@@ -98,6 +106,8 @@ def test_every_layout_matches_the_eager_pass(arch):
          tree([6, 7, 8, 9, 10], (-1, 0, 0, 1))],
         [tree([1, 2, 3], (-1, -1)), plain([5, 6, 7]), plain([8])],
         [tree([1, 2, 3, 4], (-1, -1, 0), model, 2) if mask_rows else plain([1]), plain([2]), plain([3])],
+        [anchored(model, [1, 2, 3, 4, 5], (-1, 0, -1, 2), (-1, 0), 2) if mask_rows else plain([1]),
+         plain([2]), anchored(model, [3, 4, 5], (-1, 0), (0,), 3) if mask_rows else plain([3])],
     ]
     for feeds in steps:
         pair.step(0, feeds, lengths)

@@ -83,6 +83,7 @@ class Decoding:
         self.generator = torch.Generator().manual_seed(seed)
         self.past = 0  # positions in the cache
         self.pending = list(prompt_ids)  # committed tokens not yet in the cache
+        self.text = list(prompt_ids)  # every committed token: the prompt, then what was emitted
         self.produced = 0
         self.done = False
         self.plan: Plan | None = None
@@ -95,13 +96,13 @@ class Decoding:
     def feed(self) -> Feed:
         """The next pass's rows: the pending tokens, the plan's drafts, and its mask blocks."""
         budget = self.max_new_tokens - self.produced
-        plan = self.plan = self.strategy.plan(self.past + len(self.pending), min(budget, self.cap or budget))
+        plan = self.plan = self.strategy.plan(self.text, min(budget, self.cap or budget))
         drafts = list(plan.drafts)
         slots = 0 if self.drafter is not None else plan.slots  # heads read the block from real rows
-        blocks = (len(drafts) + 1 if plan.quadratic else 1) if slots else 0
+        blocks = len(plan.blocks()) if slots else 0
         mask = [self._mask_id()] * (blocks * slots) if blocks else []
         tokens = self.pending + drafts + mask
-        return Feed(tokens, len(self.pending), len(drafts), slots, plan.quadratic, plan.parents)
+        return Feed(tokens, len(self.pending), len(drafts), slots, plan.quadratic, plan.parents, plan.anchors)
 
     def _draft_after(self, hidden: torch.Tensor, after: int, token: int, n: int) -> torch.Tensor:
         """PassLogits' drafter: the block after the first `after` drafts (a tree: the path to node after-1)."""
@@ -135,7 +136,7 @@ class Decoding:
         assert plan is not None, "advance() follows feed()"
         tail = hidden[pending - 1:]  # the last pending token, the drafts, the mask blocks
         drafter = partial(self._draft_after, hidden) if self.drafter is not None else None
-        rows = PassLogits(self.model.head, tail, len(plan.drafts), plan.slots, plan.quadratic, drafter, logits)
+        rows = PassLogits(self.model.head, tail, len(plan.drafts), plan.slots, plan.blocks(), drafter, logits)
         outcome = self.strategy.choose(rows, self.generator)
         if self.drafter is not None and self.drafter.keeps_state:
             path = list(range(outcome.accepted)) if outcome.rows is None else list(outcome.rows)
@@ -158,6 +159,7 @@ class Decoding:
             if self.echo and start == pending:  # the first pass fed the whole prompt
                 prompt = tuple(prompt_logprobs(self.model.head, hidden, self.pending, self.logprobs))
         self.produced += len(new)
+        self.text.extend(new)
         self.pending = list(outcome.new)
         self.done = stopped or self.produced >= self.max_new_tokens
         return Step(new, plan.k, self.past, stopped, len(plan.drafts), outcome.accepted, self.done, scored, prompt)

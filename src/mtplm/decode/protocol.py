@@ -1,7 +1,8 @@
 """The types a decoding strategy is written against: the plan of a pass, its outcome, its logits.
 
 Every strategy answers two questions per step and keeps whatever state it adapts:
-    plan(context_len, budget)   -> Plan: drafts to verify, mask slots per block, their layout
+    plan(text, budget)          -> Plan: drafts to verify, mask slots per block, their layout (text: every
+                                   committed token so far, the prompt first; read it, never keep or write it)
     choose(logits, generator)   -> Outcome: drafts kept, and the new tokens that follow them
 Strategies (strategies.py, verified.py) and the loop (loop.py) import these; none imports the other.
 
@@ -10,7 +11,7 @@ Shapes: m drafts, V vocabulary, D hidden.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Protocol
@@ -28,6 +29,16 @@ class Plan:
     slots: int = 0  # mask slots per block
     quadratic: bool = False  # a block after every prefix of the drafts (else one after the last fed token)
     parents: tuple[int, ...] | None = None  # a draft tree: each draft's parent (-1: the last committed token)
+    anchors: tuple[int, ...] | None = None  # a tree's drafts a mask block follows (-1: the last committed token)
+
+    def blocks(self) -> tuple[int, ...]:
+        """The drafts each mask block follows, in feed order (-1: the last committed token): the plan's
+        anchors, else one after every draft (quadratic) or one after the last (linear)."""
+        if self.anchors is not None:
+            return self.anchors
+        if self.parents is not None and not self.quadratic:
+            return ()
+        return tuple(range(-1, len(self.drafts))) if self.quadratic else (len(self.drafts) - 1,)
 
 
 @dataclass(frozen=True)
@@ -60,16 +71,17 @@ class Drafter(Protocol):
 class PassLogits:
     """One pass's logits, computed from its final hidden states only where a strategy asks.
 
-    hidden [1 + m + blocks*slots, D]: the last pending token, the m drafts, then the mask blocks. A
+    hidden [1 + m + blocks*slots, D]: the last pending token, the m drafts, then the mask blocks, block b
+    after draft anchors[b] (-1: the last pending token). A
     head-based model has no mask rows: its `drafter(after, next token, n)` gives the block after the
     first `after` drafts (or the path to tree node after-1). `logits`, when given, are the LM head's output
     for (a prefix of) those rows, already computed in one call for a whole batch.
     """
 
     def __init__(self, head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, drafts: int,
-                 slots: int, quadratic: bool, drafter: Callable | None = None,
+                 slots: int, anchors: tuple[int, ...], drafter: Callable | None = None,
                  logits: torch.Tensor | None = None) -> None:
-        self._head, self._hidden, self.drafts, self.slots, self.quadratic = head, hidden, drafts, slots, quadratic
+        self._head, self._hidden, self.drafts, self.slots, self.anchors = head, hidden, drafts, slots, anchors
         self._drafter, self._logits = drafter, logits
 
     def _rows(self, start: int, stop: int) -> torch.Tensor:
@@ -88,17 +100,16 @@ class PassLogits:
         return self._rows(0, self.drafts + 1)
 
     def block(self, after: int, token: int | None = None) -> torch.Tensor | None:
-        """[slots, V]: the block that follows the first `after` drafts and then `token`, if this pass has one."""
+        """[slots, V]: the block that follows the first `after` drafts (a tree: the path to draft after-1)
+        and then `token`, if this pass has one."""
         if not self.slots:
             return None
         if self._drafter is not None:  # heads read the block from row `after`, given the token that follows it
             token = int(self.next_token[after].argmax()) if token is None else token
             return self._drafter(after, token, self.slots)
-        if not self.quadratic:
-            if after != self.drafts:
-                return None
-            after = 0
-        start = self.drafts + 1 + after * self.slots
+        if after - 1 not in self.anchors:
+            return None
+        start = self.drafts + 1 + self.anchors.index(after - 1) * self.slots
         return self._rows(start, start + self.slots)
 
     def candidates(self) -> torch.Tensor:
@@ -108,7 +119,7 @@ class PassLogits:
 
 
 class Strategy(Protocol):
-    def plan(self, context_len: int, budget: int) -> Plan: ...
+    def plan(self, text: Sequence[int], budget: int) -> Plan: ...
 
     def choose(self, logits: PassLogits, generator: torch.Generator) -> Outcome: ...
 
@@ -121,11 +132,12 @@ class Feed:
     slots: int  # mask slots per block actually fed (0 for a head-based model)
     quadratic: bool
     parents: tuple[int, ...] | None  # a draft tree's parent pointers
+    anchors: tuple[int, ...] | None = None  # a tree's drafts that a block follows (Plan.anchors)
 
     def layout(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Position offsets [Q] and allowed [Q, Q] among the fed rows (masks.step_layout)."""
         parents = list(self.parents) if self.parents is not None else None
-        return step_layout(self.pending, self.drafts, self.slots, self.quadratic, parents)
+        return step_layout(self.pending, self.drafts, self.slots, self.quadratic, parents, self.anchors)
 
 
 @dataclass(frozen=True)

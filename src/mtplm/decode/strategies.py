@@ -9,6 +9,7 @@ the model's own next-token path confirms.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
@@ -37,7 +38,7 @@ class _Block(_SingleTokenSampler):
 
     k = 1
 
-    def plan(self, context_len: int, budget: int) -> Plan:
+    def plan(self, text: Sequence[int], budget: int) -> Plan:
         k = min(self.k, budget)
         return Plan(k, slots=k - 1)
 
@@ -124,7 +125,7 @@ def make_strategy(cfg: DecodeConfig, thresholds: Thresholds | None = None) -> St
     Calibrated per-position thresholds apply when the user set no tau and asks for the confidence measure
     they were calibrated with."""
     cfg.validate()
-    if cfg.mode != "ntp" and thresholds is None:
+    if cfg.needs_conversion() and thresholds is None:
         raise UserError(f"mode {cfg.mode!r} needs a converted model (one with an <mtp> token): run `mtplm train` first")
     thresholds, user_tau = thresholds or Thresholds(), cfg.tau
     if cfg.mode in ("confadapt", "verified"):

@@ -17,31 +17,60 @@ How many tokens one pass may emit (its k) is a window policy (windows.py).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from mtplm.config import DecodeConfig
+from mtplm.decode.lookup import NgramLookup, merge_chain
 from mtplm.decode.protocol import Outcome, PassLogits, Plan, Strategy
 from mtplm.decode.sampling import leading_run, sample, speculative_accept, warp
 from mtplm.registry import STRATEGIES, WINDOWS
 
 
 class Verified:
-    """Draft from mask slots, keep what the next-token path confirms (greedy match or exact sampling)."""
+    """Draft from mask slots (or heads) and, with lookup, from the text so far; keep what the next-token path
+    confirms (greedy match or exact sampling).
+
+    Lookup drafts (lookup.py) that leave the mask chain form a second branch of a draft tree whose mask blocks
+    follow the chain's drafts only (Plan.anchors), filling the pass up to MAX_TREE_ROWS; a pass kept along
+    the copied branch has no block, so the next one drafts from the text, or feeds a fresh block.
+    """
 
     def __init__(self, cfg: DecodeConfig) -> None:
         self.cfg = cfg
         self.window = WINDOWS.get(cfg.window)(cfg.k_max)
         self.quadratic = cfg.drafting == "quadratic"
+        self.masks = cfg.drafting != "lookup"  # mask slots (or heads) draft; lookup alone: none
+        self.lookup = NgramLookup() if cfg.lookup else None
         self.drafts: list[int] = []
         self.proposal: torch.Tensor | None = None  # [len(drafts), V]: what each draft was drawn from
         self.fed = 0
+        self.parents: tuple[int, ...] | None = None  # this pass's draft tree, when copied drafts branch off
+        self.nodes: list[int] = []  # its tokens: the chain's drafts, then the copied branch's
 
-    def plan(self, context_len: int, budget: int) -> Plan:
-        k = max(1, min(self.window.size(context_len), budget))
+    def plan(self, text: Sequence[int], budget: int) -> Plan:
+        k = max(1, min(self.window.size(len(text)), budget))
         self.fed = min(len(self.drafts), k - 1)
-        return Plan(k, tuple(self.drafts[: self.fed]), k - 1, self.quadratic)
+        chain, slots = tuple(self.drafts[: self.fed]), k - 1 if self.masks else 0
+        plain = Plan(k, chain, slots, self.quadratic)
+        self.parents = None
+        blocks = len(plain.blocks()) if slots else 0
+        room = min(self.cfg.lookup, budget - 1, MAX_TREE_ROWS - 1 - len(chain) - blocks * slots)
+        copied = self.lookup.propose(text, room) if self.lookup is not None else []
+        tokens, parents = merge_chain(chain, copied)
+        if not tokens:
+            return plain
+        if not self.masks:  # the copied drafts alone: a chain, verified like mask drafts
+            self.drafts, self.fed, self.proposal = copied, len(copied), None
+            return Plan(1 + len(copied), tuple(copied))
+        self.parents, self.nodes = (*range(-1, len(chain) - 1), *parents), [*chain, *tokens]
+        return Plan(max(k, 1 + len(copied)), tuple(self.nodes), slots, self.quadratic, self.parents,
+                    plain.blocks() if slots else ())
 
     def choose(self, logits: PassLogits, generator: torch.Generator) -> Outcome:
+        if self.parents is not None:
+            return self._choose_tree(logits)
         m = self.fed
         drafts = torch.tensor(self.drafts[:m], dtype=torch.long)
         if self.cfg.temperature == 0:
@@ -50,14 +79,36 @@ class Verified:
             token = int(target[kept])
         else:
             probs = self._warp(logits.next_token)
-            proposal = self.proposal[:m] if m and self.proposal is not None else probs[:0]
-            kept, token = speculative_accept(probs, drafts, proposal, generator)
-        if m:
+            kept, token = speculative_accept(probs, drafts, self._proposal(m, probs), generator)
+        if m and self.masks:
             self.window.update(m, kept)
         self._draft(logits.block(kept, token), generator)
         return Outcome(kept, (token,))
 
-    def _draft(self, block: torch.Tensor | None, generator: torch.Generator) -> None:
+    def _choose_tree(self, logits: PassLogits) -> Outcome:
+        """Greedy: the longest path of the chain-and-copies tree the model agrees with."""
+        assert self.parents is not None
+        target = logits.next_token.argmax(-1).tolist()  # row 0: the last committed token; row i+1: node i
+        path, current = [], -1
+        while (child := next((i for i, parent in enumerate(self.parents)
+                              if parent == current and self.nodes[i] == target[current + 1]), None)) is not None:
+            path.append(child)
+            current = child
+        if self.fed:
+            self.window.update(self.fed, sum(1 for i in path if i < self.fed))
+        token = target[current + 1]
+        self._draft(logits.block(current + 1, token), None)
+        on_chain = path == list(range(len(path)))
+        return Outcome(len(path), (token,), rows=None if on_chain else tuple(path))
+
+    def _proposal(self, m: int, probs: torch.Tensor) -> torch.Tensor:
+        """[m, V]: what each draft was drawn from (one-hot rows for copied or argmax drafts)."""
+        if m and self.proposal is not None:
+            return self.proposal[:m]
+        drafts = torch.tensor(self.drafts[:m], dtype=torch.long)
+        return torch.zeros(m, probs.shape[-1], dtype=probs.dtype).scatter_(1, drafts.view(-1, 1), 1.0)
+
+    def _draft(self, block: torch.Tensor | None, generator: torch.Generator | None) -> None:
         """The next pass's drafts: the block conditioned on exactly the committed text (if any)."""
         if block is None or not len(block):
             self.drafts, self.proposal = [], None
@@ -94,8 +145,8 @@ class TreeVerified:
         self.levels = 0  # its depth
         self.mask_blocks = False  # the block comes from mask slots fed after every node (not from heads)
 
-    def plan(self, context_len: int, budget: int) -> Plan:
-        k = max(1, min(self.window.size(context_len), budget))
+    def plan(self, text: Sequence[int], budget: int) -> Plan:
+        k = max(1, min(self.window.size(len(text)), budget))
         depth = mask_tree_depth(self.widths, k - 1) if self.mask_blocks else k - 1
         self.levels = min(depth, 0 if self.block is None else len(self.block))
         self.nodes, frontier = [], [-1]

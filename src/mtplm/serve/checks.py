@@ -62,7 +62,7 @@ def _mode(mode: str | None, spec: DecodeModel, default_mode: str) -> DecodeConfi
         cfg = parse_mode(mode or default_mode)
     except UserError as exc:
         raise APIError(400, str(exc), "mode", "invalid_mode") from None
-    if cfg.mode == "ntp":
+    if not cfg.needs_conversion():
         return cfg
     if spec.thresholds is None:
         raise APIError(400, f"mode {cfg.mode!r} needs a converted model (one with an <mtp> token or heads): "
