@@ -86,7 +86,7 @@ def test_assisted_decoding_baseline_is_compared_with_its_own_target(tmp_path):
 
 def test_bench_prediction_matches_what_the_same_run_measured(chain_checkpoint):
     """The bench's predicted rows replay the decoders' own rules over the plain answers: verified (linear,
-    quadratic, tree) within 3 %."""
+    quadratic, tree, quadratic with lookup) within 3 %."""
     from synthetic import chain_rows
 
     from mtplm.bench.predicted import predicted_rows
@@ -97,7 +97,8 @@ def test_bench_prediction_matches_what_the_same_run_measured(chain_checkpoint):
     from mtplm.text import chat_prompt_ids
 
     model = MTPModel.load(chain_checkpoint)
-    modes = parse_modes("verified,verified:quadratic@3,confadapt:0.9,verified:tree,ntp[eager]", None, "top1")
+    modes = parse_modes("verified,verified:quadratic@3,confadapt:0.9,verified:tree,verified:quadratic+lookup@3,"
+                        "ntp[eager]", None, "top1")
     prompts = [chat_prompt_ids(model.tokenizer, row["prompt"]) for row in chain_rows(8, seed=77)]
     records = {name: [] for name, _ in modes}
     for ids in prompts:
@@ -108,8 +109,9 @@ def test_bench_prediction_matches_what_the_same_run_measured(chain_checkpoint):
     rows = {name: summarize(name, recs, records["ntp"]) for name, recs in records.items() if recs}
     predicted = predicted_rows(model, modes, prompts, records["ntp"], rows, make_backend("eager", model), "eager", 24)
     by_mode = {r["mode"]: r for r in predicted["rows"]}
-    assert list(by_mode) == ["verified", "verified:quadratic@3", "confadapt:0.9", "verified:tree"]  # no [eager]
-    for mode in ("verified", "verified:quadratic@3", "verified:tree"):
+    assert list(by_mode) == ["verified", "verified:quadratic@3", "confadapt:0.9", "verified:tree",
+                             "verified:quadratic+lookup@3"]  # no [eager]
+    for mode in ("verified", "verified:quadratic@3", "verified:tree", "verified:quadratic+lookup@3"):
         assert by_mode[mode]["measured_tokens_per_pass"] > 1.5  # the slots learned the language: drafts are kept
         assert by_mode[mode]["predicted_tokens_per_pass"] == pytest.approx(by_mode[mode]["measured_tokens_per_pass"],
                                                                            rel=0.03)

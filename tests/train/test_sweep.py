@@ -115,7 +115,8 @@ def test_predictor_matches_the_decoders_on_the_synthetic_language(chain_checkpoi
     from mtplm.train.predict import predict
 
     model = MTPModel.load(chain_checkpoint)
-    modes = ["verified", "verified:quadratic", "verified:linear:adaptive", "verified:tree", "confadapt:0.9"]
+    modes = ["verified", "verified:quadratic", "verified:linear:adaptive", "verified:tree", "confadapt:0.9",
+             "verified:quadratic+lookup", "verified:linear+lookup:adaptive", "verified:lookup"]
     texts, measured = [], {m: [0, 0] for m in modes}
     for row in chain_rows(10, seed=99):
         ids = chat_prompt_ids(model.tokenizer, row["prompt"])

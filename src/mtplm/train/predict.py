@@ -46,6 +46,7 @@ class Answer:
     confidence: torch.Tensor  # [n, k] top-1 probability of each prediction
     agree: torch.Tensor  # [n, k] prediction == the answer token at its offset (True past the answer's end)
     rank: torch.Tensor | None = None  # [n, k] the answer token's rank in each prediction (0: its argmax)
+    text: tuple[int, ...] = ()  # the prompt's tokens, then the answer's (what prompt lookup copies from)
 
     @property
     def length(self) -> int:
@@ -88,31 +89,51 @@ def answer_records(model, prompt_ids: list[int], answer_ids: list[int], k: int, 
         agree.append((logits.argmax(-1) == out.labels[0]) | ~valid)
         above = (logits > logits.gather(-1, out.labels[0].unsqueeze(-1))).sum(-1)  # [M, k]
         rank.append(torch.where(valid, above, torch.zeros_like(above)))
-    return Answer(len(prompt_ids), torch.cat(confidence), torch.cat(agree), torch.cat(rank))
+    return Answer(len(prompt_ids), torch.cat(confidence), torch.cat(agree), torch.cat(rank),
+                  tuple(prompt_ids + answer_ids))
 
 
 def replay_verified(answers: list[Answer], cfg: DecodeConfig, max_new_tokens: int) -> Tally:
-    """Verified greedy decoding (linear or quadratic drafting, cfg.window) replayed over the records."""
+    """Verified greedy decoding (linear or quadratic drafting, cfg.window; with cfg.lookup, the copied branch
+    of verified.Verified, or lookup drafting alone) replayed over the records."""
+    from mtplm.decode.lookup import NgramLookup
+    from mtplm.decode.verified import MAX_TREE_ROWS
+
     tally = Tally()
-    quadratic = cfg.drafting == "quadratic"
+    quadratic, masks = cfg.drafting == "quadratic", cfg.drafting != "lookup"
     for answer in answers:
-        window = WINDOWS.get(cfg.window)(cfg.k_max)
+        window, lookup = WINDOWS.get(cfg.window)(cfg.k_max), NgramLookup()
         agree = answer.agree.tolist()
         r, avail, has_block, end = 0, 0, False, min(answer.length, max_new_tokens)
         while r < end:
             k = max(1, min(window.size(answer.prompt_len + r), max_new_tokens - r))
             m = min(avail, k - 1) if has_block else 0
             kept = leading_run(torch.tensor(agree[r - 1][1 : 1 + m])) if m else 0  # drafts: slots of row r-1
-            if m:
+            slots = k - 1 if masks else 0
+            blocks = ((m + 1) if quadratic else 1) if slots else 0
+            room = min(cfg.lookup, max_new_tokens - r - 1, MAX_TREE_ROWS - 1 - m - blocks * slots)
+            copied, run = _copied(answer, lookup, r, room if cfg.lookup else 0)
+            branch = len(copied) - min(kept, run)  # the copied branch's nodes beyond the shared prefix
+            if m and masks:
                 window.update(m, kept)
-            slots = k - 1
-            fed = 1 + m + slots * ((m + 1) if quadratic else 1)
-            tally.rows.append(fed)
+            tally.rows.append(1 + m + branch + blocks * slots)
             tally.passes += 1
+            on_chain = run <= kept or not branch
+            kept = max(kept, run) if branch else kept
             tally.tokens += min(kept + 1, end - r)
             r += kept + 1
-            has_block, avail = slots > 0 and (quadratic or kept == m), slots
+            has_block, avail = slots > 0 and on_chain and (quadratic or kept == m), slots
     return tally
+
+
+def _copied(answer: Answer, lookup, r: int, room: int) -> tuple[list[int], int]:
+    """The drafts prompt lookup copies before answer token r, and how many of them the answer keeps."""
+    if room < 1:
+        return [], 0
+    start = answer.prompt_len + r
+    copied = lookup.propose(answer.text[:start], room)
+    truth = answer.text[start: start + len(copied)]
+    return copied, leading_run(torch.tensor([a == b for a, b in zip(copied, truth, strict=False)] or [False]))
 
 
 def replay_tree(answers: list[Answer], cfg: DecodeConfig, max_new_tokens: int) -> Tally:
