@@ -12,17 +12,20 @@ import sys
 from pathlib import Path
 
 from mtplm.config import (
+    DEFAULT_MODE,
     LOOKUP_TOKENS,
     DecodeConfig,
     Limits,
     add_backend_argument,
     add_dtype_argument,
     load_train_config,
+    parse_mode,
 )
 from mtplm.errors import UserError, exit_code
 from mtplm.registry import BACKENDS, CONFIDENCE, STRATEGIES, WINDOWS
 
 DEFAULT_CHECKPOINT = "smollm2-135m-mtp"  # the converted default model shipped inside the package
+DEFAULT_LOAD_POLICY = "2:1"  # serve: plain passes from 2 running sequences on (README, Serving: measured)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,13 +165,15 @@ def _add_serve(sub) -> None:
     serve.add_argument("--memory-budget-gb", type=float, default=0.0,
                        help="load models lazily within this much memory, unloading idle ones (0: no limit)")
     serve.add_argument("--default-mode", default=None,
-                       help="decoding mode for requests that name none (default: ntp, plain decoding, the fastest "
-                            "that keeps quality on the CPUs measured; see README); a request's `mode` field "
-                            "overrides it")
-    serve.add_argument("--k-by-batch", default=None, metavar="auto|SIZE:K,...",
-                       help="load policy for ConfAdapt and verified: 'auto' measures, per batch size, whether "
-                            "multi-token passes beat plain ones and keeps the faster; SIZE:K pairs cap them at K "
-                            "tokens per pass once SIZE or more sequences run, e.g. 1:8,4:4,8:1 (default: no cap)")
+                       help=f"decoding mode for requests that name none (default: {DEFAULT_MODE}, drafts copied "
+                            "from the text and verified: lossless, for any model, the fastest measured; see "
+                            "README); a request's `mode` field overrides it")
+    serve.add_argument("--k-by-batch", default=DEFAULT_LOAD_POLICY, metavar="SIZE:K,...|auto|off",
+                       help="load policy for ConfAdapt and verified: SIZE:K pairs cap them at K tokens per pass "
+                            "once SIZE or more sequences run, e.g. 1:8,4:4,8:1; 'auto' measures, per batch size, "
+                            "whether multi-token passes beat plain ones; 'off': no cap (default: %(default)s, "
+                            "multi-token passes only while one sequence runs: on the CPUs measured they lose "
+                            "to plain batched passes; see README)")
     serve.add_argument("--max-tokens-limit", type=int, default=Limits.max_tokens, help="largest max_tokens accepted")
     serve.add_argument("--default-max-tokens", type=int, default=Limits.default_max_tokens,
                        help="chat requests that give no max_tokens")
@@ -182,14 +187,14 @@ def _add_serve(sub) -> None:
 
 def _decode_arguments(p: argparse.ArgumentParser) -> None:
     d = DecodeConfig()
-    p.add_argument("--mode", default=d.mode,
-                   help=f"{STRATEGIES.describe()} (default: %(default)s)")
+    p.add_argument("--mode", default=None,
+                   help=f"{STRATEGIES.describe()} (default: {DEFAULT_MODE}, the fastest lossless mode measured)")
     p.add_argument("--k", type=int, default=d.k, help="static mode: tokens per forward (default: %(default)s)")
     p.add_argument("--k-max", type=int, default=None,
                    help="ConfAdapt block size / verified: most tokens per pass (default: the checkpoint's)")
-    p.add_argument("--drafting", default=d.drafting,
-                   help="verified: linear | quadratic | tree (top choices per depth, verified at once) "
-                        "(default: %(default)s)")
+    p.add_argument("--drafting", default=None,
+                   help="verified: linear | quadratic | tree (top choices per depth, verified at once) | lookup "
+                        "(drafts copied from the text alone) (default: linear with --mode, else lookup)")
     p.add_argument("--tree-widths", default=d.tree_widths,
                    help="tree drafting: candidates per depth from the top choices (default: %(default)s)")
     p.add_argument("--lookup", type=int, default=d.lookup, metavar="N",
@@ -210,8 +215,13 @@ def _decode_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def decode_config(args) -> DecodeConfig:
-    return DecodeConfig(mode=args.mode, k=args.k, k_max=args.k_max, tau=args.tau, confidence=args.confidence,
-                        backoff=args.backoff, drafting=args.drafting, tree_widths=args.tree_widths,
+    """The options as a DecodeConfig: no --mode and no --drafting decodes with DEFAULT_MODE; --drafting alone
+    means verified."""
+    default = parse_mode(DEFAULT_MODE)
+    mode = args.mode or ("verified" if args.drafting else default.mode)
+    drafting = args.drafting or (default.drafting if args.mode is None else DecodeConfig.drafting)
+    return DecodeConfig(mode=mode, k=args.k, k_max=args.k_max, tau=args.tau, confidence=args.confidence,
+                        backoff=args.backoff, drafting=drafting, tree_widths=args.tree_widths,
                         lookup=args.lookup, window=args.window, temperature=args.temperature, top_k=args.top_k,
                         top_p=args.top_p, max_new_tokens=args.max_new_tokens, seed=args.seed).validate()
 

@@ -157,6 +157,9 @@ def test_n_choices_and_prompt_lists(client):
     (dict(model="chain", prompt="t1", extra_body={"mode": "warp:9"}), 400, "bad decoding mode"),
     (dict(model="chain", prompt="t1", extra_body={"mode": "confadapt:1.5"}), 400, "bad decoding mode"),
     (dict(model="chain", prompt="t1", temperature=0.5, extra_body={"mode": "verified:tree"}), 400, "tree drafting"),
+    (dict(model="chain", prompt="t1", temperature=0.5, extra_body={"mode": "verified:quadratic+lookup"}), 400,
+     "greedy decoding only"),
+    (dict(model="base", prompt="t1", extra_body={"mode": "verified:quadratic+lookup"}), 400, "converted model"),
     (dict(model="chain", prompt="t1", n=99), 400, "n must"),
     (dict(model="chain", prompt="t1", extra_body={"temprature": 0}), 400, "unrecognized request argument"),
     (dict(model="chain", prompt="t1", presence_penalty=1.0), 400, "not supported"),
@@ -168,6 +171,14 @@ def test_bad_requests_get_openai_style_errors(client, request_args, status, need
     assert caught.value.status_code == status
     body = caught.value.body
     assert needle in body["message"] and body["type"]  # the SDK unwraps {"error": {...}}
+
+
+def test_a_base_model_serves_prompt_lookup_losslessly(client):
+    """verified:lookup needs no conversion: a base model decodes with copied drafts, and the text is plain greedy."""
+    for i in range(3):
+        args = dict(model="base", prompt=_prompt(i) * 2, max_tokens=24, temperature=0)
+        plain = client.completions.create(**args, extra_body={"mode": "ntp"}).choices[0].text
+        assert client.completions.create(**args, extra_body={"mode": "verified:lookup"}).choices[0].text == plain
 
 
 def test_chat_errors_and_auth(server, client):

@@ -76,6 +76,13 @@ def test_cli_train_then_generate_round_trip(base_dir, data_file, tmp_path):
                    "--max-new-tokens", "8", "--dtype", "fp32")
         assert gen.returncode == 0, gen.stderr
         assert gen.stdout.strip() and "tokens/forward" in gen.stderr
+    outputs = {}
+    for model, mode in [(checkpoint, ("--mode", "ntp")), (checkpoint, ()), (base_dir, ())]:  # () = the default
+        gen = _cli("generate", "t5 t9 t5 t9 t5", "--model", str(model), *mode, "--max-new-tokens", "12",
+                   "--dtype", "fp32", "--backend", "eager")
+        assert gen.returncode == 0, gen.stderr
+        outputs[(str(model), mode)] = gen.stdout
+    assert outputs[(str(checkpoint), ())] == outputs[(str(checkpoint), ("--mode", "ntp"))]  # lossless default
 
     delta = MTPModel.load(run / "delta")  # the small form: mask rows + adapters over the named base
     full = MTPModel.load(checkpoint)
@@ -94,6 +101,8 @@ def test_cli_train_then_generate_round_trip(base_dir, data_file, tmp_path):
     (("generate", "hi", "--mode", "verified", "--drafting", "tree", "--tree-widths", "2,0"), "tree_widths must be"),
     (("generate", "hi", "--mode", "verified", "--window", "big"), "unknown window policy"),
     (("generate", "hi", "--mode", "lossless"), "unknown decoding mode"),
+    (("generate", "hi", "--lookup", "-1"), "lookup must be >= 0"),
+    (("generate", "hi", "--drafting", "tree", "--lookup", "4"), "not tree"),
     (("generate", "hi", "--backend", "turbo"),
      "unknown backend 'turbo': choose one of eager, compiled, compiled-int8, static"),
     (("calibrate", "--target", "1.5"), "--target must lie in (0, 1]"),

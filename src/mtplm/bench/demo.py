@@ -1,4 +1,5 @@
-"""The main job: answer a few prompts in plain, ConfAdapt and verified (lossless) mode side by side, with speedups."""
+"""The main job: answer a few prompts in plain, ConfAdapt and two verified (lossless) modes side by side, with speedups:
+mask-slot drafts (`verified`) and drafts copied from the text (`lookup`, the CLI's and server's default)."""
 
 from __future__ import annotations
 
@@ -28,12 +29,13 @@ def run_demo(spec: str, dtype: str, max_new_tokens: int, tau: float | None, back
     tok = model.tokenizer
     modes = {"plain": DecodeConfig(mode="ntp", max_new_tokens=max_new_tokens),
              "confadapt": DecodeConfig(mode="confadapt", tau=tau, max_new_tokens=max_new_tokens),
-             "verified": DecodeConfig(mode="verified", max_new_tokens=max_new_tokens)}
+             "verified": DecodeConfig(mode="verified", max_new_tokens=max_new_tokens),
+             "lookup": DecodeConfig(mode="verified", drafting="lookup", max_new_tokens=max_new_tokens)}
     backend = make_backend(backend_name, model, slots=1)
     for mode in ("ntp", "verified"):  # warm-up (and, for the compiled backend, the first compiles)
         generate(model, chat_prompt_ids(tok, "Hi"), DecodeConfig(mode=mode, max_new_tokens=8), backend=backend)
     totals = {name: [0, 0.0, 0] for name in modes}
-    identical = 0
+    identical = {"verified": 0, "lookup": 0}
     threshold = tau if tau is not None else model.meta.decode_thresholds().tau
     print(f"model: {spec} ({dtype}, {resolve_backend(backend_name, model)} backend); ConfAdapt threshold {threshold}\n")
     for prompt in PROMPTS:
@@ -44,7 +46,8 @@ def run_demo(spec: str, dtype: str, max_new_tokens: int, tau: float | None, back
                 out = generate(model, ids, cfg, backend=backend)
             if name == "plain":
                 plain_tokens = out.tokens
-            identical += name == "verified" and out.tokens == plain_tokens
+            if name in identical:
+                identical[name] += out.tokens == plain_tokens
             total = totals[name]
             total[0] += len(out.tokens)
             total[1] += out.elapsed_s
@@ -57,8 +60,9 @@ def run_demo(spec: str, dtype: str, max_new_tokens: int, tau: float | None, back
     print("=" * 100)
     for name in totals:
         print(f"{name:>10}: {rate[name]:6.1f} tokens/s  {per_forward[name]:.2f} tokens/forward")
-    for name in ("confadapt", "verified"):
+    for name in ("confadapt", "verified", "lookup"):
         print(f"   {name} speedup: {rate[name] / rate['plain']:.2f}x wall-clock over plain (same run)")
-    print(f"   verified output identical to plain: {identical}/{len(PROMPTS)} prompts"
-          + (" (bf16 rounding differs between one-row and multi-row passes; in fp32 it is always identical)"
-             if identical < len(PROMPTS) else ""))
+    for name, same in identical.items():
+        print(f"   {name} output identical to plain: {same}/{len(PROMPTS)} prompts"
+              + (" (bf16 rounding differs between one-row and multi-row passes; in fp32 it is always identical)"
+                 if same < len(PROMPTS) else ""))

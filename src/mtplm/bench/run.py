@@ -156,8 +156,9 @@ def run_bench(args) -> dict:
     modes = parse_modes(args.modes, args.k_max, args.confidence)
     llama_server.check(args.llama_server, args.model)  # bad variants or no binary: one line before the model loads
     model = load_model(args.model, args.dtype)
-    if model.meta is None and any(cfg.mode != "ntp" for _, cfg in modes):
-        raise UserError(f"{args.model} is not a converted model: only plain decoding can be measured")
+    if model.meta is None and any(cfg.needs_conversion() for _, cfg in modes):
+        raise UserError(f"{args.model} is not a converted model: only plain decoding and verified:lookup can be "
+                        "measured")
     examples = prompt_set(args.prompt_set, None if args.full else args.prompts, args.seed, split="eval")
     prompts = [chat_prompt_ids(model.tokenizer, e.prompt)[-768:] for e in examples]
     stops = sorted(stop_ids(model))

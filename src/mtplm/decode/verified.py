@@ -10,7 +10,9 @@ the next-token path is the untouched base model, so the output is the *original*
 
 Drafting: linear feeds one mask block after the last draft, which is useful only if every draft
 survives; quadratic feeds a block after the last committed token and after each draft (tree attention),
-so the next pass always has drafts conditioned on exactly the kept prefix.
+so the next pass always has drafts conditioned on exactly the kept prefix. Lookup (lookup.py) adds drafts
+copied from the text so far: alone (drafting "lookup": no mask slots, so any model, and a pass of plain rows,
+which a CPU prices near a one-row pass), or beside the mask drafts as a second branch of the same tree.
 
 How many tokens one pass may emit (its k) is a window policy (windows.py).
 """

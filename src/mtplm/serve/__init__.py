@@ -49,8 +49,8 @@ def build_repository(models: list[str], repository: Path | None, dtype: str, max
 
 def parse_k_by_batch(spec: str | None) -> dict[int, int] | str | None:
     """`1:8,4:4,8:1` -> {1: 8, 4: 4, 8: 1}: from 4 running sequences on, at most 4 tokens per pass, ...;
-    `auto` -> measure per batch size whether multi-token passes pay (policy.Measured)."""
-    if not spec:
+    `auto` -> measure per batch size whether multi-token passes pay (policy.Measured); `off` -> no cap."""
+    if not spec or spec == "off":
         return None
     if spec == "auto":
         return spec
@@ -60,7 +60,7 @@ def parse_k_by_batch(spec: str | None) -> dict[int, int] | str | None:
         if not table or min(table) < 1 or min(table.values()) < 1:
             raise ValueError
     except ValueError:
-        raise UserError(f"bad --k-by-batch {spec!r}: give auto, or batch-size:k pairs such as 1:8,4:4,8:1 "
+        raise UserError(f"bad --k-by-batch {spec!r}: give auto, off, or batch-size:k pairs such as 1:8,4:4,8:1 "
                         "(sizes and k >= 1)") from None
     return table
 

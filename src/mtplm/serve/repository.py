@@ -28,7 +28,7 @@ from pathlib import Path
 
 import tomllib
 
-from mtplm.config import DecodeConfig
+from mtplm.config import DEFAULT_MODE
 from mtplm.decode.backends import make_backend
 from mtplm.decode.engine import Engine, PassStats
 from mtplm.errors import UserError
@@ -44,7 +44,7 @@ ENTRY_KEYS = {"id", "path", "mode", "dtype", "description"}
 class Entry:
     id: str
     path: str
-    mode: str | None = None  # None: the server's --default-mode, else DecodeConfig's default (plain)
+    mode: str | None = None  # None: the server's --default-mode, else config.DEFAULT_MODE
     dtype: str = "bf16"
     description: str = ""
 
@@ -146,7 +146,7 @@ class Repository:
         except (UserError, OSError, ValueError) as exc:
             raise APIError(500, f"model {entry.id!r} failed to load: {exc}", "model", "model_load_failed",
                            "server_error") from None
-        mode = entry.mode or self.default_mode or DecodeConfig.mode
+        mode = entry.mode or self.default_mode or DEFAULT_MODE
         on_pass = self.on_pass
         callback = (lambda stats: on_pass(entry.id, stats)) if on_pass is not None else None
         engine = Engine(model, self.max_batch, on_pass=callback, k_by_batch=self.k_by_batch,
