@@ -142,15 +142,18 @@ def main() -> None:
           f"{torch.get_num_threads()} threads, best of "
           f"{args.repeats}; ms per pass incl. the LM head (ratio to the same backend's 1-row pass)")
     one_row: dict[str, float] = {}
+    first: dict[str, tuple[float, ...]] = {}  # batch 1, first backend: kind -> the curve's times
     for batch in (int(b) for b in args.batches.split(",")):
         for (name, kind), times in measure(model, args, batch).items():
             print(f"batch {batch} {name:8s} {kind:5s}: " + "  ".join(
                 f"{r:2d} rows {1e3 * t:6.1f} ({t / times[0]:.2f}x)" for r, t in zip(rows_list, times, strict=True)))
             if batch == 1 and kind == "plain":
                 one_row[name] = times[0]
-            if batch == 1 and kind == "mask" and args.json and name == args.backends.split(",")[0]:
-                curve = PassCost(tuple(rows_list), tuple(itertools.accumulate(times, max)), name, args.context)
-                print(f"curve written to {curve.save(args.json)} (what pass_cost=FILE reads): {curve.describe()}")
+            if batch == 1 and name == args.backends.split(",")[0]:
+                first[kind] = tuple(itertools.accumulate(times, max))
+    if args.json and "mask" in first:
+        curve = PassCost(tuple(rows_list), first["mask"], args.backends.split(",")[0], args.context, first.get("plain"))
+        print(f"curve written to {curve.save(args.json)} (what pass_cost=FILE reads): {curve.describe()}")
     rate = bandwidth(args.device)
     print(f"roofline: copy bandwidth {rate / 1e9:.1f} GB/s; " + ", ".join(
         f"{name} 1-row pass {1e3 * t:.1f} ms reads {read_bytes(model, name) / 1e6:.0f} MB of weights: floor "

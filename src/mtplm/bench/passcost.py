@@ -1,5 +1,7 @@
 """The pass-cost curve c(rows) of this machine: seconds of one decode pass that feeds `rows` rows (one token
-and rows-1 <mtp> slots, the passes of ConfAdapt and verified) behind a cached context, LM head included.
+and rows-1 <mtp> slots, the passes of ConfAdapt and verified) behind a cached context, LM head included; and,
+where measured, the same for passes of real rows only (drafts copied from the text, decode/lookup.py), which
+run no adapters and which a CPU prices near a one-row pass.
 
 A mode's served speedup over plain decoding is then tokens x c(1) / (the sum of c(rows) over its passes)
 (train/predict.py); that is how tokens/pass turns into wall-clock speed on the machine at hand (SPEC §5).
@@ -28,10 +30,13 @@ class PassCost:
     seconds: tuple[float, ...]  # best-of-repeats seconds per pass at each
     backend: str = "eager"
     context: int = 200
+    plain_seconds: tuple[float, ...] | None = None  # the same row counts, real rows only (no <mtp> rows)
 
-    def __call__(self, n: int) -> float:
-        """c(n), linear between measured row counts and beyond the last two."""
-        rows, secs = self.rows, self.seconds
+    def __call__(self, n: int, masked: bool = True) -> float:
+        """c(n), linear between measured row counts and beyond the last two; `masked` False: a pass of real
+        rows only (the plain curve where measured, else the <mtp> one, an upper bound)."""
+        rows = self.rows
+        secs = self.seconds if masked or self.plain_seconds is None else self.plain_seconds
         i = next((j for j in range(1, len(rows)) if n <= rows[j]), len(rows) - 1)
         if i == 0:
             return secs[0]
@@ -41,7 +46,12 @@ class PassCost:
     def describe(self) -> str:
         ratios = ", ".join(f"c({n})/c(1) {s / self.seconds[0]:.2f}" for n, s in zip(self.rows[1:], self.seconds[1:],
                                                                                       strict=True))
-        return f"{self.backend} pass, context {self.context}: c(1) {1e3 * self.seconds[0]:.1f} ms, {ratios}"
+        line = f"{self.backend} pass, context {self.context}: c(1) {1e3 * self.seconds[0]:.1f} ms, {ratios}"
+        if self.plain_seconds is not None:
+            line += "; real rows only: " + ", ".join(
+                f"c({n})/c(1) {s / self.plain_seconds[0]:.2f}" for n, s in zip(self.rows[1:], self.plain_seconds[1:],
+                                                                                strict=True))
+        return line
 
     def save(self, path: Path) -> Path:
         path.write_text(json.dumps(asdict(self), indent=2) + "\n")
@@ -51,12 +61,15 @@ class PassCost:
     def load(cls, path: Path) -> PassCost:
         try:
             raw = json.loads(Path(path).read_text())
+            plain = raw.get("plain_seconds")
             curve = cls(tuple(int(r) for r in raw["rows"]), tuple(float(s) for s in raw["seconds"]),
-                        str(raw.get("backend", "?")), int(raw.get("context", 0)))
+                        str(raw.get("backend", "?")), int(raw.get("context", 0)),
+                        tuple(float(s) for s in plain) if plain is not None else None)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise UserError(f"pass_cost {path}: not a pass-cost curve ({exc}); write one with "
                             "scripts/pass_cost.py --json FILE, or use pass_cost=measure") from None
-        if not curve.rows or curve.rows[0] != 1 or len(curve.rows) != len(curve.seconds):
+        if not curve.rows or curve.rows[0] != 1 or len(curve.rows) != len(curve.seconds) or (
+                curve.plain_seconds is not None and len(curve.plain_seconds) != len(curve.rows)):
             raise UserError(f"pass_cost {path}: the curve must start at 1 row and give one time per row count")
         return curve
 
@@ -73,20 +86,22 @@ def measure(model, backend_name: str = "eager", rows: tuple[int, ...] = ROWS, co
     context = min(context, getattr(model.hf.config, "max_position_embeddings", context) - max(rows) - 1)
     token = 5  # any ordinary token: the cost does not depend on which
     backend.run(0, [Feed([token] * context, context, 0, 0, False, None)], [0])
-    feeds = {n: Feed([token] + [model.mask_id] * (n - 1), 1, 0, n - 1, False, None) for n in rows}
-    best = {n: float("inf") for n in rows}
+    feeds = {(n, True): Feed([token] + [model.mask_id] * (n - 1), 1, 0, n - 1, False, None) for n in rows}
+    feeds |= {(n, False): Feed([token] * n, 1, n - 1, 0, False, None) for n in rows}  # 1 token + n-1 drafts
+    best = dict.fromkeys(feeds, float("inf"))
     was_training = model.hf.training
     model.hf.eval()
     for round_ in range(repeats + 1):  # round 0 warms up
-        for n, feed in feeds.items():
+        for key, feed in feeds.items():
             began = time.perf_counter()
             hidden = backend.run(0, [feed], [context])
             backend.head(hidden.reshape(-1, hidden.shape[-1]))
             if round_:
-                best[n] = min(best[n], time.perf_counter() - began)
+                best[key] = min(best[key], time.perf_counter() - began)
     model.hf.train(was_training)
     # a pass with more rows never costs less: the running maximum removes what noise made look cheaper
-    return PassCost(tuple(rows), tuple(itertools.accumulate((best[n] for n in rows), max)), backend_name, context)
+    curve = {masked: tuple(itertools.accumulate((best[n, masked] for n in rows), max)) for masked in (True, False)}
+    return PassCost(tuple(rows), curve[True], backend_name, context, curve[False])
 
 
 def curve_for(spec: str, model) -> PassCost | None:

@@ -60,14 +60,24 @@ class Tally:
     tokens: int = 0
     passes: int = 0
     rows: list[int] = field(default_factory=list)  # rows fed per pass (the prefill counted as 1 + slots)
+    plain: list[bool] = field(default_factory=list)  # per pass: no <mtp> rows (only tokens and copied drafts)
 
     @property
     def tokens_per_pass(self) -> float:
         return self.tokens / max(1, self.passes)
 
+    def count(self, rows: int, tokens: int, masked: bool = True) -> None:
+        """One pass: the rows it fed, whether any were <mtp> rows, the tokens it emitted."""
+        self.rows.append(rows)
+        self.plain.append(not masked)
+        self.passes += 1
+        self.tokens += tokens
+
     def speedup(self, cost) -> float:
-        """Served speedup over plain decoding on a pass-cost curve `cost(rows) -> seconds`."""
-        return self.tokens * cost(1) / max(1e-12, sum(cost(n) for n in self.rows))
+        """Served speedup over plain decoding on a pass-cost curve `cost(rows, masked) -> seconds`."""
+        plain = self.plain if len(self.plain) == len(self.rows) else [False] * len(self.rows)
+        spent = sum(cost(n, not p) for n, p in zip(self.rows, plain, strict=True))
+        return self.tokens * cost(1, False) / max(1e-12, spent)
 
 
 @torch.no_grad()
@@ -116,11 +126,9 @@ def replay_verified(answers: list[Answer], cfg: DecodeConfig, max_new_tokens: in
             branch = len(copied) - min(kept, run)  # the copied branch's nodes beyond the shared prefix
             if m and masks:
                 window.update(m, kept)
-            tally.rows.append(1 + m + branch + blocks * slots)
-            tally.passes += 1
             on_chain = run <= kept or not branch
             kept = max(kept, run) if branch else kept
-            tally.tokens += min(kept + 1, end - r)
+            tally.count(1 + m + branch + blocks * slots, min(kept + 1, end - r), masked=blocks > 0)
             r += kept + 1
             has_block, avail = slots > 0 and on_chain and (quadratic or kept == m), slots
     return tally
@@ -158,9 +166,7 @@ def replay_tree(answers: list[Answer], cfg: DecodeConfig, max_new_tokens: int) -
             if levels:
                 window.update(levels, kept)
             nodes = tree_nodes(widths, levels)
-            tally.rows.append(1 + nodes + (nodes + 1) * depth if nodes else 1 + depth)
-            tally.passes += 1
-            tally.tokens += min(kept + 1, end - r)
+            tally.count(1 + nodes + (nodes + 1) * depth if nodes else 1 + depth, min(kept + 1, end - r))
             r += kept + 1
             block = depth
     return tally
@@ -177,9 +183,7 @@ def replay_confadapt(answers: list[Answer], taus: list[float], max_new_tokens: i
             k = max(1, min(len(taus), max_new_tokens - r))
             run = leading_run(answer.confidence[r, :k] >= thresholds[:k])
             emitted = max(1, min(run, end - r))
-            tally.rows.append(pending + k - 1)
-            tally.passes += 1
-            tally.tokens += emitted
+            tally.count(pending + k - 1, emitted, masked=k > 1)
             pending, r = emitted, r + emitted
     return tally
 
