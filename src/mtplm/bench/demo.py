@@ -3,6 +3,7 @@ mask-slot drafts (`verified`) and drafts copied from the text (`lookup`, the CLI
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 
 from mtplm.config import DecodeConfig
@@ -32,8 +33,9 @@ def run_demo(spec: str, dtype: str, max_new_tokens: int, tau: float | None, back
              "verified": DecodeConfig(mode="verified", max_new_tokens=max_new_tokens),
              "lookup": DecodeConfig(mode="verified", drafting="lookup", max_new_tokens=max_new_tokens)}
     backend = make_backend(backend_name, model, slots=1)
-    for mode in ("ntp", "verified"):  # warm-up (and, for the compiled backend, the first compiles)
-        generate(model, chat_prompt_ids(tok, "Hi"), DecodeConfig(mode=mode, max_new_tokens=8), backend=backend)
+    warm = chat_prompt_ids(tok, "Repeat this list three times: red, green, blue, yellow.")
+    for cfg in modes.values():  # warm-up (and, for the compiled backend, the row buckets each mode meets)
+        generate(model, warm, dataclasses.replace(cfg, max_new_tokens=48), backend=backend)
     totals = {name: [0, 0.0, 0] for name in modes}
     identical = {"verified": 0, "lookup": 0}
     threshold = tau if tau is not None else model.meta.decode_thresholds().tau
