@@ -43,7 +43,8 @@ class LiveServer:
 
     def __init__(self, repository_dir: Path, api_key: str | None = "test-key", max_batch: int = 4,
                  budget_gb: float = 0.0, max_body_bytes: int = 1 << 20) -> None:
-        self.repository = build_repository([], repository_dir, "fp32", max_batch, budget_gb, None)
+        # no load cap: the tests batch multi-token passes (mtplm serve's default caps them from 2 sequences on)
+        self.repository = build_repository([], repository_dir, "fp32", max_batch, budget_gb, None, "off")
         self.settings = Settings(api_key=api_key, max_body_bytes=max_body_bytes,
                                  limits=Limits(max_tokens=512, default_max_tokens=32, context=512))
         self.app = create_app(self.repository, self.settings)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from mtplm.config import (
+    DEFAULT_LOAD_POLICY,
     DEFAULT_MODE,
     LOOKUP_TOKENS,
     DecodeConfig,
@@ -25,7 +26,6 @@ from mtplm.errors import UserError, exit_code
 from mtplm.registry import BACKENDS, CONFIDENCE, STRATEGIES, WINDOWS
 
 DEFAULT_CHECKPOINT = "smollm2-135m-mtp"  # the converted default model shipped inside the package
-DEFAULT_LOAD_POLICY = "2:1"  # serve: plain passes from 2 running sequences on (README, Serving: measured)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,9 +17,9 @@ from mtplm.registry import BACKENDS, CONFIDENCE, HEAD_FORMS, OBJECTIVES, STRATEG
 
 DRAFTING = ("linear", "quadratic", "tree", "lookup")  # lookup: drafts copied from the text alone (decode/lookup.py)
 LOOKUP_TOKENS = 8  # copied drafts per pass when a mode asks for lookup without a number
-# The CLI's and server's mode when not told: the fastest that keeps quality as measured (README: lossless, any
-# model; 1.54x plain on 60 held-out prompts, compiled pass, 2-vCPU Xeon; mask-slot drafting alone 1.08-1.10x)
-DEFAULT_MODE = "verified:lookup"
+# CLI and server mode when not told: the fastest that keeps quality as measured (README: 1.54x plain alone);
+# server load policy: plain passes from 2 sequences on (batched, copied drafts measured 0.67-0.95x of plain)
+DEFAULT_MODE, DEFAULT_LOAD_POLICY = "verified:lookup", "2:1"
 # the projections LoRA adapters wrap (lora.py), attention first
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 METHODS = ("mask", "heads")
@@ -72,9 +72,7 @@ class DecodeConfig:
     drafting: str = "linear"  # linear (one mask block, after the last draft) | quadratic (a block after every draft)
     #                           | tree (candidates from the heads' or mask slots' top choices, verified at once)
     tree_widths: str = "2,2"  # tree drafting: candidates per depth from the top choices; deeper depths 1
-    # most drafts copied from the text so far per pass (prompt lookup, decode/lookup.py), beside linear or
-    # quadratic mask drafts (greedy), or alone with drafting=lookup (any model, base models too); 0: none
-    lookup: int = 0
+    lookup: int = 0  # drafts copied from the text per pass (decode/lookup.py) beside mask drafts; 0: none
     window: str = "adaptive"  # a WINDOWS registry name (decode/windows.py)
     temperature: float = 0.0  # 0 = greedy; > 0 samples (verified: exactly the model's distribution)
     top_k: int = 0
@@ -86,11 +84,13 @@ class DecodeConfig:
         """Whether the mode needs mask slots or heads (every mode but plain, and lookup drafting alone)."""
         return self.mode != "ntp" and not (self.mode == "verified" and self.drafting == "lookup")
 
+    def lookup_tokens(self) -> int:
+        """Copied drafts per pass: `lookup`, or LOOKUP_TOKENS for drafting=lookup (alone: any model) left at 0."""
+        return self.lookup or (LOOKUP_TOKENS if self.drafting == "lookup" else 0)
+
     def _check_lookup(self) -> None:
         if self.lookup < 0:
             raise UserError(f"lookup must be >= 0 (copied drafts per pass; 0: none), got {self.lookup}")
-        if self.drafting == "lookup" and not self.lookup:
-            self.lookup = LOOKUP_TOKENS
         if self.lookup and self.drafting == "tree":
             raise UserError("lookup drafts join linear or quadratic drafting, not tree: use --drafting quadratic "
                             "--lookup N, or drop --lookup")

@@ -139,17 +139,24 @@ def step_layout(pending: int, drafts: int, slots: int, quadratic: bool, parents:
 CACHED_LAYOUT_ROWS = 64  # layouts with at most this many pending tokens and drafts are cached
 
 
+def block_anchors(drafts: int, quadratic: bool, tree: bool) -> tuple[int, ...]:
+    """Where a step's mask blocks go when it names no anchors (-1: after the last pending token): after
+    every draft (quadratic), after the last one (linear), or none (a tree drafted by heads)."""
+    if quadratic:
+        return tuple(range(-1, drafts))
+    return () if tree else (drafts - 1,)
+
+
 def _layout(pending: int, drafts: int, slots: int, quadratic: bool, parents: tuple[int, ...] | None,
             anchors: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if parents is not None:
-        if anchors is None:
-            anchors = tuple(range(-1, len(parents))) if quadratic and slots else ()
+        anchors = block_anchors(len(parents), quadratic, True) if anchors is None else anchors
         return _tree_rows(pending, list(parents), slots, anchors)
     real = pending + drafts
     if not (quadratic and drafts and slots):  # one block at most, after the last token: plain causal
         size = real + slots
         return torch.arange(size), torch.ones(size, size, dtype=torch.bool).tril()
-    return _tree_rows(pending, list(range(-1, drafts - 1)), slots, tuple(range(-1, drafts)))  # a chain-shaped tree
+    return _tree_rows(pending, list(range(-1, drafts - 1)), slots, block_anchors(drafts, True, False))  # a chain
 
 
 _cached_layout = functools.lru_cache(maxsize=256)(_layout)

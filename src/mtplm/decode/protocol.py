@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from mtplm.config import Thresholds
-from mtplm.masks import step_layout
+from mtplm.masks import block_anchors, step_layout
 
 
 @dataclass(frozen=True)
@@ -36,9 +36,7 @@ class Plan:
         anchors, else one after every draft (quadratic) or one after the last (linear)."""
         if self.anchors is not None:
             return self.anchors
-        if self.parents is not None and not self.quadratic:
-            return ()
-        return tuple(range(-1, len(self.drafts))) if self.quadratic else (len(self.drafts) - 1,)
+        return block_anchors(len(self.drafts), self.quadratic, self.parents is not None)
 
 
 @dataclass(frozen=True)

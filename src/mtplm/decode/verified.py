@@ -44,7 +44,7 @@ class Verified:
         self.window = WINDOWS.get(cfg.window)(cfg.k_max)
         self.quadratic = cfg.drafting == "quadratic"
         self.masks = cfg.drafting != "lookup"  # mask slots (or heads) draft; lookup alone: none
-        self.lookup = NgramLookup() if cfg.lookup else None
+        self.lookup = NgramLookup() if cfg.lookup_tokens() else None
         self.drafts: list[int] = []
         self.proposal: torch.Tensor | None = None  # [len(drafts), V]: what each draft was drawn from
         self.fed = 0
@@ -57,9 +57,11 @@ class Verified:
         chain, slots = tuple(self.drafts[: self.fed]), k - 1 if self.masks else 0
         plain = Plan(k, chain, slots, self.quadratic)
         self.parents = None
-        blocks = len(plain.blocks()) if slots else 0
-        room = min(self.cfg.lookup, budget - 1, MAX_TREE_ROWS - 1 - len(chain) - blocks * slots)
-        copied = self.lookup.propose(text, room) if self.lookup is not None else []
+        if self.lookup is None:
+            return plain
+        blocks = plain.blocks() if slots else ()
+        copied = self.lookup.propose(text, copy_room(self.cfg.lookup_tokens(), budget,
+                                                     1 + len(chain) + len(blocks) * slots))
         tokens, parents = merge_chain(chain, copied)
         if not tokens:
             return plain
@@ -67,8 +69,7 @@ class Verified:
             self.drafts, self.fed, self.proposal = copied, len(copied), None
             return Plan(1 + len(copied), tuple(copied))
         self.parents, self.nodes = (*range(-1, len(chain) - 1), *parents), [*chain, *tokens]
-        return Plan(max(k, 1 + len(copied)), tuple(self.nodes), slots, self.quadratic, self.parents,
-                    plain.blocks() if slots else ())
+        return Plan(max(k, 1 + len(copied)), tuple(self.nodes), slots, self.quadratic, self.parents, blocks)
 
     def choose(self, logits: PassLogits, generator: torch.Generator) -> Outcome:
         if self.parents is not None:
@@ -81,7 +82,7 @@ class Verified:
             token = int(target[kept])
         else:
             probs = self._warp(logits.next_token)
-            kept, token = speculative_accept(probs, drafts, self._proposal(m, probs), generator)
+            kept, token = speculative_accept(probs, drafts, self._proposal(drafts, probs), generator)
         if m and self.masks:
             self.window.update(m, kept)
         self._draft(logits.block(kept, token), generator)
@@ -91,11 +92,8 @@ class Verified:
         """Greedy: the longest path of the chain-and-copies tree the model agrees with."""
         assert self.parents is not None
         target = logits.next_token.argmax(-1).tolist()  # row 0: the last committed token; row i+1: node i
-        path, current = [], -1
-        while (child := next((i for i, parent in enumerate(self.parents)
-                              if parent == current and self.nodes[i] == target[current + 1]), None)) is not None:
-            path.append(child)
-            current = child
+        path = greedy_path(self.nodes, self.parents, target)
+        current = path[-1] if path else -1
         if self.fed:
             self.window.update(self.fed, sum(1 for i in path if i < self.fed))
         token = target[current + 1]
@@ -103,12 +101,11 @@ class Verified:
         on_chain = path == list(range(len(path)))
         return Outcome(len(path), (token,), rows=None if on_chain else tuple(path))
 
-    def _proposal(self, m: int, probs: torch.Tensor) -> torch.Tensor:
-        """[m, V]: what each draft was drawn from (one-hot rows for copied or argmax drafts)."""
-        if m and self.proposal is not None:
-            return self.proposal[:m]
-        drafts = torch.tensor(self.drafts[:m], dtype=torch.long)
-        return torch.zeros(m, probs.shape[-1], dtype=probs.dtype).scatter_(1, drafts.view(-1, 1), 1.0)
+    def _proposal(self, drafts: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """[m, V]: what each draft was drawn from (one-hot rows for copied drafts)."""
+        if len(drafts) and self.proposal is not None:
+            return self.proposal[: len(drafts)]
+        return torch.zeros(len(drafts), probs.shape[-1], dtype=probs.dtype).scatter_(1, drafts.view(-1, 1), 1.0)
 
     def _draft(self, block: torch.Tensor | None, generator: torch.Generator | None) -> None:
         """The next pass's drafts: the block conditioned on exactly the committed text (if any)."""
@@ -166,19 +163,30 @@ class TreeVerified:
     def choose(self, logits: PassLogits, generator: torch.Generator) -> Outcome:
         self.mask_blocks = logits.mask_rows
         target = logits.next_token.argmax(-1).tolist()  # row 0: the last committed token; row i+1: node i
-        path, current = [], -1
-        while True:
-            child = next((i for i, (token, parent) in enumerate(self.nodes)
-                          if parent == current and token == target[current + 1]), None)
-            if child is None:
-                break
-            path.append(child)
-            current = child
+        path = greedy_path([t for t, _ in self.nodes], [p for _, p in self.nodes], target)
+        current = path[-1] if path else -1
         token = target[current + 1]
         if self.nodes:
             self.window.update(self.levels, len(path))
         self.block = logits.block(current + 1, token)
         return Outcome(len(path), (token,), rows=tuple(path))
+
+
+def greedy_path(tokens: Sequence[int], parents: Sequence[int], target: Sequence[int]) -> list[int]:
+    """The draft tree's nodes (token i after node parents[i], -1: the last committed token) that greedy
+    decoding keeps: from the root, the child whose token is its parent's argmax target[parent + 1]."""
+    path, current = [], -1
+    while (child := next((i for i, parent in enumerate(parents)
+                          if parent == current and tokens[i] == target[current + 1]), None)) is not None:
+        path.append(child)
+        current = child
+    return path
+
+
+def copy_room(most: int, budget: int, rows: int) -> int:
+    """Copied drafts a pass may add beside its `rows` other rows: at most `most`, fewer than the token
+    budget, and within MAX_TREE_ROWS."""
+    return min(most, budget - 1, MAX_TREE_ROWS - rows)
 
 
 def tree_width(widths: list[int], depth: int) -> int:

@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+from mtplm.config import DEFAULT_LOAD_POLICY
 from mtplm.errors import UserError
 from mtplm.serve.app import Settings, create_app
 from mtplm.serve.protocol import Limits
@@ -24,7 +25,8 @@ __all__ = ["Settings", "create_app", "Repository", "Entry", "read_manifest", "se
 
 
 def build_repository(models: list[str], repository: Path | None, dtype: str, max_batch: int, budget_gb: float,
-                     default_mode: str | None, k_by_batch: str | None = None, backend: str = "auto") -> Repository:
+                     default_mode: str | None, k_by_batch: str | None = DEFAULT_LOAD_POLICY,
+                     backend: str = "auto") -> Repository:
     """The models to offer: a repository directory, and/or `--model` specs (id = the spec's last part)."""
     entries = read_manifest(repository, dtype) if repository else []
     for spec in models:

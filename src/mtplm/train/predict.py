@@ -75,8 +75,7 @@ class Tally:
 
     def speedup(self, cost) -> float:
         """Served speedup over plain decoding on a pass-cost curve `cost(rows, masked) -> seconds`."""
-        plain = self.plain if len(self.plain) == len(self.rows) else [False] * len(self.rows)
-        spent = sum(cost(n, not p) for n, p in zip(self.rows, plain, strict=True))
+        spent = sum(cost(n, not plain) for n, plain in zip(self.rows, self.plain, strict=True))
         return self.tokens * cost(1, False) / max(1e-12, spent)
 
 
@@ -107,7 +106,7 @@ def replay_verified(answers: list[Answer], cfg: DecodeConfig, max_new_tokens: in
     """Verified greedy decoding (linear or quadratic drafting, cfg.window; with cfg.lookup, the copied branch
     of verified.Verified, or lookup drafting alone) replayed over the records."""
     from mtplm.decode.lookup import NgramLookup
-    from mtplm.decode.verified import MAX_TREE_ROWS
+    from mtplm.decode.verified import copy_room
 
     tally = Tally()
     quadratic, masks = cfg.drafting == "quadratic", cfg.drafting != "lookup"
@@ -121,8 +120,8 @@ def replay_verified(answers: list[Answer], cfg: DecodeConfig, max_new_tokens: in
             kept = leading_run(torch.tensor(agree[r - 1][1 : 1 + m])) if m else 0  # drafts: slots of row r-1
             slots = k - 1 if masks else 0
             blocks = ((m + 1) if quadratic else 1) if slots else 0
-            room = min(cfg.lookup, max_new_tokens - r - 1, MAX_TREE_ROWS - 1 - m - blocks * slots)
-            copied, run = _copied(answer, lookup, r, room if cfg.lookup else 0)
+            room = copy_room(cfg.lookup_tokens(), max_new_tokens - r, 1 + m + blocks * slots)
+            copied, run = _copied(answer, lookup, r, room)
             branch = len(copied) - min(kept, run)  # the copied branch's nodes beyond the shared prefix
             if m and masks:
                 window.update(m, kept)
