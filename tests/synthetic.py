@@ -66,3 +66,19 @@ def train_config(base_dir: Path, data_file: Path, out: Path, **overrides):
                     batch_size=16, seq_len=32, slots_per_seq=24, region_width=8, lr=1e-2, lora_rank=8,
                     lora_alpha=16.0, dtype="fp32", val_every=100, warmup_steps=5, save_every=1000)
     return TrainConfig(**{**settings, **overrides})
+
+
+def second_token_check(model, prompt: list[int], sample_two, n: int = 3000) -> tuple[float, int]:
+    """Sampling exactness at temperature 1: the total-variation distance between the second sampled token over
+    seeds 0..n-1 (`sample_two(seed) -> (tokens, drafts kept)`) and its exact distribution sum_t1 p(t1) p(t2 | t1),
+    and how many drafts were kept in all."""
+    vocab = model.hf.config.vocab_size
+    with torch.no_grad():
+        p1 = torch.softmax(model.logits(torch.tensor([prompt]))[0, -1], -1)
+        p2 = torch.softmax(model.logits(torch.tensor([prompt + [t] for t in range(vocab)]))[:, -1], -1)
+    counts, kept = torch.zeros(vocab), 0
+    for seed in range(n):
+        tokens, accepted = sample_two(seed)
+        counts[tokens[1]] += 1
+        kept += accepted
+    return float(0.5 * (counts / n - p1 @ p2).abs().sum()), kept
