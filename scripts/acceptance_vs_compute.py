@@ -39,10 +39,10 @@ def measured(report: Path) -> dict[str, float]:
     """Per replayed mode, the bench's tokens/pass: its row of that name, else the same mode at an explicit
     window (`verified:quadratic@4` for a run trained at k_max 4), the widest one if several."""
     rows = {row["mode"]: row["tokens_per_forward"] for row in json.loads(report.read_text())["rows"]}
+    split = [(name, *name.rpartition("@")) for name in rows]
     found = {}
     for mode in MODES:
-        windows = sorted((int(name.rpartition("@")[2]), name) for name in rows
-                         if name.rpartition("@")[0] == mode and name.rpartition("@")[2].isdigit())
+        windows = sorted((int(k), name) for name, base, _, k in split if base == mode and k.isdigit())
         name = mode if mode in rows else (windows[-1][1] if windows else None)
         if name is not None:
             found[mode] = rows[name]
