@@ -17,12 +17,11 @@ from mtplm.config import (
     LOOKUP_TOKENS,
     DecodeConfig,
     Limits,
-    add_backend_argument,
-    add_dtype_argument,
     load_train_config,
     parse_mode,
 )
 from mtplm.errors import UserError, exit_code
+from mtplm.options import add_backend_argument, add_dtype_argument
 from mtplm.registry import BACKENDS, CONFIDENCE, STRATEGIES, WINDOWS
 
 DEFAULT_CHECKPOINT = "smollm2-135m-mtp"  # the converted default model shipped inside the package

@@ -13,7 +13,7 @@ from pathlib import Path
 import tomllib
 
 from mtplm.errors import UserError
-from mtplm.registry import BACKENDS, CONFIDENCE, HEAD_FORMS, OBJECTIVES, STRATEGIES, TRAINABLE, WINDOWS
+from mtplm.registry import CONFIDENCE, HEAD_FORMS, OBJECTIVES, STRATEGIES, TRAINABLE, WINDOWS
 
 DRAFTING = ("linear", "quadratic", "tree", "lookup")  # lookup: drafts copied from the text alone (decode/lookup.py)
 LOOKUP_TOKENS = 8  # copied drafts per pass when a mode asks for lookup without a number
@@ -88,7 +88,14 @@ class DecodeConfig:
         """Copied drafts per pass: `lookup`, or LOOKUP_TOKENS for drafting=lookup (alone: any model) left at 0."""
         return self.lookup or (LOOKUP_TOKENS if self.drafting == "lookup" else 0)
 
+    def verifies_rest(self) -> bool:
+        """ConfAdapt that keeps its unconfident slots as drafts, verified next pass (strategies.ConfidentVerified)."""
+        return self.mode == "confadapt" and (self.drafting == "quadratic" or self.lookup > 0)
+
     def _check_lookup(self) -> None:
+        if self.mode == "confadapt" and self.drafting not in ("linear", "quadratic"):
+            raise UserError(f"confadapt verifies its leftover slots with linear or quadratic drafting, not "
+                            f"{self.drafting!r}: use confadapt+quadratic, confadapt+lookup or confadapt")
         if self.lookup < 0:
             raise UserError(f"lookup must be >= 0 (copied drafts per pass; 0: none), got {self.lookup}")
         if self.lookup and self.drafting == "tree":
@@ -129,25 +136,23 @@ class DecodeConfig:
         return self
 
 
+def _drafting(spec: str, after_plus: bool = False) -> tuple[str, int]:  # (drafting, lookup) of quadratic+lookup
+    drafting, plus, extra = spec.partition("+")  # after a `+`, `lookup` alone means linear + copies
+    if after_plus and drafting == "lookup" and not plus:
+        return "linear", LOOKUP_TOKENS
+    if plus and (extra != "lookup" or drafting == "lookup"):
+        raise ValueError
+    return drafting, LOOKUP_TOKENS if plus else 0
+
+
 def mode_grammar() -> str:
     """How a decoding mode is written as one string (CLI --modes, the server's `mode` field), from the registries."""
-    return (f"ntp, static:K, confadapt[:TAU[:{'|'.join(CONFIDENCE.names())}]][@K] or "
+    return (f"ntp, static:K, confadapt[+quadratic|+lookup|+quadratic+lookup][:TAU[:{'|'.join(CONFIDENCE.names())}]]"
+            f"[@K] or "
             f"verified[:{'|'.join(DRAFTING)}[+lookup][:{'|'.join(WINDOWS.names())}]][@K]")
 
 
 BACKEND_ENV = "MTPLM_BACKEND"  # what --backend auto means when set (e.g. eager in a test run)
-
-
-def add_backend_argument(parser) -> None:
-    """The one --backend option of every command that decodes."""
-    parser.add_argument("--backend", default="auto",
-                        help=f"the decode pass: auto (compiled where the architecture is supported, else eager; "
-                             f"${BACKEND_ENV} overrides) | {BACKENDS.describe()} (default: %(default)s)")
-
-
-def add_dtype_argument(parser, default: str = "bf16", help: str | None = None) -> None:
-    """The one --dtype option of every command that loads a model."""
-    parser.add_argument("--dtype", default=default, choices=DTYPES, help=help or "compute dtype (default: %(default)s)")
 
 
 @dataclass
@@ -168,22 +173,21 @@ def parse_mode(spec: str, window: str = "adaptive", k_max: int | None = None,
     """
     body, at, k = spec.strip().partition("@")
     kind, _, rest = body.partition(":")
+    kind, plus, drafts = kind.partition("+")  # confadapt+quadratic[+lookup]: its leftover slots verified
     value, _, measure = rest.partition(":")
     try:
         k_max = int(k) if at else k_max
-        if kind in ("ntp", "plain") and not rest:
+        if kind in ("ntp", "plain") and not rest + plus:
             cfg = DecodeConfig(mode="ntp")
-        elif kind == "static" and not measure:
+        elif kind == "static" and not measure + plus:
             cfg = DecodeConfig(mode="static", k=int(value) if value else DecodeConfig.k)
-        elif kind == "confadapt":
+        elif kind == "confadapt" and drafts != "linear":
+            drafting, lookup = _drafting(drafts or "linear", bool(plus))
             cfg = DecodeConfig(mode="confadapt", tau=float(value) if value else None, k_max=k_max,
-                               confidence=measure or confidence)
-        elif kind == "verified":
-            drafting, plus, extra = (value or "linear").partition("+")
-            if plus and (extra != "lookup" or drafting == "lookup"):
-                raise ValueError
-            cfg = DecodeConfig(mode="verified", k_max=k_max, drafting=drafting, window=measure or window,
-                               lookup=LOOKUP_TOKENS if plus else 0)
+                               confidence=measure or confidence, drafting=drafting, lookup=lookup)
+        elif kind == "verified" and not plus:
+            drafting, lookup = _drafting(value or "linear")
+            cfg = DecodeConfig(mode="verified", k_max=k_max, drafting=drafting, window=measure or window, lookup=lookup)
         else:
             raise ValueError
         return cfg.validate()
@@ -380,9 +384,9 @@ def _parse(raw: str, current, key: str):
             return float(raw)
     except ValueError:
         raise UserError(f"setting {key}={raw!r}: expected a {type(current).__name__}") from None
-    if current is None and raw.lower() == "none":
-        return None
     if current is None:
+        if raw.lower() == "none":
+            return None
         for cast in (int, float):
             try:
                 return cast(raw)
@@ -391,10 +395,6 @@ def _parse(raw: str, current, key: str):
     return raw
 
 
-def as_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
-
-
-__all__ = ["DecodeConfig", "TrainConfig", "Thresholds", "Limits", "mode_grammar", "add_dtype_argument",
-           "add_backend_argument", "BACKEND_ENV", "override",
+as_dict = dataclasses.asdict  # a config as a JSON-ready dict (training logs and checkpoints)
+__all__ = ["DecodeConfig", "TrainConfig", "Thresholds", "Limits", "mode_grammar", "BACKEND_ENV", "override",
            "load_train_config", "to_toml", "as_dict", "field"]

@@ -29,6 +29,7 @@ MODES = [
     DecodeConfig(mode="verified", drafting="lookup", lookup=5),
     DecodeConfig(mode="verified", k_max=4, temperature=0.8, seed=3),
     DecodeConfig(mode="ntp", temperature=1.0, top_p=0.9, seed=5),
+    DecodeConfig(mode="confadapt", tau=0.6, k_max=4, drafting="quadratic", lookup=6, window="fixed"),
 ]
 
 

@@ -18,7 +18,7 @@ CURVE_ROWS = (1, 2, 4, 8, 16)  # buckets the compiled backend compiles anyway fo
 
 def replayable(item: str, cfg: DecodeConfig) -> bool:
     """Whether the replay models this bench row (its item string, parsed as `cfg`)."""
-    if "[" in item or cfg.temperature > 0:
+    if "[" in item or cfg.temperature > 0 or cfg.verifies_rest():  # no replay of ConfAdapt over verified drafts
         return False
     if cfg.mode == "verified":
         return True

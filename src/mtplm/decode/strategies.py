@@ -16,6 +16,7 @@ import torch
 from mtplm.config import DecodeConfig, Thresholds
 from mtplm.decode.protocol import Outcome, Plan, Strategy
 from mtplm.decode.sampling import leading_run, sample, warp
+from mtplm.decode.verified import Verified
 from mtplm.errors import UserError
 from mtplm.registry import CONFIDENCE, STRATEGIES
 
@@ -79,10 +80,7 @@ class ConfAdapt(_Block):
     def __init__(self, cfg: DecodeConfig, taus: list[float] | None = None) -> None:
         super().__init__(cfg)
         self.k_max = self.k = cfg.k_max if cfg.k_max is not None else Thresholds.k_max
-        # one threshold per block position (calibrated), else tau everywhere
-        tau = cfg.tau if cfg.tau is not None else Thresholds.tau
-        self.taus = torch.tensor((list(taus or []) + [tau] * self.k_max)[: self.k_max])
-        self.confidence = CONFIDENCE.get(cfg.confidence)
+        self.taus, self.confidence = block_taus(cfg, taus), CONFIDENCE.get(cfg.confidence)
         self.backoff = cfg.backoff
         self.patience, self.floor = cfg.backoff_patience, min(cfg.backoff_floor, self.k_max)
         self.single_steps = 0
@@ -104,6 +102,43 @@ class ConfAdapt(_Block):
             self.k = min(self.k_max, self.k * 2)
 
 
+class ConfidentVerified(Verified):
+    """ConfAdapt over verified drafting (lossy): a pass keeps the drafts the model confirms and its next token,
+    as Verified does, then emits, unverified, the new block's leading run that reaches ConfAdapt's thresholds.
+    The rest of the block, which ConfAdapt drops, stays as drafts the next pass verifies (with lookup, beside
+    copied ones), so only the confident run can differ from the model's own text."""
+
+    def __init__(self, cfg: DecodeConfig, taus: list[float] | None = None) -> None:
+        super().__init__(cfg)
+        self.taus, self.confidence = block_taus(cfg, taus), CONFIDENCE.get(cfg.confidence)
+        self.budget, self.sure = 1, 0  # this pass's token budget; the new block's confident leading run
+
+    def plan(self, text: Sequence[int], budget: int) -> Plan:
+        self.budget = budget
+        return super().plan(text, budget)
+
+    def choose(self, logits, generator):
+        out = super().choose(logits, generator)
+        n = max(0, min(self.sure, len(self.drafts), self.budget - out.accepted - len(out.new)))
+        emitted, self.drafts = self.drafts[:n], self.drafts[n:]
+        self.proposal = None if self.proposal is None else self.proposal[n:]
+        self.pending = 1 + n
+        return Outcome(out.accepted, (*out.new, *emitted), out.rows) if n else out
+
+    def _draft(self, block: torch.Tensor | None, generator: torch.Generator | None) -> None:
+        super()._draft(block, generator)
+        slots = 0 if block is None else len(block)  # block position j + 1 follows the token just chosen
+        self.sure = leading_run(self.confidence(block) >= self.taus[1: 1 + slots]) if slots else 0
+
+
+def block_taus(cfg: DecodeConfig, taus: list[float] | None) -> torch.Tensor:
+    """[k_max] ConfAdapt thresholds, one per block position (position 0: the next token): the calibrated
+    `taus`, else cfg.tau (or the default) everywhere."""
+    k_max = cfg.k_max if cfg.k_max is not None else Thresholds.k_max
+    tau = cfg.tau if cfg.tau is not None else Thresholds.tau
+    return torch.tensor((list(taus or []) + [tau] * k_max)[:k_max])
+
+
 @STRATEGIES.register("ntp", "plain decoding, one token per pass")
 def _next_token(cfg: DecodeConfig, taus: tuple[float, ...] | None) -> Strategy:
     return NextToken(cfg)
@@ -114,9 +149,11 @@ def _static(cfg: DecodeConfig, taus: tuple[float, ...] | None) -> Strategy:
     return StaticK(cfg)
 
 
-@STRATEGIES.register("confadapt", "emit the confident leading run of a k_max block (lossy)")
+@STRATEGIES.register("confadapt", "emit the confident leading run of a k_max block (lossy; +quadratic or "
+                     "+lookup: verify the rest as drafts)")
 def _confadapt(cfg: DecodeConfig, taus: tuple[float, ...] | None) -> Strategy:
-    return ConfAdapt(cfg, list(taus) if taus else None)
+    hybrid = ConfidentVerified if cfg.verifies_rest() else ConfAdapt
+    return hybrid(cfg, list(taus) if taus else None)
 
 
 def make_strategy(cfg: DecodeConfig, thresholds: Thresholds | None = None) -> Strategy:

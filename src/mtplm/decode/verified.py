@@ -50,6 +50,7 @@ class Verified:
         self.fed = 0
         self.parents: tuple[int, ...] | None = None  # this pass's draft tree, when copied drafts branch off
         self.nodes: list[int] = []  # its tokens: the chain's drafts, then the copied branch's
+        self.pending = 1  # committed tokens the next pass feeds before its drafts (uncached)
 
     def plan(self, text: Sequence[int], budget: int) -> Plan:
         k = max(1, min(self.window.size(len(text)), budget))
@@ -61,7 +62,7 @@ class Verified:
             return plain
         blocks = plain.blocks() if slots else ()
         copied = self.lookup.propose(text, copy_room(self.cfg.lookup_tokens(), budget,
-                                                     1 + len(chain) + len(blocks) * slots))
+                                                     self.pending + len(chain) + len(blocks) * slots))
         tokens, parents = merge_chain(chain, copied)
         if not tokens:
             return plain
