@@ -308,9 +308,8 @@ class TrainConfig:
 
         parse_mix(self.data)
         lora_targets(self.lora_targets)
-        for mode in self.predict_modes.split(","):
-            if mode.strip():
-                parse_mode(mode, "fixed", self.k_max)
+        if any(parse_mode(m, "fixed", self.k_max).verifies_rest() for m in self.predict_modes.split(",") if m.strip()):
+            raise UserError("predict_modes: the replay has no model of ConfAdapt over verified drafts: drop it")
         return self
 
 

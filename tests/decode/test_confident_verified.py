@@ -83,3 +83,12 @@ def test_hybrid_keeps_more_per_pass_than_confadapt_on_a_trained_model(chain_chec
     rate = {mode: sum(_run(model, p, mode, 24, tau=0.9).tokens_per_forward for p in prompts) / len(prompts)
             for mode in ("confadapt", "confadapt+quadratic")}
     assert rate["confadapt+quadratic"] > rate["confadapt"]
+
+
+def test_training_refuses_to_replay_the_hybrid():
+    """The training log's replay models mask-slot modes one at a time; a hybrid there is a clear error."""
+    from mtplm.config import TrainConfig
+
+    with pytest.raises(UserError, match="predict_modes: the replay has no model"):
+        TrainConfig(predict_modes="verified,confadapt+quadratic").validate()
+    TrainConfig(predict_modes="verified,verified:quadratic+lookup,confadapt").validate()
