@@ -191,6 +191,21 @@ def test_the_ground_truth_kv_is_kept_only_where_it_fits_the_budget_and_the_free_
     assert prepared(1.0) is None and "more than the RAM training can spare" in capsys.readouterr().out
 
 
+def test_a_session_killed_outright_still_counts_up_to_its_last_log_line(tmp_path):
+    """No exit handler runs under SIGKILL: the compute is on disk from the first logged step on."""
+    from mtplm.train.checkpoint import ComputeClock, MetricsLog
+
+    clock = ComputeClock(tmp_path)  # never exited, as in a killed process
+    started = time.process_time()
+    while time.process_time() - started < 0.2:
+        pass
+    MetricsLog(tmp_path, clock).record({"step": 1})
+    killed = json.loads((tmp_path / "compute.json").read_text())
+    assert killed["sessions"] == 1 and killed["cpu_s"] >= 0.15
+    with ComputeClock(tmp_path) as resumed:  # the next session counts on from there
+        assert resumed.totals()["sessions"] == 2 and resumed.totals()["cpu_s"] >= killed["cpu_s"]
+
+
 def test_compute_adds_up_over_resumed_sessions_and_restarts_with_a_fresh_run(tmp_path):
     from mtplm.train.checkpoint import ComputeClock
 

@@ -181,6 +181,7 @@ class MetricsLog:
         totals = self.clock.totals()
         self.file.write(json.dumps({**entry, "elapsed_s": totals["wall_s"], "cpu_s": totals["cpu_s"]}) + "\n")
         self.file.flush()
+        self.clock.flush()
 
     def close(self) -> None:
         self.file.close()
@@ -206,7 +207,8 @@ class ComputeClock:
 
     A session is one `mtplm train` process; its wall seconds and CPU seconds (every thread of the process,
     and a llama-server it started for self-generation once that has exited) are added when it ends, however
-    it ends short of SIGKILL, so a resumed run reports what the whole run cost."""
+    it ends, and at every logged step, so a resumed run reports what the whole run cost (a session killed
+    outright, up to its last log line)."""
 
     FILE = "compute.json"
 
@@ -231,6 +233,10 @@ class ComputeClock:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.flush()
+
+    def flush(self) -> None:
+        """Write the totals so far (also at every logged step: a session killed outright still counts)."""
         if self.writes and self.path.parent.is_dir():  # a run refused before it began leaves no folder
             totals = self.totals()
             atomic_file(self.path, lambda tmp: tmp.write_text(json.dumps(totals) + "\n"))
