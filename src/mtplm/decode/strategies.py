@@ -3,7 +3,8 @@
 Strategies plug in through protocol.py's two-method interface and one STRATEGIES entry; the loop
 (loop.py) never asks which strategy it runs. The lossy strategies (static k, ConfAdapt)
 draft nothing and emit mask-slot tokens directly; the lossless one (verified.py) keeps only drafts that
-the model's own next-token path confirms.
+the model's own next-token path confirms. ConfAdapt over verified drafting (ConfidentVerified) does both:
+it emits a block's confident run directly and verifies the rest as drafts.
 """
 
 from __future__ import annotations
