@@ -85,10 +85,14 @@ def test_hybrid_keeps_more_per_pass_than_confadapt_on_a_trained_model(chain_chec
     assert rate["confadapt+quadratic"] > rate["confadapt"]
 
 
-def test_training_refuses_to_replay_the_hybrid():
-    """The training log's replay models mask-slot modes one at a time; a hybrid there is a clear error."""
+def test_training_and_the_held_out_score_refuse_to_replay_the_hybrid():
+    """The replay (training log, sweep score) has no model of the hybrid: asking for one is a clear error."""
+    from mtplm.bench.heldout import ScoreSettings
     from mtplm.config import TrainConfig
 
-    with pytest.raises(UserError, match="predict_modes: the replay has no model"):
+    with pytest.raises(UserError, match="the replay has no model of ConfAdapt over verified drafts"):
         TrainConfig(predict_modes="verified,confadapt+quadratic").validate()
+    with pytest.raises(UserError, match="the replay has no model of ConfAdapt over verified drafts"):
+        ScoreSettings(modes="verified,confadapt+lookup").validate()  # the sweep's held-out score replays too
     TrainConfig(predict_modes="verified,verified:quadratic+lookup,confadapt").validate()
+    ScoreSettings(modes="verified:quadratic+lookup,confadapt").validate()

@@ -36,12 +36,12 @@ class ScoreSettings:
     backend: str = "eager"
 
     def validate(self) -> ScoreSettings:
-        from mtplm.config import parse_mode
+        from mtplm.train.predict import replay_mode  # every mode is decoded and replayed
 
         if self.prompts < 1 or self.calibration < 1 or self.max_new_tokens < 2 or not 0 < self.target <= 1:
             raise UserError("score: prompts and calibration must be >= 1, max_new_tokens >= 2, target in (0, 1]")
         for mode in self.mode_list():
-            parse_mode(mode, "fixed")
+            replay_mode(mode)
         return self
 
     def mode_list(self) -> list[str]:

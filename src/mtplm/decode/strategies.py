@@ -120,11 +120,14 @@ class ConfidentVerified(Verified):
 
     def choose(self, logits, generator):
         out = super().choose(logits, generator)
-        n = max(0, min(self.sure, len(self.drafts), self.budget - out.accepted - len(out.new)))
-        emitted, self.drafts = self.drafts[:n], self.drafts[n:]
-        self.proposal = None if self.proposal is None else self.proposal[n:]
+        n = max(0, min(self.sure, self.budget - out.accepted - len(out.new)))  # sure <= len(drafts): one block
         self.pending = 1 + n
-        return Outcome(out.accepted, (*out.new, *emitted), out.rows) if n else out
+        if not n:
+            return out
+        emitted, self.drafts = self.drafts[:n], self.drafts[n:]
+        if self.proposal is not None:
+            self.proposal = self.proposal[n:]
+        return Outcome(out.accepted, (*out.new, *emitted), out.rows)
 
     def _draft(self, block: torch.Tensor | None, generator: torch.Generator | None) -> None:
         super()._draft(block, generator)

@@ -33,6 +33,7 @@ import torch
 
 from mtplm.config import DecodeConfig, parse_mode
 from mtplm.decode.sampling import leading_run
+from mtplm.errors import UserError
 from mtplm.masks import make_regions
 from mtplm.registry import CONFIDENCE, WINDOWS
 from mtplm.train.slots import TokenBatch, cached_slots
@@ -187,11 +188,21 @@ def replay_confadapt(answers: list[Answer], taus: list[float], max_new_tokens: i
     return tally
 
 
+def replay_mode(mode: str, k_max: int | None = None) -> DecodeConfig:
+    """A bench mode string the replay models, parsed (config.parse_mode; a bare verified keeps a fixed window,
+    as in the bench); a clear error for one it has no model of."""
+    cfg = parse_mode(mode, "fixed", k_max)
+    if cfg.verifies_rest():
+        raise UserError(f"mode {mode!r}: the replay has no model of ConfAdapt over verified drafts; predict "
+                        "confadapt or verified:quadratic+lookup instead")
+    return cfg
+
+
 def replay(answers: list[Answer], mode: str, k_max: int, max_new_tokens: int,
            taus: list[float] | None = None) -> Tally:
-    """One bench mode string (config.parse_mode; a bare verified keeps a fixed window, as in the bench)
-    replayed over the records. ConfAdapt without a tau uses `taus` (calibrated), else DecodeConfig's tau."""
-    cfg = parse_mode(mode, "fixed", k_max)
+    """One bench mode string (replay_mode) replayed over the records. ConfAdapt without a tau uses `taus`
+    (calibrated), else DecodeConfig's tau."""
+    cfg = replay_mode(mode, k_max)
     k = cfg.k_max or k_max
     if cfg.mode == "verified" and cfg.drafting == "tree":
         return replay_tree(answers, dataclasses.replace(cfg, k_max=k), max_new_tokens)
