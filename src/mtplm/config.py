@@ -20,8 +20,7 @@ LOOKUP_TOKENS = 8  # copied drafts per pass when a mode asks for lookup without 
 # CLI and server mode when not told: the fastest that keeps quality as measured (README: 1.54x plain alone);
 # server load policy: plain passes from 2 sequences on (batched, copied drafts measured 0.67-0.95x of plain)
 DEFAULT_MODE, DEFAULT_LOAD_POLICY = "verified:lookup", "2:1"
-# the projections LoRA adapters wrap (lora.py), attention first
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # LoRA wraps these
 METHODS = ("mask", "heads")
 DTYPES = ("fp32", "bf16")
 SCHEDULES = ("cosine", "constant")  # the learning rate after warm-up: cosine to 0.1x, or constant
@@ -148,8 +147,7 @@ def _drafting(spec: str, after_plus: bool = False) -> tuple[str, int]:  # (draft
 def mode_grammar() -> str:
     """How a decoding mode is written as one string (CLI --modes, the server's `mode` field), from the registries."""
     return (f"ntp, static:K, confadapt[+quadratic|+lookup|+quadratic+lookup][:TAU[:{'|'.join(CONFIDENCE.names())}]]"
-            f"[@K] or "
-            f"verified[:{'|'.join(DRAFTING)}[+lookup][:{'|'.join(WINDOWS.names())}]][@K]")
+            f"[@K] or verified[:{'|'.join(DRAFTING)}[+lookup][:{'|'.join(WINDOWS.names())}]][@K]")
 
 
 BACKEND_ENV = "MTPLM_BACKEND"  # what --backend auto means when set (e.g. eager in a test run)
@@ -277,6 +275,8 @@ class TrainConfig:
         if not 0.0 < self.curriculum_fraction <= 1.0 or self.consistency_weight < 0:
             raise UserError("curriculum_fraction must lie in (0, 1] and consistency_weight be >= 0")
         TRAINABLE.check(self.trainable)
+        if self.ntp_weight and self.method == "mask" and not TRAINABLE.get(self.trainable).trains_real_rows:
+            raise UserError(f"ntp_weight trains the real rows: use trainable=lora or full ({self.trainable} cannot)")
         OBJECTIVES.check(self.objective)
         if self.k_max < 2:
             raise UserError(f"k_max must be >= 2 (the next token plus at least one mask slot), got {self.k_max}")

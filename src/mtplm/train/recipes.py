@@ -45,6 +45,8 @@ class Recipe:
     """One trainable variant. Made from the config alone (cheap: `compute_dtype` is asked before the model
     loads); `attach` then binds it to the model being converted."""
 
+    trains_real_rows = True  # whether the ground-truth rows' outputs train (so ntp_weight, the prefix loss, can)
+
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
         self.model: MTPModel | None = None
@@ -96,6 +98,8 @@ class Recipe:
 class GatedLoRA(Recipe):
     """Cached layout: the ground truth runs without adapters, so it is the base model's and never changes;
     its KV may be computed once per text (`prepare`). Saved as a delta (+ a full checkpoint when final)."""
+
+    trains_real_rows = False
 
     def __init__(self, cfg: TrainConfig) -> None:
         super().__init__(cfg)
