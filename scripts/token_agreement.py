@@ -21,7 +21,7 @@ from mtplm.config import parse_mode
 from mtplm.decode.backends import make_backend
 from mtplm.decode.loop import generate
 from mtplm.model import load_model
-from mtplm.text import chat_prompt_ids
+from mtplm.text import eval_prompt_ids
 
 
 def main() -> None:
@@ -38,7 +38,7 @@ def main() -> None:
     model = load_model(args.model, args.dtype)
     backend = make_backend(args.backend, model)
     k_max = model.meta.k_max if model.meta else None
-    prompts = [chat_prompt_ids(model.tokenizer, e.prompt)[-768:]
+    prompts = [eval_prompt_ids(model.tokenizer, e.prompt)
                for e in prompt_set(args.prompt_set, args.prompts, 0, split="eval")]
     rows = {}
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:

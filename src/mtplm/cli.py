@@ -289,7 +289,7 @@ def _calibrate(args) -> None:
     from mtplm.calibrate import calibrate, store_thresholds
     from mtplm.model import load_model
     from mtplm.modelio import checkpoint_dir
-    from mtplm.text import chat_prompt_ids
+    from mtplm.text import eval_prompt_ids
 
     if not 0.0 < args.target <= 1.0:
         raise UserError(f"--target must lie in (0, 1], got {args.target}")
@@ -303,7 +303,7 @@ def _calibrate(args) -> None:
         raise UserError(f"{args.model} is a head-based checkpoint: calibrate reads mask-token slots; give head-based "
                         "ConfAdapt its threshold with --tau")
     examples = prompt_set(args.prompt_set, args.held_out + args.prompts, args.seed, split="eval")
-    ids = [chat_prompt_ids(model.tokenizer, e.prompt)[-768:] for e in examples]
+    ids = [eval_prompt_ids(model.tokenizer, e.prompt) for e in examples]
     result = calibrate(model, ids[args.held_out:], ids[: args.held_out], args.target, args.per_position,
                        args.max_new_tokens, args.k_max, progress=True, measure=CONFIDENCE.check(args.confidence))
     result["command"] = "mtplm " + " ".join(sys.argv[1:])

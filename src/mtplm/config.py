@@ -275,8 +275,9 @@ class TrainConfig:
         if not 0.0 < self.curriculum_fraction <= 1.0 or self.consistency_weight < 0:
             raise UserError("curriculum_fraction must lie in (0, 1] and consistency_weight be >= 0")
         TRAINABLE.check(self.trainable)
-        if self.ntp_weight and self.method == "mask" and not TRAINABLE.get(self.trainable).trains_real_rows:
-            raise UserError(f"ntp_weight trains the real rows: use trainable=lora or full ({self.trainable} cannot)")
+        if self.ntp_weight and (self.method != "mask" or not TRAINABLE.get(self.trainable).trains_real_rows):
+            raise UserError("ntp_weight trains the real rows: use method=mask with trainable=lora or full, not "
+                            f"method={self.method} trainable={self.trainable}")  # heads: the trunk is frozen
         OBJECTIVES.check(self.objective)
         if self.k_max < 2:
             raise UserError(f"k_max must be >= 2 (the next token plus at least one mask slot), got {self.k_max}")
@@ -306,7 +307,6 @@ class TrainConfig:
             raise UserError("data_texts and predict_texts must be >= 0, predict_max_new_tokens >= 1")
         from mtplm.train.mix import parse_mix  # pure parsers; the mix's loading and the replay live above config
         from mtplm.train.predict import replay_mode
-
         parse_mix(self.data)
         lora_targets(self.lora_targets)
         for mode in filter(str.strip, self.predict_modes.split(",")):

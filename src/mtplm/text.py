@@ -55,6 +55,14 @@ def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
     return tokenizer(prompt)["input_ids"]
 
 
+EVAL_PROMPT_TOKENS = 768  # an eval prompt keeps its last this many tokens (bench, calibrate, held-out score)
+
+
+def eval_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """An eval prompt as every measurement decodes it: the chat prompt's last EVAL_PROMPT_TOKENS tokens."""
+    return chat_prompt_ids(tokenizer, prompt)[-EVAL_PROMPT_TOKENS:]
+
+
 class StopMatcher:
     """Finds the first of a few stop strings in text that arrives in pieces.
 

@@ -131,8 +131,9 @@ def test_checkpoint_whose_tokenizer_lost_the_mask_token_is_a_clear_error(tmp_pat
 
 
 def test_prefix_loss_needs_a_recipe_that_trains_the_real_rows():
-    with pytest.raises(UserError, match="ntp_weight trains the real rows: use trainable=lora or full"):
-        TrainConfig(ntp_weight=0.1).validate()  # gated-lora (the default) would silently ignore it
+    for ignored in (TrainConfig(ntp_weight=0.1), TrainConfig(ntp_weight=0.1, method="heads")):
+        with pytest.raises(UserError, match="ntp_weight trains the real rows: use method=mask with trainable=lora"):
+            ignored.validate()  # gated-lora (the default) and the heads' frozen trunk would silently ignore it
     for fine in (TrainConfig(ntp_weight=0.1, trainable="lora"), TrainConfig(ntp_weight=0.1, trainable="full"),
                  TrainConfig(ntp_weight=0.0)):
         fine.validate()

@@ -104,14 +104,14 @@ def score(checkpoint: str, settings: ScoreSettings, progress: bool = True) -> di
     from mtplm.calibrate import calibrate
     from mtplm.decode.backends import make_backend
     from mtplm.model import load_model
-    from mtplm.text import chat_prompt_ids
+    from mtplm.text import eval_prompt_ids
     from mtplm.train.predict import predict
 
     settings.validate()
     model = load_model(checkpoint, settings.dtype)
     if model.meta is None or model.mask_id is None:
         raise UserError(f"{checkpoint} is not a mask-token checkpoint: the score decodes with <mtp> slots")
-    ids = [chat_prompt_ids(model.tokenizer, text)[-768:] for text in held_out_prompts(settings)]
+    ids = [eval_prompt_ids(model.tokenizer, text) for text in held_out_prompts(settings)]
     held, calibration = ids[: settings.prompts], ids[settings.prompts:]
     calibrated = calibrate(model, calibration, [], settings.target, False, settings.max_new_tokens, progress=progress)
     taus = calibrated["tau_per_position"]

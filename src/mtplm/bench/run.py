@@ -150,7 +150,7 @@ def run_bench(args) -> dict:
     from mtplm.assets.datasets import prompt_set
     from mtplm.decode.loop import generate, stop_ids
     from mtplm.model import load_model
-    from mtplm.text import chat_prompt_ids
+    from mtplm.text import eval_prompt_ids
 
     if args.prompts < 1 or args.max_new_tokens < 1:
         raise UserError("--prompts and --max-new-tokens must be >= 1")
@@ -161,7 +161,7 @@ def run_bench(args) -> dict:
         raise UserError(f"{args.model} is not a converted model: only plain decoding and verified:lookup can be "
                         "measured")
     examples = prompt_set(args.prompt_set, None if args.full else args.prompts, args.seed, split="eval")
-    prompts = [chat_prompt_ids(model.tokenizer, e.prompt)[-768:] for e in examples]
+    prompts = [eval_prompt_ids(model.tokenizer, e.prompt) for e in examples]
     stops = sorted(stop_ids(model))
     baselines = _baselines(args, model, stops)  # name -> (run(ids) -> Record parts, the name it is compared with)
     servers = llama_server.start_servers(args, model, prompts, stops)  # None without --llama-server

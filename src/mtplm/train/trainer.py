@@ -108,7 +108,7 @@ class Trainer:
         if cfg.entropy_weight and student.shape[0]:
             loss = loss + cfg.entropy_weight * entropy(student)
         loss = loss * self._share(student.shape[0])
-        if cfg.ntp_weight and out.prefix_logits is not None:
+        if cfg.ntp_weight:  # validate allows it only for recipes whose slots return the prefix logits
             real = torch.arange(batch.ids.shape[1] - 1) < (batch.lengths - 1).unsqueeze(1)  # [B, L-1]
             ntp = F.cross_entropy(out.prefix_logits[:, :-1][real], batch.ids[:, 1:][real])
             loss = loss + cfg.ntp_weight * ntp * self._share(int(real.sum()))
