@@ -1,10 +1,12 @@
 """mtplm: turn a pretrained causal LM into a multi-token predictor and measure what the speed costs.
 
-Public entry points:
-    MTPModel.load(spec)            a converted checkpoint (or a base model, for plain decoding)
-    generate(model, prompt_ids, strategy, ...)   the decoding loop (see decode.py)
-    make_strategy(DecodeConfig)    plain / static-k / ConfAdapt
-    train(TrainConfig)             convert a model by online self-distillation
+Entry points (the README's Python example uses them):
+    mtplm.model.load_model(spec, dtype)        a shipped or converted checkpoint, a registry name or an HF dir
+    mtplm.config.parse_mode(spec)              a mode string such as "verified:lookup" -> DecodeConfig
+    mtplm.decode.backends.make_backend(name, model)   the pass every decode step runs (auto, eager, compiled)
+    mtplm.decode.generate(model, ids, cfg, backend=...)   the decoding loop, every mode
+    mtplm.train.trainer.train(TrainConfig)     convert a model by online self-distillation
+The command line is `mtplm` (mtplm.cli).
 """
 
 __version__ = "0.1.0"
