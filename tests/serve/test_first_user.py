@@ -73,6 +73,7 @@ def test_many_stop_strings_are_accepted_up_to_a_total_length(http):
 @pytest.mark.parametrize("endpoint,body,nulls", [
     ("/v1/completions", COMPLETION, ["n", "stream", "echo", "logprobs", "stop", "ignore_eos", "seed", "top_p",
                                      "stream_options", "best_of", "suffix", "user"]),
+    ("/v1/completions", {**COMPLETION, "stream_options": {"include_usage": None}}, ["n"]),
     ("/v1/chat/completions", CHAT, ["n", "stream", "logprobs", "top_logprobs", "stop", "ignore_eos", "tools",
                                     "response_format", "max_completion_tokens", "metadata"]),
 ])

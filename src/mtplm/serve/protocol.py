@@ -52,6 +52,11 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)  # include_obfuscation etc.: transport details
     include_usage: bool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        return null_is_unset(cls, data)
+
 
 class _Sampling(BaseModel):
     """Fields shared by both endpoints."""

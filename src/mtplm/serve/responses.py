@@ -152,7 +152,8 @@ def renamed() -> Iterator[None]:
     except APIError as exc:
         if exc.param in RENAMED:
             new = RENAMED[exc.param]
-            exc.message, exc.param = exc.message.replace(exc.param, new), new
+            message = exc.message.replace(exc.param, new)
+            exc.message, exc.param = message if new in message else f"{new}: {message}", new
         raise
 
 
