@@ -2,7 +2,8 @@
 
 Field policy (like vLLM's, but stricter about typos). Requests are pydantic models in strict mode
 (`true` is not a number, `"2"` is not an integer, NaN and infinities are refused) that forbid unknown
-fields: a typo such as `temprature` is a 400 that names it, not a silently ignored setting.
+fields: a typo such as `temprature` is a 400 that names it, not a silently ignored setting. An explicit
+JSON null for an optional field means unset, as OpenAI's schema allows (null_is_unset).
 - OpenAI fields that cannot change what a local model decodes (IGNORED: `store`, `metadata`,
   `service_tier`, `user`, `parallel_tool_calls`, `reasoning_effort`, ...) are accepted and ignored; the
   response names them in the `X-Mtplm-Ignored-Fields` header and the server logs them.
