@@ -79,6 +79,12 @@ def test_a_checkpoints_base_resolves_by_registry_name_and_checksum(private_cache
               "spec": entry.name}
     assert assets.base_model_dir(record) == installed
     assert assets.base_model_dir({**record, "sha256": "ab" * 32}) is None  # another model under that name
+    from types import SimpleNamespace
+
+    from mtplm.bench import llama_server
+
+    model = SimpleNamespace(meta=SimpleNamespace(base_model=record), hf=SimpleNamespace(name_or_path="x"))
+    assert llama_server.base_dir(model) == installed  # bench --llama-server's q4 GGUF lookup starts here
     (installed / assets.SOURCE_FILE).write_text(json.dumps({"name": entry.name, "sha256": "cd" * 32}))
     assert assets.base_model_dir(record) is None  # the installed model is not the one trained on
 
