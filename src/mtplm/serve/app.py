@@ -204,8 +204,9 @@ async def _parse(request: Request, schema: type[BaseModel], settings: Settings, 
                            None, "request_too_large")
     try:
         parsed = schema.model_validate_json(bytes(body))
-        if parsed.model in repository.entries:
-            request.state.model = parsed.model  # the metrics' model label (_count)
+        model = getattr(parsed, "model", None)
+        if model in repository.entries:
+            request.state.model = model  # the metrics' model label (_count)
         return parsed
     except ValidationError as exc:
         first = exc.errors()[0]
