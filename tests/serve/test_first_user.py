@@ -54,6 +54,7 @@ def test_a_model_that_fails_to_load_is_logged_and_the_server_is_not_healthy(tmp_
         assert any("'broken'" in r.getMessage() and "failed to load" in r.getMessage() for r in caplog.records)
         health = http.get("/health")
         assert health.status_code == 503 and "broken" in health.json()["failed"]
+        assert "broken" in http.get("/v1/models").json()["data"][0]["load_error"]
 
 
 def test_many_stop_strings_are_accepted_up_to_a_total_length(http):

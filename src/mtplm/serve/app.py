@@ -271,7 +271,8 @@ def _chat_prompt(req: ChatRequest, loaded: Loaded) -> list[int]:
 def _model_card(entry, repository: Repository) -> dict:
     loaded = repository.loaded.get(entry.id)
     return {"id": entry.id, "object": "model", "created": 0, "owned_by": "mtplm", "description": entry.description,
-            "loaded": loaded is not None, "default_mode": loaded.default_mode if loaded else entry.mode}
+            "loaded": loaded is not None, "default_mode": loaded.default_mode if loaded else entry.mode,
+            "load_error": repository.failed.get(entry.id)}
 
 
 # ---- response side -------------------------------------------------------------------------------
