@@ -156,7 +156,7 @@ def _add_serve(sub) -> None:
                             f"default {DEFAULT_CHECKPOINT} when no --repository is given")
     serve.add_argument("--repository", type=Path, help="a directory of checkpoints with a models.toml manifest")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set MTPLM_API_KEY)")
     add_dtype_argument(serve)
     add_backend_argument(serve)
@@ -173,13 +173,14 @@ def _add_serve(sub) -> None:
                             "whether multi-token passes beat plain ones; 'off': no cap (default: %(default)s, "
                             "multi-token passes only while one sequence runs: on the CPUs measured they lose "
                             "to plain batched passes; see README)")
-    serve.add_argument("--max-tokens-limit", type=int, default=Limits.max_tokens, help="largest max_tokens accepted")
+    serve.add_argument("--max-tokens-limit", type=int, default=Limits.max_tokens, help="largest max_tokens accepted (default: %(default)s)")
     serve.add_argument("--default-max-tokens", type=int, default=Limits.default_max_tokens,
-                       help="chat requests that give no max_tokens")
+                       help="max_tokens of chat requests that give none (default: %(default)s)")
     serve.add_argument("--context", type=int, default=Limits.context,
-                       help="prompt + max_tokens cap (also the model's own)")
+                       help="prompt + max_tokens cap; the model's own context also applies (default: %(default)s)")
     serve.add_argument("--shutdown-grace", type=float, default=30.0,
-                       help="seconds in-flight requests may finish after SIGTERM before they are failed")
+                       help="seconds in-flight requests may finish after SIGTERM or Ctrl-C before they are failed "
+                            "(default: %(default)s)")
     serve.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     serve.set_defaults(run=_serve)
 

@@ -59,7 +59,7 @@ def test_local_hf_directory_resolves_to_itself(tmp_path: Path) -> None:
     LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny")
     assert resolve_model(str(tmp_path / "tiny")) == (tmp_path / "tiny").resolve()
     identity = model_identity(tmp_path / "tiny")
-    assert identity == {"name": "tiny", "sha256": None, "path": str((tmp_path / "tiny").resolve())}
+    assert identity == {"name": "tiny", "sha256": None}  # no machine path in a checkpoint's record
 
 
 def test_identity_comes_from_the_conversion_record(tmp_path: Path) -> None:
@@ -67,6 +67,42 @@ def test_identity_comes_from_the_conversion_record(tmp_path: Path) -> None:
     (tmp_path / "m" / assets.SOURCE_FILE).write_text(json.dumps({"name": "smollm2-135m", "sha256": "ab" * 32}))
     assert model_identity(tmp_path / "m")["name"] == "smollm2-135m"
     assert model_identity(tmp_path / "m")["sha256"] == "ab" * 32
+
+
+def test_a_checkpoints_base_resolves_by_registry_name_and_checksum(private_cache: Path) -> None:
+    """Another machine's model home: the record's old absolute path is gone; name + sha256 find the base."""
+    entry = assets.MODELS[assets.DEFAULT_MODEL]
+    installed = private_cache / "models" / entry.name
+    installed.mkdir(parents=True)
+    (installed / assets.SOURCE_FILE).write_text(json.dumps({"name": entry.name, "sha256": entry.sha256}))
+    record = {"name": entry.name, "sha256": entry.sha256, "path": "/elsewhere/models/smollm2-135m",
+              "spec": entry.name}
+    assert assets.base_model_dir(record) == installed
+    assert assets.base_model_dir({**record, "sha256": "ab" * 32}) is None  # another model under that name
+    from types import SimpleNamespace
+
+    from mtplm.bench import llama_server
+
+    model = SimpleNamespace(meta=SimpleNamespace(base_model=record), hf=SimpleNamespace(name_or_path="x"))
+    assert llama_server.base_dir(model) == installed  # bench --llama-server's q4 GGUF lookup starts here
+    (installed / assets.SOURCE_FILE).write_text(json.dumps({"name": entry.name, "sha256": "cd" * 32}))
+    assert assets.base_model_dir(record) is None  # the installed model is not the one trained on
+
+
+def test_an_old_checkpoints_recorded_path_still_resolves(tmp_path: Path) -> None:
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "config.json").write_text("{}")
+    assert assets.base_model_dir({"name": "base", "sha256": None, "path": str(tmp_path / "base")}) == \
+        tmp_path / "base"
+
+
+def test_the_shipped_checkpoint_records_no_machine_path() -> None:
+    from mtplm.modelio import SHIPPED
+
+    for meta in SHIPPED.glob("*/mtplm.json"):
+        record = json.loads(meta.read_text())
+        assert "path" not in record["base_model"], meta
+        assert not any(str(v).startswith(("/", "~")) for v in record["base_model"].values()), meta
 
 
 def test_sha256_check_rejects_a_corrupted_file(tmp_path: Path) -> None:

@@ -16,11 +16,13 @@ pytest.importorskip("lm_eval", reason="lm-eval[api] is in the test extra")
 from lm_eval import simple_evaluate  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
+# five strings: lm-eval appends the EOS string, so the server gets six (it used to refuse more than four)
+UNTIL = ["\n", "zz1", "zz2", "zz3", "zz4"]
 TASKS = {
     "chain_mc": {"output_type": "multiple_choice", "doc_to_text": "{{prompt}}", "doc_to_choice": "choices",
                  "doc_to_target": "answer", "metric_list": [{"metric": "acc"}, {"metric": "acc_norm"}]},
     "chain_gen": {"output_type": "generate_until", "doc_to_text": "{{prompt}}", "doc_to_target": "{{target}}",
-                  "generation_kwargs": {"until": ["\n"], "max_gen_toks": 4, "do_sample": False},
+                  "generation_kwargs": {"until": UNTIL, "max_gen_toks": 4, "do_sample": False},
                   "metric_list": [{"metric": "exact_match"}]},
 }
 

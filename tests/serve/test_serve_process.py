@@ -6,6 +6,7 @@ import concurrent.futures
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -55,6 +56,9 @@ def test_sigterm_drains_then_fails_in_flight_requests_cleanly(base_dir, tmp_path
             process.kill()
     log = process.stdout.read()
     assert "Traceback" not in log
+    # the drain says what it waits for, for how long, and what became of it
+    assert "waiting up to 0.1 s for 1 in-flight request to finish" in log, log
+    assert "1 request still running after" in log and "ending it with a shutdown error" in log, log
 
 
 NGINX_CONF = """
@@ -138,11 +142,25 @@ def _requests(url: str) -> float:
     (["--model", "a=x", "--model", "a=y"], "unique"),
     (["--default-mode", "turbo"], "bad decoding mode"),
     (["--k-by-batch", "8-1"], "bad --k-by-batch"),
+    (["--model", "no-such-model"], "'no-such-model' is not a checkpoint"),  # used to start, then 500 every request
 ])
 def test_bad_serve_arguments_are_one_clear_line(args, needle, tmp_path):
     result = subprocess.run([sys.executable, "-m", "mtplm.cli", "serve", "--port", str(free_port()), *args],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and needle in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_a_port_in_use_is_one_line_before_serving(base_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "mtplm.cli", "serve", "--model", str(base_dir), "--port",
+                                 str(port)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "another process" in result.stderr
+    assert "serving" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
 def test_a_manifest_with_unknown_keys_is_refused(tmp_path):

@@ -54,7 +54,8 @@ def test_full_checkpoint_loads_with_plain_transformers(base_dir, data_file, tmp_
     tok = AutoTokenizer.from_pretrained(checkpoint)
     mtp = MTPModel.load(checkpoint)
     assert tok.convert_tokens_to_ids("<mtp>") == mtp.mask_id == hf.config.vocab_size - 1
-    assert mtp.meta.trainable == "full" and mtp.meta.base_model["path"]
+    assert mtp.meta.trainable == "full" and mtp.meta.base_model["spec"] == str(base_dir)
+    assert "path" not in mtp.meta.base_model  # no machine path recorded
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

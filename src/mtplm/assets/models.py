@@ -329,12 +329,32 @@ def resolve_model(spec: str) -> Path:
 
 
 def model_identity(path: str | Path) -> dict:
-    """{"name", "sha256" (of the source GGUF, None if unknown), "path"} for checkpoint metadata."""
+    """{"name", "sha256" (of the source GGUF, None if unknown)} for checkpoint metadata: no machine path, so a
+    checkpoint finds its base on any machine by registry name and checksum (base_model_dir)."""
     path = Path(path).expanduser().resolve()
     if path.is_file():
-        return {"name": path.stem, "sha256": sha256_file(path), "path": str(path)}
+        return {"name": path.stem, "sha256": sha256_file(path)}
     source_file = path / SOURCE_FILE
     if source_file.is_file():
         source = json.loads(source_file.read_text())
-        return {"name": source.get("name", path.name), "sha256": source.get("sha256"), "path": str(path)}
-    return {"name": path.name, "sha256": None, "path": str(path)}
+        return {"name": source.get("name", path.name), "sha256": source.get("sha256")}
+    return {"name": path.name, "sha256": None}
+
+
+def base_model_dir(identity: dict) -> Path | None:
+    """The HF directory on this machine of the base model a checkpoint's `base_model` record names: the
+    installed registry model of that name and checksum, else its spec where that is an HF directory, else
+    the absolute `path` older checkpoints recorded, where it still exists; None when none is here."""
+    name, digest = identity.get("name"), identity.get("sha256")
+    entry = MODELS.get(name or "")
+    if entry is not None and digest == entry.sha256:
+        target = cache_dir() / "models" / entry.name
+        try:
+            if json.loads((target / SOURCE_FILE).read_text()).get("sha256") == digest:
+                return target
+        except (OSError, ValueError):
+            pass
+    for candidate in (identity.get("spec"), identity.get("path")):
+        if candidate and (Path(candidate).expanduser() / "config.json").is_file():
+            return Path(candidate).expanduser()
+    return None

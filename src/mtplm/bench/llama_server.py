@@ -27,7 +27,7 @@ from typing import NamedTuple, NoReturn
 
 import psutil
 
-from mtplm.assets.models import SOURCE_FILE, cache_dir, say
+from mtplm.assets.models import SOURCE_FILE, base_model_dir, cache_dir, say
 from mtplm.errors import UserError
 from mtplm.llamacpp import convert, converter, server_binary
 
@@ -259,7 +259,9 @@ def cut_at_stop(tokens: list[int], stops: list[int]) -> list[int]:
 def base_dir(model) -> Path | None:
     """The HF directory a converted mtplm checkpoint was built on; for an unconverted model, its own
     directory (None when neither is a local HF directory)."""
-    path = (model.meta.base_model if model.meta else {}).get("path") or getattr(model.hf, "name_or_path", None)
+    if model.meta and model.meta.base_model:
+        return base_model_dir(model.meta.base_model)
+    path = getattr(model.hf, "name_or_path", None)
     return Path(path) if path and (Path(path) / "config.json").is_file() else None
 
 

@@ -313,7 +313,7 @@ def _llama_cpp_runner(model, max_new_tokens: int, stops: list[int]):
     except ImportError:
         print("llama.cpp baseline skipped: llama-cpp-python is not installed (see README: Benchmark)")
         return None
-    base = Path((model.meta.base_model if model.meta else {}).get("path", ""))
+    base = llama_server.base_dir(model) or Path("")
     try:
         gguf = json.loads((base / SOURCE_FILE).read_text())["gguf"]
     except (OSError, ValueError, KeyError):

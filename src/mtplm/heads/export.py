@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from mtplm.assets.models import base_model_dir
 from mtplm.errors import UserError
 from mtplm.files import atomic_dir
 from mtplm.heads.eagle3 import Eagle3Drafter
@@ -120,7 +121,7 @@ def export_gguf_eagle3(checkpoint: str, out: str | os.PathLike, target_dir: str 
     export, in a temporary folder, run through the installed llama.cpp converter with `--target-model-dir`
     (default: the HF directory the checkpoint was trained on), whose tokenizer and config it reads."""
     meta = eagle3_meta(checkpoint)
-    target = Path(target_dir) if target_dir else Path(meta.base_model.get("path") or meta.base_model["spec"])
+    target = Path(target_dir) if target_dir else base_model_dir(meta.base_model) or Path(meta.base_model["spec"])
     check_target(target, meta.heads)
     converter()  # before any work: a missing install is one line
     with tempfile.TemporaryDirectory(prefix="mtplm-eagle3-") as tmp:

@@ -9,7 +9,9 @@ event, or a 503 body) and exits.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
+import socket
 import sys
 import threading
 import time
@@ -19,7 +21,7 @@ from mtplm.config import DEFAULT_LOAD_POLICY
 from mtplm.errors import UserError
 from mtplm.serve.app import Settings, create_app
 from mtplm.serve.protocol import Limits
-from mtplm.serve.repository import Entry, Repository, read_manifest
+from mtplm.serve.repository import Entry, Repository, check_entry, read_manifest
 
 __all__ = ["Settings", "create_app", "Repository", "Entry", "read_manifest", "serve", "build_repository"]
 
@@ -37,6 +39,8 @@ def build_repository(models: list[str], repository: Path | None, dtype: str, max
     ids = [e.id for e in entries]
     if len(set(ids)) != len(ids):
         raise UserError(f"model ids must be unique, got {', '.join(ids)}: name them with --model ID=SPEC")
+    for entry in entries:
+        check_entry(entry)  # a model that cannot be found fails at start, not on its first request
     if default_mode is not None:
         from mtplm.config import parse_mode
 
@@ -72,13 +76,35 @@ def serve(repository: Repository, host: str, port: int, settings: Settings, shut
     import uvicorn
 
     _check_exposure(host, settings)
+    listener = bind(host, port)  # a port in use is one line and exit 2, before anything says "serving"
     app = create_app(repository, settings)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=int(shutdown_grace_s) + 5, lifespan="off")
     server = _graceful_server(config, repository, shutdown_grace_s)
     print(f"mtplm: serving {', '.join(repository.entries)} on http://{host}:{port}/v1", file=sys.stderr, flush=True)
-    server.run()
+    server.run(sockets=[listener])
     repository.close(0)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket uvicorn serves on (bound here, so a port in use is a UserError, not exit 3)."""
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port must lie in [0, 65535], got {port}")
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as exc:
+        raise UserError(f"cannot resolve --host {host!r}: {exc.strerror}") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        hint = ": another process is listening there; choose another --port" if exc.errno == errno.EADDRINUSE else ""
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror}{hint}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def _graceful_server(config, repository: Repository, grace_s: float):
@@ -97,13 +123,31 @@ def _graceful_server(config, repository: Repository, grace_s: float):
             threading.Thread(target=self._drain, daemon=True).start()
 
         def _drain(self) -> None:
-            repository.close(grace_s)
+            waiting, started = repository.in_flight, time.monotonic()
+            if waiting:
+                say(f"shutting down: refusing new requests; waiting up to {grace_s:g} s for {waiting} in-flight "
+                    f"request{'s' * (waiting != 1)} to finish (signal again to stop at once)")
+            else:
+                say("shutting down: no requests in flight")
+            while repository.in_flight and time.monotonic() - started < grace_s:
+                time.sleep(0.02)
+            elapsed, left = time.monotonic() - started, repository.in_flight
+            if left:
+                say(f"{left} request{'s' * (left != 1)} still running after {elapsed:.1f} s: ending "
+                    f"{'them' if left != 1 else 'it'} with a shutdown error")
+            elif waiting:
+                say(f"every in-flight request finished ({elapsed:.1f} s)")
+            repository.close(max(0.0, grace_s - elapsed))
             deadline = time.monotonic() + 10  # let the failed requests' last bytes go out
             while repository.in_flight and time.monotonic() < deadline:
                 time.sleep(0.02)
             self.should_exit = True
 
     return Server(config)
+
+
+def say(message: str) -> None:
+    print(f"mtplm: {message}", file=sys.stderr, flush=True)
 
 
 def _check_exposure(host: str, settings: Settings) -> None:

@@ -1,6 +1,7 @@
-"""The HTTP surface: OpenAI's /v1/completions, /v1/chat/completions and /v1/models, plus /health and
-/metrics. Every error a client can cause is an OpenAI-style {"error": {...}} body with a 4xx status; an
-unexpected error anywhere is one JSON 500 (Guard), counted in the metrics, and the connection stays usable."""
+"""The HTTP surface: OpenAI's /v1/completions, /v1/chat/completions, /v1/responses (serve/responses.py)
+and /v1/models, plus /health and /metrics. Every error a client can cause is an OpenAI-style {"error": {...}}
+body with a 4xx status; an unexpected error anywhere is one JSON 500 (Guard), counted in the metrics, and the
+connection stays usable."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from mtplm.config import Limits
-from mtplm.serve import checks
+from mtplm.serve import checks, responses
 from mtplm.serve.metrics import Metrics
 from mtplm.serve.protocol import APIError, ChatRequest, CompletionRequest, message_text, new_id, now
 from mtplm.serve.repository import Loaded, Repository
@@ -43,30 +44,7 @@ def create_app(repository: Repository, settings: Settings, metrics: Metrics | No
     app.state.repository, app.state.metrics, app.state.settings = repository, metrics, settings
     _error_handlers(app)
     app.add_middleware(Guard, metrics=metrics)
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        if repository.closing:
-            return JSONResponse({"status": "shutting down"}, status_code=503)
-        return JSONResponse({"status": "ok", "models": sorted(repository.entries),
-                             "loaded": sorted(repository.loaded)})
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.render(repository), media_type="text/plain; version=0.0.4")
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        _authorize(request, settings)
-        cards = [_model_card(e, repository) for e in repository.entries.values()]
-        return JSONResponse({"object": "list", "data": cards})
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str, request: Request) -> JSONResponse:
-        _authorize(request, settings)
-        if model_id not in repository.entries:
-            raise APIError(404, f"the model {model_id!r} does not exist", "model", "model_not_found")
-        return JSONResponse(_model_card(repository.entries[model_id], repository))
+    _status_routes(app, repository, settings, metrics)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -89,7 +67,49 @@ def create_app(repository: Repository, settings: Settings, metrics: Metrics | No
         options = Options(checks.stops(req), req.ignore_eos, checks.logprobs(req), chat=True)
         return await _respond(request, "chat", req, loaded, [ids], budget, options, settings)
 
+    @app.post("/v1/responses")
+    async def responses_api(request: Request):
+        req: responses.ResponsesRequest = await _parse(request, responses.ResponsesRequest, settings, repository)
+        with responses.renamed():  # the chat checks' refusals name this API's fields
+            chat = responses.as_chat(req)
+            loaded = await repository.get(req.model)
+            ids = _chat_prompt(chat, loaded)
+            budget = checks.max_tokens(chat, len(ids), settings.limits, _context(loaded),
+                                       settings.limits.default_max_tokens)
+            return await _respond(request, "responses", chat, loaded, [ids], budget, Options(chat=True), settings,
+                                  view=responses.Rendering(req))
+
     return app
+
+
+def _status_routes(app: FastAPI, repository: Repository, settings: Settings, metrics: Metrics) -> None:
+    """/health, /metrics and /v1/models."""
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if repository.closing:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        if repository.failed:  # a model this server offers cannot load: not ready to serve it
+            return JSONResponse({"status": "model load failed", "failed": repository.failed}, status_code=503)
+        return JSONResponse({"status": "ok", "models": sorted(repository.entries),
+                             "loaded": sorted(repository.loaded)})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(repository), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        _authorize(request, settings)
+        cards = [_model_card(e, repository) for e in repository.entries.values()]
+        return JSONResponse({"object": "list", "data": cards})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> JSONResponse:
+        _authorize(request, settings)
+        if model_id not in repository.entries:
+            raise APIError(404, f"the model {model_id!r} does not exist", "model", "model_not_found")
+        return JSONResponse(_model_card(repository.entries[model_id], repository))
 
 
 def _error_handlers(app: FastAPI) -> None:
@@ -97,16 +117,25 @@ def _error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        _count(request, exc.status)
         return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(404)
     async def not_found(request: Request, exc) -> JSONResponse:
+        _count(request, 404)
         return JSONResponse(APIError(404, f"no route {request.method} {request.url.path}: see /v1/models, "
-                                          "/v1/completions, /v1/chat/completions", None, "not_found").body(), 404)
+                                          "/v1/completions, /v1/chat/completions, /v1/responses", None,
+                                          "not_found").body(), 404)
 
     @app.exception_handler(405)
     async def wrong_method(request: Request, exc) -> JSONResponse:
+        _count(request, 405)
         return JSONResponse(APIError(405, f"{request.method} is not allowed on {request.url.path}").body(), 405)
+
+
+def _count(request: Request, status: int) -> None:
+    """A refusal in mtplm_requests_total (answered requests are counted when their body ends, in _respond)."""
+    request.app.state.metrics.count(request.url.path, getattr(request.state, "model", ""), status)
 
 
 class Guard:
@@ -136,8 +165,7 @@ class Guard:
             await self.app(scope, receive, tracked)
         except Exception:
             log.exception("unexpected error answering %s %s", scope.get("method"), path)
-            endpoint = "chat" if "chat" in path else "completions" if "completions" in path else "other"
-            self.metrics.requests.labels(endpoint, "", "500").inc()
+            self.metrics.count(path, "", 500)
             if started:  # a streamed body already began: nothing valid can be added to it
                 return
             body = json.dumps(APIError(500, "internal server error: the request failed unexpectedly; it has been "
@@ -175,7 +203,11 @@ async def _parse(request: Request, schema: type[BaseModel], settings: Settings, 
             raise APIError(413, f"the request body exceeds this server's limit of {settings.max_body_bytes} bytes",
                            None, "request_too_large")
     try:
-        return schema.model_validate_json(bytes(body))
+        parsed = schema.model_validate_json(bytes(body))
+        model = getattr(parsed, "model", None)
+        if model in repository.entries:
+            request.state.model = model  # the metrics' model label (_count)
+        return parsed
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
@@ -239,14 +271,16 @@ def _chat_prompt(req: ChatRequest, loaded: Loaded) -> list[int]:
 def _model_card(entry, repository: Repository) -> dict:
     loaded = repository.loaded.get(entry.id)
     return {"id": entry.id, "object": "model", "created": 0, "owned_by": "mtplm", "description": entry.description,
-            "loaded": loaded is not None, "default_mode": loaded.default_mode if loaded else entry.mode}
+            "loaded": loaded is not None, "default_mode": loaded.default_mode if loaded else entry.mode,
+            "load_error": repository.failed.get(entry.id)}
 
 
 # ---- response side -------------------------------------------------------------------------------
 async def _respond(request: Request, endpoint: str, req, loaded: Loaded, prompts: list[list[int]], budget: int,
-                   options: Options, settings: Settings):
+                   options: Options, settings: Settings, view: responses.Rendering | None = None):
+    """Decode and answer; `view` renders another API's body and events (the Responses API)."""
     cfg = checks.decode_config(req, loaded.engine.spec, loaded.default_mode, budget)
-    ignored = req.ignored_fields()
+    ignored = view.ignored if view is not None else req.ignored_fields()
     if ignored:
         log.info("ignored request fields (no effect on local decoding): %s", ", ".join(ignored))
     headers = {IGNORED_HEADER: ", ".join(ignored)} if ignored else {}
@@ -261,7 +295,7 @@ async def _respond(request: Request, endpoint: str, req, loaded: Loaded, prompts
 
     def finished(status: int, count: bool = True) -> None:
         repository.in_flight -= 1
-        if count:  # an unexpected error is counted once, by Guard
+        if count:  # an unexpected error is counted once, by Guard; an APIError by its handler
             metrics.requests.labels(endpoint, req.model, str(status)).inc()
         metrics.latency.labels(endpoint, req.model).observe(time.perf_counter() - started)
         if run.first_token_s is not None:
@@ -270,18 +304,20 @@ async def _respond(request: Request, endpoint: str, req, loaded: Loaded, prompts
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         events = _sse(run, endpoint, {**head, "object": f"{kind}.chunk" if endpoint == "chat" else kind},
-                      prompts, include_usage, finished)
+                      prompts, include_usage, finished) if view is None else view.events(run, prompts, finished)
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
     try:
         await _until_done(request, run, settings)
     except APIError as exc:
-        finished(exc.status)
+        finished(exc.status, count=False)  # counted by the error handler
         raise
     except Exception:
         finished(500, count=False)
         raise
     finished(200)
+    if view is not None:
+        return JSONResponse(view.body(run, prompts), headers=headers)
     choices = [_final_choice(endpoint, c) for c in run.choices]
     return JSONResponse({**head, "object": kind, "choices": choices, "usage": run.usage(prompts)}, headers=headers)
 

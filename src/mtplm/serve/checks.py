@@ -98,9 +98,9 @@ def max_tokens(req: _Sampling, prompt_len: int, limits: Limits, context: int, de
 def stops(req: _Sampling) -> list[str]:
     values = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(values) > MAX_STOPS or any(not s for s in values):
-        raise APIError(400, f"stop takes up to {MAX_STOPS} non-empty strings", "stop")
-    if any(len(s) > MAX_STOP_CHARS for s in values):
-        raise APIError(400, f"a stop string may be at most {MAX_STOP_CHARS} characters long", "stop")
+        raise APIError(400, f"stop takes up to {MAX_STOPS} non-empty strings, got {len(values)}", "stop")
+    if sum(len(s) for s in values) > MAX_STOP_CHARS:
+        raise APIError(400, f"the stop strings may be at most {MAX_STOP_CHARS} characters long together", "stop")
     return values
 
 

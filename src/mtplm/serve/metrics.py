@@ -10,6 +10,13 @@ LATENCY = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160)
 PER_PASS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 
 
+def endpoint_label(path: str) -> str:
+    """The `endpoint` label of a request path in the metrics."""
+    path = path.rstrip("/")
+    return {"/v1/completions": "completions", "/v1/chat/completions": "chat",
+            "/v1/responses": "responses"}.get(path, "other")
+
+
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -37,6 +44,10 @@ class Metrics:
         self.waiting = Gauge("mtplm_queue_length", "sequences waiting for a slot", ["model"], registry=r)
         self.running = Gauge("mtplm_running_sequences", "sequences decoding", ["model"], registry=r)
         self.loaded = Gauge("mtplm_loaded_models", "models in memory", registry=r)
+
+    def count(self, path: str, model: str, status: int) -> None:
+        """One request in mtplm_requests_total; `model` is the request's model where this server has it."""
+        self.requests.labels(endpoint_label(path), model, str(status)).inc()
 
     def on_pass(self, model: str, stats: PassStats) -> None:
         """Called on an engine thread after every pass."""

@@ -2,7 +2,8 @@
 
 Field policy (like vLLM's, but stricter about typos). Requests are pydantic models in strict mode
 (`true` is not a number, `"2"` is not an integer, NaN and infinities are refused) that forbid unknown
-fields: a typo such as `temprature` is a 400 that names it, not a silently ignored setting.
+fields: a typo such as `temprature` is a 400 that names it, not a silently ignored setting. An explicit
+JSON null for an optional field means unset, as OpenAI's schema allows (null_is_unset).
 - OpenAI fields that cannot change what a local model decodes (IGNORED: `store`, `metadata`,
   `service_tier`, `user`, `parallel_tool_calls`, `reasoning_effort`, ...) are accepted and ignored; the
   response names them in the `X-Mtplm-Ignored-Fields` header and the server logs them.
@@ -19,19 +20,21 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mtplm.config import Limits as Limits  # re-exported: serve and its tests import it from here
 from mtplm.config import mode_grammar
 
 MAX_CHOICES = 8
-MAX_STOPS = 4
+MAX_STOPS = 128  # stop strings per request (lm-eval appends EOS to a task's own); their total length is
+# bounded too (checks.stops, text.MAX_STOP_CHARS)
 MAX_LOGPROBS = 20  # most alternatives per token (decode/logprobs.MAX_TOP)
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 # accepted and ignored: they steer OpenAI's hosted service (storage, billing tier, tracing, reasoning models,
 # parallel tool calls when no tools are given), never what a local model decodes
 IGNORED = ("user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
-           "parallel_tool_calls", "reasoning_effort", "verbosity", "modalities")
+           "prompt_cache_retention", "prompt_cache_options", "prediction", "parallel_tool_calls",
+           "reasoning_effort", "verbosity", "modalities")
 
 
 class APIError(Exception):
@@ -49,6 +52,11 @@ class APIError(Exception):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)  # include_obfuscation etc.: transport details
     include_usage: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        return null_is_unset(cls, data)
 
 
 class _Sampling(BaseModel):
@@ -78,6 +86,14 @@ class _Sampling(BaseModel):
     service_tier: Optional[str] = None
     safety_identifier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None
+    prompt_cache_options: Optional[dict[str, Any]] = None
+    prediction: Optional[dict[str, Any]] = None  # predicted outputs: a latency hint; the output is the same
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        return null_is_unset(cls, data)
 
     def ignored_fields(self) -> list[str]:
         """The IGNORED fields this request set to something other than null."""
@@ -115,6 +131,16 @@ class ChatRequest(_Sampling):
     reasoning_effort: Optional[str] = None
     verbosity: Optional[str] = None
     modalities: Optional[list[str]] = None
+
+
+def null_is_unset(schema: type[BaseModel], data: Any) -> Any:
+    """OpenAI's schema allows an explicit JSON null for every optional field: `"n": null` means n unset.
+    Nulls of fields with a default are dropped before validation (a required field's null stays an error)."""
+    if not isinstance(data, dict):
+        return data
+    fields = schema.model_fields
+    return {key: value for key, value in data.items()
+            if value is not None or key not in fields or fields[key].is_required()}
 
 
 def message_text(message: ChatMessage) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import math
 import threading
 import time
@@ -38,6 +39,7 @@ from mtplm.serve.protocol import APIError
 
 MANIFEST = "models.toml"
 ENTRY_KEYS = {"id", "path", "mode", "dtype", "description"}
+log = logging.getLogger("mtplm.serve")
 
 
 @dataclass
@@ -104,6 +106,28 @@ def read_manifest(directory: Path, dtype: str = "bf16") -> list[Entry]:
     return entries
 
 
+def check_entry(entry: Entry) -> None:
+    """UserError unless the entry's path names something a model can load from (before any is loaded): a
+    shipped checkpoint, a checkpoint directory whose base is found too, a registry model, an HF model
+    directory or a .gguf file. A model that passes and still fails to load is reported when it does."""
+    from mtplm.assets.models import MODELS
+
+    spec = entry.path
+    for _ in range(3):  # a checkpoint, its base, at most one more level
+        path = shipped(spec) or Path(spec).expanduser()
+        if (path / META_FILE).is_file():
+            meta = read_meta(path)
+            if not (meta.delta or meta.method == "heads"):
+                return
+            spec = str(meta.base_model.get("spec", ""))
+            continue
+        if spec in MODELS or (path / "config.json").is_file() or (path.is_file() and path.suffix == ".gguf"):
+            return
+        where = f"{spec!r} (the base model of {entry.path!r})" if spec != entry.path else repr(spec)
+        raise UserError(f"model {entry.id!r}: {where} is not a checkpoint, shipped checkpoint name, registry "
+                        f"model ({', '.join(MODELS)}), Hugging Face model directory or .gguf file")
+
+
 class Repository:
     """Entries by id; `get` loads on demand within `budget_bytes` (0: no limit)."""
 
@@ -120,6 +144,7 @@ class Repository:
         self._guard = threading.Lock()
         self.closing = False
         self.in_flight = 0  # requests between their first decoded block and their last byte (event loop only)
+        self.failed: dict[str, str] = {}  # model id -> why its last load failed (health reports it)
 
     async def get(self, model_id: str) -> Loaded:
         if model_id not in self.entries:
@@ -144,6 +169,8 @@ class Repository:
         try:
             model = load_model(entry.path, entry.dtype)
         except (UserError, OSError, ValueError) as exc:
+            self.failed[entry.id] = str(exc)
+            log.error("mtplm: model %r (%s) failed to load: %s", entry.id, entry.path, exc)
             raise APIError(500, f"model {entry.id!r} failed to load: {exc}", "model", "model_load_failed",
                            "server_error") from None
         mode = entry.mode or self.default_mode or DEFAULT_MODE
@@ -155,6 +182,7 @@ class Repository:
         loaded = Loaded(entry, model, engine, mode, nbytes)
         with self._guard:
             self.loaded[entry.id] = loaded
+            self.failed.pop(entry.id, None)
         return loaded
 
     def _make_room(self, need: int) -> None:

@@ -336,7 +336,8 @@ def _load_model(cfg: TrainConfig, world: World) -> MTPModel:
 def _add_mask_token(model: MTPModel, cfg: TrainConfig) -> None:
     from mtplm.assets.models import model_identity, resolve_model
 
-    model.add_mask_token(cfg.k_max, model_identity(resolve_model(cfg.model)), seed=cfg.seed)
+    identity = {**model_identity(resolve_model(cfg.model)), "spec": cfg.model}  # the base as the user named it
+    model.add_mask_token(cfg.k_max, identity, seed=cfg.seed)
     model.meta.thresholds = Thresholds(tau=cfg.tau, k_max=cfg.k_max).to_json()  # k_max: once, in meta
 
 
