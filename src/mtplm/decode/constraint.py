@@ -1,0 +1,293 @@
+"""Constrained decoding: a grammar's token mask over the next position (llguidance; docs/structured.md).
+
+A `Spec` names what the output must match: a JSON schema, any JSON object, a regular expression, or a
+Lark/GBNF grammar. `compile(spec, tokenizer, stop_ids)` checks it and returns a `Grammar` (cached per
+tokenizer and spec, so a schema sent again compiles once); `Grammar.start()` gives one sequence's
+`Constraint`, which says which tokens may come next (`mask`, `apply`), advances on the tokens the
+sequence commits (`advance`), says how many leading drafts the grammar accepts without moving
+(`accepts`), the masks along a draft chain or tree (`masks_along`), the tokens the grammar forces
+(`forced`: its unique continuation), and whether the output is complete (`accepting`).
+
+Stop tokens (the model's end-of-sequence ids) are the grammar's end: allowed exactly where the output is
+complete, and never fed to the engine.
+
+Shapes: V vocabulary (the logits' width; the tokenizer's ids are its first columns).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import torch
+
+from mtplm.decode.protocol import Outcome, PassLogits
+from mtplm.errors import UserError
+
+KINDS = ("json_schema", "json_object", "regex", "grammar")
+MAX_SOURCE_CHARS = 100_000  # a schema, regex or grammar longer than this is refused before compiling
+# compact JSON with the separators models write most ("a": 1, "b": 2): no free whitespace, so keys,
+# braces and separators are forced; a schema's own "x-guidance" options override these
+JSON_OPTIONS = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What the output must match. kind: json_schema (source: the schema's JSON text), json_object (any
+    JSON object; source unused), regex (source: the pattern, matched whole), grammar (Lark or GBNF)."""
+
+    kind: str
+    source: str = ""
+    name: str = "constraint"  # the field or option it came from, named in errors
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise UserError(f"{self.name}: unknown constraint kind {self.kind!r} (one of {', '.join(KINDS)})")
+
+
+def json_schema(schema: object, name: str = "json_schema") -> Spec:
+    """A Spec from a schema given as a dict (or bool), or as JSON text."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{name}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    if schema is True:
+        schema = {}  # any JSON value
+    if schema is False:
+        raise UserError(f"{name}: the schema `false` matches nothing")
+    if not isinstance(schema, dict):
+        raise UserError(f"{name}: a JSON schema is an object, got {type(schema).__name__}")
+    return Spec("json_schema", json.dumps(schema), name)  # key order kept: it is the order properties are written
+
+
+def _grammar_text(spec: Spec) -> str:
+    """The engine's grammar for a spec (no validation yet)."""
+    import llguidance
+
+    if len(spec.source) > MAX_SOURCE_CHARS:
+        raise UserError(f"{spec.name}: {len(spec.source)} characters is too large (at most {MAX_SOURCE_CHARS})")
+    if spec.kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+    if spec.kind == "json_schema":
+        return llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults=JSON_OPTIONS)
+    if spec.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec.source)
+    return llguidance.grammar_from("grammar", spec.source)
+
+
+_TOKENIZERS: dict[tuple[int, frozenset[int]], object] = {}
+_GRAMMARS: dict[tuple[int, frozenset[int], Spec], Grammar] = {}
+_LOCK = threading.Lock()
+MAX_CACHED = 256  # compiled grammars kept (the oldest is dropped first)
+
+
+def _ll_tokenizer(tokenizer, stop_ids: frozenset[int]):
+    """llguidance's view of a Hugging Face tokenizer, once per tokenizer (about 0.25 s for 49k tokens)."""
+    import llguidance.hf
+
+    key = (id(tokenizer), stop_ids)
+    with _LOCK:
+        found = _TOKENIZERS.get(key)
+    if found is None:
+        eos = sorted(stop_ids) if stop_ids else None
+        found = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=eos)
+        with _LOCK:
+            _TOKENIZERS[key] = found
+    return found
+
+
+def compile(spec: Spec, tokenizer, stop_ids: Iterable[int]) -> Grammar:
+    """The compiled grammar for `spec` over `tokenizer` (cached); a UserError names what is wrong with it."""
+    stops = frozenset(stop_ids)
+    key = (id(tokenizer), stops, spec)
+    with _LOCK:
+        found = _GRAMMARS.get(key)
+    if found is not None:
+        return found
+    grammar = Grammar(spec, _ll_tokenizer(tokenizer, stops), stops, len(tokenizer))
+    with _LOCK:
+        if len(_GRAMMARS) >= MAX_CACHED:
+            _GRAMMARS.pop(next(iter(_GRAMMARS)))
+        _GRAMMARS[key] = grammar
+    return grammar
+
+
+def _one_line(message: str) -> str:
+    first = message.strip().splitlines()[0] if message.strip() else "rejected by the grammar engine"
+    return first[:300]
+
+
+class Grammar:
+    """A checked grammar over one tokenizer: `start()` gives each sequence its own Constraint."""
+
+    def __init__(self, spec: Spec, ll_tokenizer, stop_ids: frozenset[int], vocab: int) -> None:
+        import llguidance
+
+        self.spec, self.stop_ids, self.vocab = spec, stop_ids, vocab
+        try:
+            text = _grammar_text(spec)
+        except ValueError as exc:
+            raise UserError(f"{spec.name}: {_one_line(str(exc))}") from None
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, ll_tokenizer)
+        if failed:
+            raise UserError(f"{spec.name}: {_one_line(messages[0] if messages else '')}")
+        self._matcher = llguidance.LLMatcher(ll_tokenizer, text, log_level=0)
+        if self._matcher.is_error():
+            raise UserError(f"{spec.name}: {_one_line(self._matcher.get_error())}")
+        first = self.start()
+        allowed = bool(first.mask().any())  # computing the first mask is what finds an empty language
+        if first._m.is_error() or (not first.accepting and not allowed):
+            raise UserError(f"{spec.name}: matches no text at all (nothing can be generated under it)")
+
+    def start(self) -> Constraint:
+        return Constraint(self, self._matcher.deep_copy())
+
+
+def _unpack(bits: np.ndarray, vocab: int) -> torch.Tensor:
+    """llguidance's bitmask (int32 words, bit i of word w: token 32w+i) -> bool [vocab]."""
+    return torch.from_numpy(np.unpackbits(bits.view(np.uint8), bitorder="little")[:vocab].astype(bool))
+
+
+class Constraint:
+    """One sequence's position in its grammar. Not thread-safe: one decoding thread owns it."""
+
+    def __init__(self, grammar: Grammar, matcher) -> None:
+        self.grammar, self._m = grammar, matcher
+        self._words = (grammar.vocab + 31) // 32
+        self._mask: torch.Tensor | None = None  # of the current state
+
+    @property
+    def accepting(self) -> bool:
+        """The output so far is complete: a stop token may end it here."""
+        return bool(self._m.is_accepting())
+
+    @property
+    def finished(self) -> bool:
+        """Nothing but a stop token can follow (the grammar is complete and allows no more text)."""
+        return bool(self._m.is_stopped())
+
+    def mask(self) -> torch.Tensor:
+        """bool [vocab]: the tokens allowed next (the stop tokens exactly when the output is complete)."""
+        if self._mask is None:
+            bits = np.empty(self._words, dtype=np.int32)
+            self._m.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+            self._mask = _unpack(bits, self.grammar.vocab)
+        return self._mask
+
+    def allowed(self, token: int) -> bool:
+        return 0 <= token < self.grammar.vocab and bool(self.mask()[token])
+
+    def apply(self, logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """logits [..., V] with every disallowed token at -inf (a new tensor; V may exceed the vocabulary)."""
+        mask = self.mask() if mask is None else mask
+        width = logits.shape[-1]
+        keep = torch.zeros(width, dtype=torch.bool, device=logits.device)
+        keep[: min(width, len(mask))] = mask[:width].to(logits.device)
+        return logits.masked_fill(~keep, float("-inf"))
+
+    def advance(self, tokens: Sequence[int]) -> int:
+        """Commit tokens: how many the grammar took (it stops at the first it rejects, or at a stop token,
+        which ends the output and is not fed to the engine)."""
+        taken = 0
+        for token in tokens:
+            if token in self.grammar.stop_ids:
+                return taken + int(self.accepting)
+            if not self.allowed(token) or not self._m.consume_token(token):
+                return taken
+            self._mask, taken = None, taken + 1
+        return taken
+
+    def accepts(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens the grammar would accept from here (a stop token only where complete);
+        the state does not move."""
+        if not tokens:
+            return 0
+        plain = list(tokens)
+        stop = next((i for i, t in enumerate(plain) if t in self.grammar.stop_ids), None)
+        if stop is not None:
+            plain = plain[:stop]
+        valid = int(self._m.validate_tokens(plain)) if plain else 0
+        if stop is not None and valid == stop and self._accepting_after(plain):
+            return valid + 1
+        return valid
+
+    def _accepting_after(self, tokens: list[int]) -> bool:
+        if not tokens:
+            return self.accepting
+        self._m.consume_tokens(tokens)
+        done = self.accepting
+        self._m.rollback(len(tokens))
+        return done
+
+    def masks_along(self, drafts: Sequence[int], parents: Sequence[int] | None = None) -> list[torch.Tensor | None]:
+        """The masks of a pass's next-token rows: row 0 after the committed text, row i+1 after draft i
+        (a chain, or a tree: node i follows parents[i], -1 the committed text). A row whose path the grammar
+        rejects gets None: verification can never reach it (its draft is not its parent's allowed token)."""
+        parents = list(parents) if parents is not None else list(range(-1, len(drafts) - 1))
+        rows: list[torch.Tensor | None] = [self.mask()] + [None] * len(drafts)
+        children: dict[int, list[int]] = {}
+        for i, parent in enumerate(parents):
+            children.setdefault(parent, []).append(i)
+        self._walk(-1, list(drafts), children, rows)
+        self._mask = rows[0]
+        return rows
+
+    def _walk(self, node: int, drafts: list[int], children: dict[int, list[int]],
+              rows: list[torch.Tensor | None]) -> None:
+        """Depth first from `node` (its mask in rows[node + 1]): each child's mask, then its subtree."""
+        parent_mask = rows[node + 1]
+        assert parent_mask is not None
+        for child in children.get(node, []):
+            token = drafts[child]
+            if token in self.grammar.stop_ids or not bool(parent_mask[token] if token < len(parent_mask) else 0):
+                continue
+            if not self._m.consume_token(token):
+                continue
+            self._mask = None
+            rows[child + 1] = self.mask()
+            self._walk(child, drafts, children, rows)
+            self._m.rollback(1)
+            self._mask = None
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar allows as its only continuation from here (none: [])."""
+        if self.finished:
+            return []
+        return [int(t) for t in self._m.compute_ff_tokens()]
+
+    def copy(self) -> Constraint:
+        return Constraint(self.grammar, self._m.deep_copy())
+
+
+class ConstrainedLogits(PassLogits):
+    """A pass's logits under a constraint: each next-token row masked by the grammar's state after the
+    committed text and the drafts on its path, so every strategy's target is the constrained distribution
+    (a row whose path the grammar rejects stays as it was: no strategy can reach it). Mask blocks are not
+    masked: they only propose drafts, which the masked rows then verify."""
+
+    def __init__(self, constraint: Constraint, drafts: Sequence[int], parents: Sequence[int] | None,
+                 *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.constraint, self.draft_tokens, self.parents = constraint, list(drafts), parents
+
+    @cached_property
+    def next_token(self) -> torch.Tensor:
+        rows = self._rows(0, self.drafts + 1).clone()
+        for i, mask in enumerate(self.constraint.masks_along(self.draft_tokens, self.parents)):
+            if mask is not None:
+                rows[i] = self.constraint.apply(rows[i], mask)
+        return rows
+
+
+def trim(outcome: Outcome, kept: Sequence[int], constraint: Constraint) -> Outcome:
+    """The outcome cut where the grammar rejects a new token (a lossy block's slot token outside the grammar
+    ends its run; kept drafts and the first new token, chosen from masked rows, always pass)."""
+    valid = constraint.accepts([*kept, *outcome.new]) - len(kept)
+    if valid >= len(outcome.new):
+        return outcome
+    return Outcome(outcome.accepted, outcome.new[: max(1, valid)], outcome.rows)
