@@ -17,6 +17,7 @@ Shapes: V vocabulary (the logits' width; the tokenizer's ids are its first colum
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -62,7 +63,21 @@ def json_schema(schema: object, name: str = "json_schema") -> Spec:
         raise UserError(f"{name}: the schema `false` matches nothing")
     if not isinstance(schema, dict):
         raise UserError(f"{name}: a JSON schema is an object, got {type(schema).__name__}")
-    return Spec("json_schema", json.dumps(schema), name)  # key order kept: it is the order properties are written
+    return Spec("json_schema", json.dumps(_closed(schema)), name)  # key order kept: properties are written in it
+
+
+def _closed(schema: object) -> object:
+    """The schema with every object that lists properties closed to others unless it says otherwise (as
+    OpenAI's strict schemas and vLLM's default): a small model otherwise invents keys until max tokens."""
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: (value if key in ("enum", "const", "default", "examples") else _closed(value))
+           for key, value in schema.items()}
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _grammar_text(spec: Spec) -> str:
@@ -119,7 +134,7 @@ def compile(spec: Spec, tokenizer, stop_ids: Iterable[int]) -> Grammar:
 
 def _one_line(message: str) -> str:
     first = message.strip().splitlines()[0] if message.strip() else "rejected by the grammar engine"
-    return first[:300]
+    return re.sub(r"^at \d+\(\d+\): ", "", first)[:300]
 
 
 class Grammar:
