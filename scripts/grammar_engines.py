@@ -19,22 +19,53 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-PERSON = {"type": "object", "properties": {
-    "name": {"type": "string"}, "age": {"type": "integer"},
-    "address": {"type": "object", "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
-                "required": ["city", "zip"], "additionalProperties": False},
-    "tags": {"type": "array", "items": {"type": "string", "enum": ["admin", "user", "guest"]}}},
-    "required": ["name", "age", "address", "tags"], "additionalProperties": False}
-PERSON_TEXT = '{"name": "Ada Lovelace", "age": 36, "address": {"city": "London", "zip": "W1"}, ' \
-              '"tags": ["admin", "guest"]}'
-ORDER = {"type": "object", "properties": {
-    "order_id": {"type": "integer"}, "status": {"enum": ["pending", "shipped", "delivered", "cancelled"]},
-    "items": {"type": "array", "minItems": 1, "items": {"type": "object", "properties": {
-        "sku": {"type": "string"}, "quantity": {"type": "integer", "minimum": 1},
-        "price": {"type": "number"}}, "required": ["sku", "quantity", "price"], "additionalProperties": False}}},
-    "required": ["order_id", "status", "items"], "additionalProperties": False}
-ORDER_TEXT = '{"order_id": 1042, "status": "shipped", "items": [{"sku": "A-17", "quantity": 2, "price": 9.5}, ' \
-             '{"sku": "B-3", "quantity": 1, "price": 120.0}]}'
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["admin", "user", "guest"]}},
+    },
+    "required": ["name", "age", "address", "tags"],
+    "additionalProperties": False,
+}
+PERSON_TEXT = (
+    '{"name": "Ada Lovelace", "age": 36, "address": {"city": "London", "zip": "W1"}, '
+    '"tags": ["admin", "guest"]}'
+)
+ORDER = {
+    "type": "object",
+    "properties": {
+        "order_id": {"type": "integer"},
+        "status": {"enum": ["pending", "shipped", "delivered", "cancelled"]},
+        "items": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "sku": {"type": "string"},
+                    "quantity": {"type": "integer", "minimum": 1},
+                    "price": {"type": "number"},
+                },
+                "required": ["sku", "quantity", "price"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    "required": ["order_id", "status", "items"],
+    "additionalProperties": False,
+}
+ORDER_TEXT = (
+    '{"order_id": 1042, "status": "shipped", "items": [{"sku": "A-17", "quantity": 2, "price": 9.5}, '
+    '{"sku": "B-3", "quantity": 1, "price": 120.0}]}'
+)
 DATE = r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
 SQL_LARK = r"""
 start: "SELECT " cols " FROM " NAME (" WHERE " cond)? ";"
@@ -53,9 +84,13 @@ value ::= [0-9]+ | "'" [a-z ]* "'"
 name ::= [a-z_] [a-z0-9_]*
 """
 SQL_TEXT = "SELECT name, age FROM users WHERE age >= 21;"
-CASES = [("json_schema person", "json", PERSON, PERSON_TEXT), ("json_schema order", "json", ORDER, ORDER_TEXT),
-         ("json_object", "json", None, '{"city": "Paris", "population": 2100000, "capital": true}'),
-         ("regex date", "regex", DATE, "2026-12-02"), ("grammar sql", "grammar", None, SQL_TEXT)]
+CASES = [
+    ("json_schema person", "json", PERSON, PERSON_TEXT),
+    ("json_schema order", "json", ORDER, ORDER_TEXT),
+    ("json_object", "json", None, '{"city": "Paris", "population": 2100000, "capital": true}'),
+    ("regex date", "regex", DATE, "2026-12-02"),
+    ("grammar sql", "grammar", None, SQL_TEXT),
+]
 
 
 def load_tokenizer(model_dir: str):
@@ -74,6 +109,7 @@ class Llguidance:
     def __init__(self, tok) -> None:
         import llguidance
         import llguidance.hf
+
         self.ll = llguidance
         began = time.perf_counter()
         self.tokenizer = llguidance.hf.from_tokenizer(tok, n_vocab=len(tok))
@@ -81,10 +117,13 @@ class Llguidance:
         self.words = (len(tok) + 31) // 32
 
     def compile(self, kind: str, spec, text_grammar: str | None):
-        options = {"x-guidance": {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}}
+        options = {
+            "x-guidance": {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+        }
         if kind == "json":
             grammar = self.ll.LLMatcher.grammar_from_json_schema(
-                json.dumps({**(spec or {"type": "object"}), **options}))
+                json.dumps({**(spec or {"type": "object"}), **options})
+            )
         elif kind == "regex":
             grammar = self.ll.LLMatcher.grammar_from_regex(spec)
         else:
@@ -113,6 +152,7 @@ class Xgrammar:
 
     def __init__(self, tok) -> None:
         import xgrammar
+
         self.xgr = xgrammar
         began = time.perf_counter()
         info = xgrammar.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
@@ -124,8 +164,9 @@ class Xgrammar:
         if kind == "json" and spec is None:
             compiled = self.compiler.compile_builtin_json_grammar()
         elif kind == "json":
-            compiled = self.compiler.compile_json_schema(json.dumps(spec), any_whitespace=False,
-                                                         separators=(", ", ": "))
+            compiled = self.compiler.compile_json_schema(
+                json.dumps(spec), any_whitespace=False, separators=(", ", ": ")
+            )
         elif kind == "regex":
             compiled = self.compiler.compile_regex(spec)
         else:
@@ -163,9 +204,17 @@ def measure(engine, tok, label: str, kind: str, spec, text: str) -> dict:
         began = time.perf_counter()
         forced_at += engine.forced(matcher) > 0
         forced_s.append(time.perf_counter() - began)
-    return {"engine": engine.name, "case": label, "compile_first_ms": 1e3 * compile_s[0],
-            "compile_median_ms": 1e3 * statistics.median(compile_s), "tokens": len(tokens), "walk_ok": ok,
-            "mask": ms(mask_s), "forced_query": ms(forced_s), "positions_with_forced_tokens": forced_at}
+    return {
+        "engine": engine.name,
+        "case": label,
+        "compile_first_ms": 1e3 * compile_s[0],
+        "compile_median_ms": 1e3 * statistics.median(compile_s),
+        "tokens": len(tokens),
+        "walk_ok": ok,
+        "mask": ms(mask_s),
+        "forced_query": ms(forced_s),
+        "positions_with_forced_tokens": forced_at,
+    }
 
 
 def main() -> None:

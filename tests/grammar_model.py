@@ -10,9 +10,14 @@ from transformers import PreTrainedTokenizerFast
 
 from mtplm.model import MTPModel
 
-SAMPLES = ['{"name": "Ada", "age": 36, "tags": ["admin", "user"]}', '{"ok": true, "count": 12, "items": []}',
-           '{"city": "Paris", "zip": "75001", "open": false}', "SELECT name FROM users WHERE age >= 21;",
-           "2026-12-02 1999-01-31", '{"a": {"b": [1, 2, 3]}, "c": null}'] * 20
+SAMPLES = [
+    '{"name": "Ada", "age": 36, "tags": ["admin", "user"]}',
+    '{"ok": true, "count": 12, "items": []}',
+    '{"city": "Paris", "zip": "75001", "open": false}',
+    "SELECT name FROM users WHERE age >= 21;",
+    "2026-12-02 1999-01-31",
+    '{"a": {"b": [1, 2, 3]}, "c": null}',
+] * 20
 
 
 def json_tokenizer(merges: int = 120) -> PreTrainedTokenizerFast:
@@ -20,8 +25,9 @@ def json_tokenizer(merges: int = 120) -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=256 + merges, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=256 + merges, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     backend.train_from_iterator(SAMPLES, trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=backend)
     tok.add_special_tokens({"eos_token": "<eos>", "pad_token": "<pad>"})

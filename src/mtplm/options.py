@@ -25,10 +25,11 @@ def add_constraint_arguments(parser) -> None:
     """--json-schema FILE | --regex R | --grammar FILE: the output must match (decode/constraint.py)."""
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--json-schema", type=Path, metavar="FILE",
-                       help="the answer is JSON valid under this JSON schema (`{}` or `{\"type\": \"object\"}` "
-                            "for any JSON)")
-    group.add_argument("--regex", metavar="R", help="the answer matches this regular expression as a whole")
-    group.add_argument("--grammar", type=Path, metavar="FILE", help="the answer matches this Lark or GBNF grammar")
+                       help="the answer is JSON valid under this JSON schema (`{}`: any JSON)")
+    group.add_argument("--regex", metavar="R",
+                       help="the answer matches this regular expression as a whole")
+    group.add_argument("--grammar", type=Path, metavar="FILE",
+                       help="the answer matches this Lark or GBNF grammar")
 
 
 def constraint_spec(args):
@@ -44,6 +45,7 @@ def constraint_spec(args):
         try:
             text = path.read_text()
         except (OSError, UnicodeDecodeError) as exc:
-            raise UserError(f"{option}: cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+            reason = getattr(exc, "strerror", None) or exc
+            raise UserError(f"{option}: cannot read {path}: {reason}") from None
         return json_schema(text, option) if option == "--json-schema" else Spec("grammar", text, option)
     return None

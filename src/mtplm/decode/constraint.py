@@ -56,14 +56,18 @@ def json_schema(schema: object, name: str = "json_schema") -> Spec:
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as exc:
-            raise UserError(f"{name}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+            raise UserError(
+                f"{name}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+            ) from None
     if schema is True:
         schema = {}  # any JSON value
     if schema is False:
         raise UserError(f"{name}: the schema `false` matches nothing")
     if not isinstance(schema, dict):
         raise UserError(f"{name}: a JSON schema is an object, got {type(schema).__name__}")
-    return Spec("json_schema", json.dumps(_closed(schema)), name)  # key order kept: properties are written in it
+    return Spec(
+        "json_schema", json.dumps(_closed(schema)), name
+    )  # key order kept: properties are written in it
 
 
 def _closed(schema: object) -> object:
@@ -73,8 +77,10 @@ def _closed(schema: object) -> object:
         return [_closed(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {key: (value if key in ("enum", "const", "default", "examples") else _closed(value))
-           for key, value in schema.items()}
+    out = {
+        key: (value if key in ("enum", "const", "default", "examples") else _closed(value))
+        for key, value in schema.items()
+    }
     if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
         out["additionalProperties"] = False
     return out
@@ -85,7 +91,9 @@ def _grammar_text(spec: Spec) -> str:
     import llguidance
 
     if len(spec.source) > MAX_SOURCE_CHARS:
-        raise UserError(f"{spec.name}: {len(spec.source)} characters is too large (at most {MAX_SOURCE_CHARS})")
+        raise UserError(
+            f"{spec.name}: {len(spec.source)} characters is too large (at most {MAX_SOURCE_CHARS})"
+        )
     if spec.kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     if spec.kind == "json_schema":
@@ -133,8 +141,11 @@ def compile(spec: Spec, tokenizer, stop_ids: Iterable[int]) -> Grammar:
 
 
 def _one_line(message: str) -> str:
-    first = message.strip().splitlines()[0] if message.strip() else "rejected by the grammar engine"
-    return re.sub(r"^at \d+\(\d+\): ", "", first)[:300]
+    """The engine's message on one line: its first line, and the reason a regex parser gives below it."""
+    lines = [line.strip() for line in message.strip().splitlines()] or ["rejected by the grammar engine"]
+    reason = next((line for line in lines[1:] if line.startswith("error:")), None)
+    first = re.sub(r"^at \d+\(\d+\): ", "", lines[0]) + (f" {reason}" if reason else "")
+    return first[:300]
 
 
 class Grammar:
@@ -239,7 +250,9 @@ class Constraint:
         self._m.rollback(len(tokens))
         return done
 
-    def masks_along(self, drafts: Sequence[int], parents: Sequence[int] | None = None) -> list[torch.Tensor | None]:
+    def masks_along(
+        self, drafts: Sequence[int], parents: Sequence[int] | None = None
+    ) -> list[torch.Tensor | None]:
         """The masks of a pass's next-token rows: row 0 after the committed text, row i+1 after draft i
         (a chain, or a tree: node i follows parents[i], -1 the committed text). A row whose path the grammar
         rejects gets None: verification can never reach it (its draft is not its parent's allowed token)."""
@@ -252,14 +265,17 @@ class Constraint:
         self._mask = rows[0]
         return rows
 
-    def _walk(self, node: int, drafts: list[int], children: dict[int, list[int]],
-              rows: list[torch.Tensor | None]) -> None:
+    def _walk(
+        self, node: int, drafts: list[int], children: dict[int, list[int]], rows: list[torch.Tensor | None]
+    ) -> None:
         """Depth first from `node` (its mask in rows[node + 1]): each child's mask, then its subtree."""
         parent_mask = rows[node + 1]
         assert parent_mask is not None
         for child in children.get(node, []):
             token = drafts[child]
-            if token in self.grammar.stop_ids or not bool(parent_mask[token] if token < len(parent_mask) else 0):
+            if token in self.grammar.stop_ids or not bool(
+                parent_mask[token] if token < len(parent_mask) else 0
+            ):
                 continue
             if not self._m.consume_token(token):
                 continue
@@ -285,8 +301,9 @@ class ConstrainedLogits(PassLogits):
     (a row whose path the grammar rejects stays as it was: no strategy can reach it). Mask blocks are not
     masked: they only propose drafts, which the masked rows then verify."""
 
-    def __init__(self, constraint: Constraint, drafts: Sequence[int], parents: Sequence[int] | None,
-                 *args, **kwargs) -> None:
+    def __init__(
+        self, constraint: Constraint, drafts: Sequence[int], parents: Sequence[int] | None, *args, **kwargs
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.constraint, self.draft_tokens, self.parents = constraint, list(drafts), parents
 

@@ -22,6 +22,7 @@ from mtplm.serve.metrics import Metrics
 from mtplm.serve.protocol import APIError, ChatRequest, CompletionRequest, message_text, new_id, now
 from mtplm.serve.repository import Loaded, Repository
 from mtplm.serve.run import Options, Piece, Run
+from mtplm.serve.structured import compile_request, request_spec
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 IGNORED_HEADER = "X-Mtplm-Ignored-Fields"
@@ -76,7 +77,7 @@ def create_app(repository: Repository, settings: Settings, metrics: Metrics | No
         budget = max(checks.max_tokens(req, len(ids), settings.limits, _context(loaded),
                                        COMPLETIONS_DEFAULT_MAX_TOKENS) for ids in prompts)
         echo = [_echo_text(req.prompt, ids, i, loaded) for i, ids in enumerate(prompts)] if req.echo else None
-        options = Options(checks.stops(req), req.ignore_eos, checks.logprobs(req), echo)
+        options = Options(checks.stops(req), req.ignore_eos, checks.logprobs(req), echo, grammar=_grammar(req, loaded))
         return await _respond(request, "completions", req, loaded, prompts, budget, options, settings)
 
     @app.post("/v1/chat/completions")
@@ -86,10 +87,16 @@ def create_app(repository: Repository, settings: Settings, metrics: Metrics | No
         ids = _chat_prompt(req, loaded)
         budget = checks.max_tokens(req, len(ids), settings.limits, _context(loaded),
                                    settings.limits.default_max_tokens)
-        options = Options(checks.stops(req), req.ignore_eos, checks.logprobs(req), chat=True)
+        options = Options(checks.stops(req), req.ignore_eos, checks.logprobs(req), chat=True,
+                          grammar=_grammar(req, loaded))
         return await _respond(request, "chat", req, loaded, [ids], budget, options, settings)
 
     return app
+
+
+def _grammar(req, loaded: Loaded):
+    """The request's constraint compiled for this model (serve/structured.py), or None."""
+    return compile_request(request_spec(req), loaded.model.tokenizer, loaded.engine.spec.stop_ids)
 
 
 def _error_handlers(app: FastAPI) -> None:

@@ -78,6 +78,11 @@ class _Sampling(BaseModel):
     service_tier: Optional[str] = None
     safety_identifier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
+    # structured outputs, vLLM's fields (serve/structured.py; chat also takes OpenAI's response_format)
+    guided_json: Optional[Union[dict[str, Any], str, bool]] = None
+    guided_regex: Optional[str] = None
+    guided_grammar: Optional[str] = None
+    structured_outputs: Optional[dict[str, Any]] = None
 
     def ignored_fields(self) -> list[str]:
         """The IGNORED fields this request set to something other than null."""
