@@ -66,6 +66,7 @@ class Options:
     echo: list[str] | None = None  # per prompt: its text, sent before the completion
     chat: bool = False  # chat's logprob format (serve/logprobs.py)
     grammar: Grammar | None = None  # the output must match it (serve/structured.py); each sequence starts it
+    tools: tuple[str, ...] = ()  # chat: the functions whose calls the reply parses (serve/structured.py)
 
 
 class Run:
@@ -75,6 +76,7 @@ class Run:
                  options: Options | None = None) -> None:
         options = options or Options()
         self.loaded, self.label, self.prompts, self._n = loaded, label, prompts, n
+        self.tools = options.tools
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.started = time.perf_counter()
