@@ -43,5 +43,6 @@ def json_mtp(seed: int = 0, k_max: int = 4, converted: bool = True) -> MTPModel:
     model = MTPModel(hf, tok, None)
     if converted:
         model.add_mask_token(k_max=k_max, base_identity={"name": "tiny-json", "seed": seed})
+        model.attach_gated_lora(rank=4, alpha=8.0)  # a saved conversion has adapters (modelio reloads them)
     torch.manual_seed(seed)
     return model
