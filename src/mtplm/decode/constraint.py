@@ -132,7 +132,12 @@ def compile(spec: Spec, tokenizer, stop_ids: Iterable[int]) -> Grammar:
         found = _GRAMMARS.get(key)
     if found is not None:
         return found
-    grammar = Grammar(spec, _ll_tokenizer(tokenizer, stops), stops, len(tokenizer))
+    try:
+        engine_tokenizer = _ll_tokenizer(tokenizer, stops)
+    except (ValueError, TypeError, AttributeError) as exc:  # llguidance reads byte-level and sentencepiece kinds
+        raise UserError(f"{spec.name}: this model's tokenizer is not one the grammar engine can read "
+                        f"({_one_line(str(exc))})") from None
+    grammar = Grammar(spec, engine_tokenizer, stops, len(tokenizer))
     with _LOCK:
         if len(_GRAMMARS) >= MAX_CACHED:
             _GRAMMARS.pop(next(iter(_GRAMMARS)))
