@@ -17,6 +17,7 @@ import time
 import torch
 
 from mtplm.config import DecodeConfig, parse_mode
+from mtplm.decode import constraint as constraint_module
 from mtplm.decode.constraint import compile, json_schema
 from mtplm.decode.loop import generate, stop_ids
 from mtplm.model import load_model
@@ -86,6 +87,23 @@ CASES = [
         },
     ),
 ]
+SPENT = [0.0]  # seconds inside the grammar engine's calls (masks, forced tokens, draft checks)
+
+
+def _timed(method):
+    def wrapper(*args, **kwargs):
+        began = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            SPENT[0] += time.perf_counter() - began
+
+    return wrapper
+
+
+for _name in ("masks_along", "forced", "accepts", "advance"):  # mask() is called inside masks_along
+    setattr(constraint_module.Constraint, _name, _timed(getattr(constraint_module.Constraint, _name)))
+
 MODES = ["ntp", "verified:lookup", "verified:quadratic@4", "verified:quadratic+lookup@4"]
 
 
@@ -133,7 +151,7 @@ def run_row(model, mode: str, constrained: bool, n: int) -> dict:
     prompts = [chat_prompt_ids(model.tokenizer, prompt) for prompt, _ in CASES]
     generate(model, prompts[0], cfg, constraint=grammars[0].start() if constrained else None)  # warm-up
     ok = tokens = forced = passes = 0
-    seconds = 0.0
+    seconds, SPENT[0] = 0.0, 0.0
     for (_, schema), ids, grammar in zip(CASES, prompts, grammars, strict=True):
         began = time.perf_counter()
         out = generate(model, ids, cfg, constraint=grammar.start() if grammar is not None else None)
@@ -150,6 +168,8 @@ def run_row(model, mode: str, constrained: bool, n: int) -> dict:
         "model_per_pass": round((tokens - forced) / passes, 2),
         "tokens": tokens,
         "tokens_per_s": round(tokens / seconds, 1),
+        "ms_per_pass": round(1e3 * seconds / passes, 2),
+        "grammar_ms_per_pass": round(1e3 * SPENT[0] / passes, 3),
     }
 
 

@@ -111,10 +111,13 @@ def test_guided_fields_on_completions(client):
 
 
 def test_max_tokens_inside_a_constraint_is_length(client):
-    reply = client.completions.create(
-        model="tiny", prompt="{", max_tokens=3, extra_body={"guided_json": {"type": "object"}}
-    )
-    assert reply.choices[0].finish_reason == "length"
+    """The shortest answer, {"s": ""}, is longer than 3 tokens: whatever is sampled, the limit ends it."""
+    schema = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
+    for seed in range(4):
+        reply = client.completions.create(
+            model="tiny", prompt="{", max_tokens=3, seed=seed, extra_body={"guided_json": schema}
+        )
+        assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 3
 
 
 @pytest.mark.parametrize(
@@ -130,6 +133,7 @@ def test_max_tokens_inside_a_constraint_is_length(client):
         ({"extra_body": {"guided_grammar": "start: nothing_here"}}, "guided_grammar"),
         ({"extra_body": {"structured_outputs": {"yaml": "x"}}}, "structured_outputs"),
         ({"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a"}}, "guided_regex"),
+        ({"response_format": {"type": "json_object"}, "extra_body": {"ignore_eos": True}}, "ignore_eos"),
     ],
 )
 def test_bad_constraints_are_400s_naming_the_field(client, body, field):

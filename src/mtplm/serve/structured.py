@@ -142,7 +142,16 @@ def request_grammar(req, tokenizer, stop_ids) -> tuple[Grammar | None, list[str]
                 compile(_schema(params, field), tokenizer, stop_ids)
             except UserError as exc:
                 raise APIError(400, str(exc), field, "invalid_constraint") from None
-    return compile_request(request_spec(req, template), tokenizer, stop_ids), names
+    grammar = compile_request(request_spec(req, template), tokenizer, stop_ids)
+    if grammar is not None and getattr(req, "ignore_eos", False):
+        raise APIError(
+            400,
+            "ignore_eos cannot be combined with a constraint: a complete output ends at its "
+            "end-of-sequence token",
+            "ignore_eos",
+            "invalid_constraint",
+        )
+    return grammar, names
 
 
 # ---- tools -------------------------------------------------------------------------------------------------
