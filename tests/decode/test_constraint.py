@@ -184,8 +184,12 @@ def test_max_new_tokens_inside_a_constraint_is_length_and_incomplete(model):
         (lambda: C.Spec("regex", "a(b"), "unclosed group"),
         (lambda: C.Spec("grammar", "start: foo"), "unknown name"),
         (lambda: C.Spec("regex", "a" * (C.MAX_SOURCE_CHARS + 1)), "too large"),
-        (lambda: C.json_schema(json.loads('{"type": "object", "properties": {"a": ' * 150 + "{}" + "}}" * 150)),
-         "recursion limit"),
+        (
+            lambda: C.json_schema(
+                json.loads('{"type": "object", "properties": {"a": ' * 150 + "{}" + "}}" * 150)
+            ),
+            "recursion limit",
+        ),
     ],
 )
 def test_bad_specs_are_one_clear_line(model, spec, needle):
@@ -218,3 +222,41 @@ def test_accepts_and_masks_along_do_not_move_the_state(model):
     assert [r is None for r in rows] == [False, False, False, False, True]
     assert constraint.accepts(ids) == 3 and not constraint.accepting
     assert constraint.advance(ids) == 3 and constraint.accepting
+
+
+@pytest.mark.parametrize("drafting", ["linear", "quadratic"])
+def test_greedy_mask_drafts_stay_inside_the_grammar(model, drafting):
+    """The block is masked along its greedy chain, so every fed mask-slot draft is one the grammar accepts."""
+    import torch
+
+    from mtplm.decode.backends import EagerBackend, describe
+    from mtplm.decode.loop import Decoding
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 3},
+        },
+        "required": ["name", "tags"],
+    }
+    constraint = C.compile(C.json_schema(schema), model.tokenizer, stop_ids(model)).start()
+    cfg = DecodeConfig(mode="verified", drafting=drafting, max_new_tokens=60)
+    backend = EagerBackend(model, slots=1)
+    spec = describe(model, backend)
+    ids = model.tokenizer("{", add_special_tokens=False)["input_ids"]
+    sequence = Decoding(
+        spec, ids, make_strategy(cfg, Thresholds()), 60, stop_ids(model), constraint=constraint
+    )
+    drafted = 0
+    with torch.inference_mode():
+        while not sequence.done:
+            feed = sequence.feed()
+            drafts = [] if sequence.forced else list(sequence.plan.drafts)  # forced: drafts trail the run
+            stop = next((i for i, t in enumerate(drafts) if t in stop_ids(model)), len(drafts) - 1)
+            drafts = drafts[: stop + 1]  # what follows an end-of-sequence draft is never kept
+            assert constraint.accepts(drafts) == len(drafts), drafts
+            drafted += len(drafts)
+            hidden = backend.run(0, [feed], [sequence.past])[0, : len(feed.tokens)]
+            sequence.advance(hidden, backend.kv(0), spec.head(hidden[feed.pending - 1 :]))
+    assert drafted > 0

@@ -134,9 +134,15 @@ def compile(spec: Spec, tokenizer, stop_ids: Iterable[int]) -> Grammar:
         return found
     try:
         engine_tokenizer = _ll_tokenizer(tokenizer, stops)
-    except (ValueError, TypeError, AttributeError) as exc:  # llguidance reads byte-level and sentencepiece kinds
-        raise UserError(f"{spec.name}: this model's tokenizer is not one the grammar engine can read "
-                        f"({_one_line(str(exc))})") from None
+    except (
+        ValueError,
+        TypeError,
+        AttributeError,
+    ) as exc:  # llguidance reads byte-level and sentencepiece kinds
+        raise UserError(
+            f"{spec.name}: this model's tokenizer is not one the grammar engine can read "
+            f"({_one_line(str(exc))})"
+        ) from None
     grammar = Grammar(spec, engine_tokenizer, stops, len(tokenizer))
     with _LOCK:
         if len(_GRAMMARS) >= MAX_CACHED:
@@ -290,6 +296,36 @@ class Constraint:
             self._m.rollback(1)
             self._mask = None
 
+    def mask_chain(self, rows: torch.Tensor, prefix: Sequence[int]) -> torch.Tensor:
+        """rows [n, V] of a block that follows `prefix`, each masked by the grammar's state after the prefix and
+        the argmax tokens of the rows before it (the block's own greedy drafts); rows after a stop token, or
+        all rows when the grammar rejects the prefix, stay as they were. The state does not move."""
+        consumed, out, root = 0, rows.clone(), self._mask
+        try:
+            for token in prefix:
+                if (
+                    token in self.grammar.stop_ids
+                    or not self.allowed(token)
+                    or not self._m.consume_token(token)
+                ):
+                    return rows
+                self._mask, consumed = None, consumed + 1
+            for j in range(len(rows)):
+                out[j] = self.apply(rows[j])
+                token = int(out[j].argmax())
+                if (
+                    token in self.grammar.stop_ids
+                    or not self.allowed(token)
+                    or not self._m.consume_token(token)
+                ):
+                    break
+                self._mask, consumed = None, consumed + 1
+            return out
+        finally:
+            if consumed:
+                self._m.rollback(consumed)
+            self._mask = root
+
     def forced(self) -> list[int]:
         """The tokens the grammar allows as its only continuation from here (none: [])."""
         if self.finished:
@@ -303,8 +339,8 @@ class Constraint:
 class ConstrainedLogits(PassLogits):
     """A pass's logits under a constraint: each next-token row masked by the grammar's state after the
     committed text and the drafts on its path, so every strategy's target is the constrained distribution
-    (a row whose path the grammar rejects stays as it was: no strategy can reach it). Mask blocks are not
-    masked: they only propose drafts, which the masked rows then verify."""
+    (a row whose path the grammar rejects stays as it was: no strategy can reach it). A block is masked along
+    its own greedy chain, so its drafts (verified by the masked rows) stay inside the grammar too."""
 
     def __init__(
         self, constraint: Constraint, drafts: Sequence[int], parents: Sequence[int] | None, *args, **kwargs
@@ -319,6 +355,25 @@ class ConstrainedLogits(PassLogits):
             if mask is not None:
                 rows[i] = self.constraint.apply(rows[i], mask)
         return rows
+
+    def block(self, after: int, token: int | None = None) -> torch.Tensor | None:
+        """The block masked along its own greedy chain (mask_chain), so the drafts it proposes, and a lossy
+        block's slot tokens, stay inside the grammar."""
+        block = super().block(after, token)
+        if block is None or not len(block):
+            return block
+        token = int(self.next_token[after].argmax()) if token is None else token
+        return self.constraint.mask_chain(block, [*self._path(after), token])
+
+    def _path(self, after: int) -> list[int]:
+        """The drafts the committed text would end with: the first `after` (a tree: the path to node after-1)."""
+        if self.parents is None:
+            return self.draft_tokens[:after]
+        path, node = [], after - 1
+        while node >= 0:
+            path.insert(0, self.draft_tokens[node])
+            node = self.parents[node]
+        return path
 
 
 def trim(outcome: Outcome, kept: Sequence[int], constraint: Constraint) -> Outcome:

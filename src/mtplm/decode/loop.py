@@ -104,15 +104,26 @@ class Decoding:
     def feed(self) -> Feed:
         """The next pass's rows: the pending tokens, the plan's drafts, and its mask blocks."""
         budget = self.max_new_tokens - self.produced
-        if self.constraint is not None and self.logprobs is None:
-            budget -= self._take_forced(budget - 1)
-        plan = self.plan = self.strategy.plan(self.text, min(budget, self.cap or budget))
+        plan = self.strategy.plan(self.text, min(budget, self.cap or budget))
+        # forced tokens (constraint.py) are taken when they run past the plan's drafts: drafts already start
+        # with them (a block is masked along its greedy chain) and the masked rows cannot reject them; a longer
+        # run is committed here (the strategy's drafts then trail it, and are verified and dropped)
+        if self.constraint is not None and self.logprobs is None and self._forces_past(plan):
+            taken = self._take_forced(budget - 1)
+            if taken:  # plan again for the longer text
+                budget -= taken
+                plan = self.strategy.plan(self.text, min(budget, self.cap or budget))
+        self.plan = plan
         drafts = list(plan.drafts)
         slots = 0 if self.drafter is not None else plan.slots  # heads read the block from real rows
         blocks = len(plan.blocks()) if slots else 0
         mask = [self._mask_id()] * (blocks * slots) if blocks else []
         tokens = self.pending + drafts + mask
         return Feed(tokens, len(self.pending), len(drafts), slots, plan.quadratic, plan.parents, plan.anchors)
+
+    def _forces_past(self, plan: Plan) -> bool:
+        assert self.constraint is not None
+        return len(self.constraint.forced()) > len(plan.drafts)
 
     def _take_forced(self, most: int) -> int:
         """Commit up to `most` tokens the grammar forces (they are fed as pending tokens, and emitted with the
