@@ -133,10 +133,11 @@ def test_constrained_verified_gives_constrained_plain_tokens(model, mode, knobs)
 
 
 def test_forced_tokens_take_no_pass_and_are_counted(model):
-    """A const schema forces the whole answer: one pass (its end of sequence), every other token forced."""
+    """A const schema forces the whole answer: one pass, for its end of sequence (the one token then allowed,
+    so forced too)."""
     text, out = _run(model, C.json_schema({"const": {"name": "Ada", "tags": ["red"]}}), "ntp")
     assert json.loads(text) == {"name": "Ada", "tags": ["red"]}
-    assert out.forwards == 1 and out.forced == len(out.tokens) - 1 and out.complete
+    assert out.forwards == 1 and out.forced == len(out.tokens) and out.complete
     # the forced tokens' text: what llguidance reports, taken without the model
     _, free = _run(
         model,
@@ -144,7 +145,7 @@ def test_forced_tokens_take_no_pass_and_are_counted(model):
         "verified",
         drafting="quadratic",
     )
-    assert free.forced == len(free.tokens) - 1 and free.forwards == 1
+    assert free.forced == len(free.tokens) and free.forwards == 1
 
 
 def test_forced_and_model_tokens_add_up_in_verified_mode(model):

@@ -351,10 +351,20 @@ class ConstrainedLogits(PassLogits):
     @cached_property
     def next_token(self) -> torch.Tensor:
         rows = self._rows(0, self.drafts + 1).clone()
-        for i, mask in enumerate(self.constraint.masks_along(self.draft_tokens, self.parents)):
+        masks = self.constraint.masks_along(self.draft_tokens, self.parents)
+        for i, mask in enumerate(masks):
             if mask is not None:
                 rows[i] = self.constraint.apply(rows[i], mask)
+        self.forced_rows = [mask is not None and int(mask.sum()) == 1 for mask in masks]
         return rows
+
+    def forced_among(self, outcome: Outcome, emitted: int) -> int:
+        """How many of the first `emitted` tokens of this pass (kept drafts, then the new tokens) the grammar
+        forced: chosen at a next-token row where it allows exactly one token."""
+        _ = self.next_token  # computes forced_rows
+        path = list(outcome.rows) if outcome.rows is not None else list(range(outcome.accepted))
+        rows = [0] + [i + 1 for i in path]  # the row each kept draft, then the first new token, was chosen at
+        return sum(self.forced_rows[r] for r in rows[: min(emitted, len(rows))])
 
     def block(self, after: int, token: int | None = None) -> torch.Tensor | None:
         """The block masked along its own greedy chain (mask_chain), so the drafts it proposes, and a lossy

@@ -199,13 +199,14 @@ class Decoding:
         self.text.extend(new)
         self.pending = list(outcome.new)
         self.done = stopped or self.produced >= self.max_new_tokens
-        complete = None
-        if self.constraint is not None:
-            self.constraint.advance(new)
-            complete = stopped and self.constraint.accepting
+        complete, chosen_forced = None, 0
+        if isinstance(rows, ConstrainedLogits):
+            rows.constraint.advance(new)
+            complete = stopped and rows.constraint.accepting
+            chosen_forced = rows.forced_among(outcome, len(new))  # kept drafts and tokens the grammar forced
         forced, self.forced = self.forced, []
         return Step(forced + new, plan.k, self.past, stopped, len(plan.drafts), outcome.accepted, self.done, scored,
-                    prompt, len(forced), complete)
+                    prompt, len(forced) + chosen_forced, complete)
 
 
 def stream(model: MTPModel, prompt_ids: list[int], strategy: Strategy, max_new_tokens: int,
