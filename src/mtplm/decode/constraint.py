@@ -22,6 +22,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,7 +34,7 @@ KINDS = ("json_schema", "json_object", "regex", "grammar")
 MAX_SOURCE_CHARS = 100_000  # a schema, regex or grammar longer than this is refused before compiling
 # compact JSON with the separators models write most ("a": 1, "b": 2): no free whitespace, so keys,
 # braces and separators are forced; a schema's own "x-guidance" options override these
-JSON_OPTIONS = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+JSON_OPTIONS: Any = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 
 
 @dataclass(frozen=True)
@@ -379,7 +380,8 @@ class ConstrainedLogits(PassLogits):
         """The drafts the committed text would end with: the first `after` (a tree: the path to node after-1)."""
         if self.parents is None:
             return self.draft_tokens[:after]
-        path, node = [], after - 1
+        path: list[int] = []
+        node = after - 1
         while node >= 0:
             path.insert(0, self.draft_tokens[node])
             node = self.parents[node]

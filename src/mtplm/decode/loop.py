@@ -99,7 +99,8 @@ class Decoding:
         self.drafter = model.drafter() if model.drafter is not None else None  # head-based: this sequence's own
         # constraint.py: the grammar the output must match; the tokens it forces ride in the next pass as
         # committed tokens (no logprobs for them, so not when logprobs are asked for)
-        self.constraint, self.forced = constraint, []
+        self.constraint = constraint
+        self.forced: list[int] = []
 
     def feed(self) -> Feed:
         """The next pass's rows: the pending tokens, the plan's drafts, and its mask blocks."""
