@@ -222,3 +222,12 @@ def test_logprobs_under_a_constraint_are_finite_and_cover_every_token(client):
     assert len(entries) == reply.usage.completion_tokens  # forced tokens are scored too: none skips a pass
     values = [e.logprob for e in entries] + [alt.logprob for e in entries for alt in e.top_logprobs]
     assert all(v > float("-inf") for v in values)
+
+
+def test_batched_choices_each_follow_the_schema(client):
+    """n sequences decode batched in the engine, each with its own grammar state."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "animal", "schema": SCHEMA}}
+    reply = _chat(client, response_format=fmt, n=3, seed=4, extra_body={"mode": "verified:quadratic"})
+    assert len(reply.choices) == 3
+    for choice in reply.choices:
+        assert json.loads(choice.message.content)["kind"] in ("cat", "dog") and choice.finish_reason == "stop"
