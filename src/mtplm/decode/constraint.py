@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -104,33 +105,32 @@ def _grammar_text(spec: Spec) -> str:
     return llguidance.grammar_from("grammar", spec.source)
 
 
-_TOKENIZERS: dict[tuple[int, frozenset[int]], object] = {}
-_GRAMMARS: dict[tuple[int, frozenset[int], Spec], Grammar] = {}
+# per tokenizer object (weakly: a model the server unloads takes its entries with it; an id could be reused)
+_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {stop ids: LLTokenizer}
+_GRAMMARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {(stop ids, Spec): Grammar}
 _LOCK = threading.Lock()
-MAX_CACHED = 256  # compiled grammars kept (the oldest is dropped first)
+MAX_CACHED = 256  # compiled grammars kept per tokenizer (the oldest is dropped first)
 
 
 def _ll_tokenizer(tokenizer, stop_ids: frozenset[int]):
     """llguidance's view of a Hugging Face tokenizer, once per tokenizer (about 0.25 s for 49k tokens)."""
     import llguidance.hf
 
-    key = (id(tokenizer), stop_ids)
     with _LOCK:
-        found = _TOKENIZERS.get(key)
+        found = _TOKENIZERS.get(tokenizer, {}).get(stop_ids)
     if found is None:
         eos = sorted(stop_ids) if stop_ids else None
         found = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=eos)
         with _LOCK:
-            _TOKENIZERS[key] = found
+            _TOKENIZERS.setdefault(tokenizer, {})[stop_ids] = found
     return found
 
 
 def compile(spec: Spec, tokenizer, stop_ids: Iterable[int]) -> Grammar:
     """The compiled grammar for `spec` over `tokenizer` (cached); a UserError names what is wrong with it."""
     stops = frozenset(stop_ids)
-    key = (id(tokenizer), stops, spec)
     with _LOCK:
-        found = _GRAMMARS.get(key)
+        found = _GRAMMARS.get(tokenizer, {}).get((stops, spec))
     if found is not None:
         return found
     try:
@@ -141,14 +141,14 @@ def compile(spec: Spec, tokenizer, stop_ids: Iterable[int]) -> Grammar:
         AttributeError,
     ) as exc:  # llguidance reads byte-level and sentencepiece kinds
         raise UserError(
-            f"{spec.name}: this model's tokenizer is not one the grammar engine can read "
-            f"({_one_line(str(exc))})"
+            f"{spec.name}: this model's tokenizer is not one the grammar engine can read ({_one_line(str(exc))})"
         ) from None
     grammar = Grammar(spec, engine_tokenizer, stops, len(tokenizer))
     with _LOCK:
-        if len(_GRAMMARS) >= MAX_CACHED:
-            _GRAMMARS.pop(next(iter(_GRAMMARS)))
-        _GRAMMARS[key] = grammar
+        cached = _GRAMMARS.setdefault(tokenizer, {})
+        if len(cached) >= MAX_CACHED:
+            cached.pop(next(iter(cached)))
+        cached[(stops, spec)] = grammar
     return grammar
 
 
