@@ -261,3 +261,36 @@ def test_greedy_mask_drafts_stay_inside_the_grammar(model, drafting):
             hidden = backend.run(0, [feed], [sequence.past])[0, : len(feed.tokens)]
             sequence.advance(hidden, backend.kv(0), spec.head(hidden[feed.pending - 1 :]))
     assert drafted > 0
+
+
+def test_constrained_verified_sampling_is_exact(model):
+    """Temperature 1: the answer strings of constrained verified decoding follow constrained plain sampling's
+    exact distribution (masked, renormalised rows, summed over every tokenization the grammar allows)."""
+    import torch
+
+    spec = C.Spec("regex", "[ab][ab]")
+    grammar = C.compile(spec, model.tokenizer, stop_ids(model))
+    prompt = model.tokenizer("{", add_special_tokens=False)["input_ids"]
+    exact: dict[str, float] = {}
+    with torch.no_grad():
+        first = grammar.start()
+        p1 = torch.softmax(first.apply(model.logits(torch.tensor([prompt]))[0, -1]), -1)
+        for t1 in first.mask().nonzero().view(-1).tolist():
+            after = first.copy()
+            after.advance([t1])
+            text1 = model.tokenizer.decode([t1])
+            if after.accepting:  # a two-character token: the end of sequence is all that can follow
+                exact[text1] = exact.get(text1, 0.0) + float(p1[t1])
+                continue
+            p2 = torch.softmax(after.apply(model.logits(torch.tensor([prompt + [t1]]))[0, -1]), -1)
+            for t2 in after.mask().nonzero().view(-1).tolist():
+                text = text1 + model.tokenizer.decode([t2])
+                exact[text] = exact.get(text, 0.0) + float(p1[t1] * p2[t2])
+    counts: dict[str, int] = {}
+    n = 1500
+    for seed in range(n):
+        text, out = _run(model, spec, "verified", n=4, drafting="quadratic", temperature=1.0, seed=seed)
+        assert out.complete
+        counts[text] = counts.get(text, 0) + 1
+    tv = 0.5 * sum(abs(counts.get(k, 0) / n - exact.get(k, 0.0)) for k in set(counts) | set(exact))
+    assert set(counts) <= set(exact) and tv < 0.05, (tv, counts, exact)
