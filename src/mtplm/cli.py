@@ -21,7 +21,7 @@ from mtplm.config import (
     parse_mode,
 )
 from mtplm.errors import UserError, exit_code
-from mtplm.options import add_backend_argument, add_dtype_argument
+from mtplm.options import add_backend_argument, add_constraint_arguments, add_dtype_argument, constraint_spec
 from mtplm.registry import BACKENDS, CONFIDENCE, STRATEGIES, WINDOWS
 
 DEFAULT_CHECKPOINT = "smollm2-135m-mtp"  # the converted default model shipped inside the package
@@ -84,6 +84,7 @@ def _add_generate(sub) -> None:
     gen.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     gen.add_argument("--no-stream", action="store_true", help="print the answer only at the end")
     _decode_arguments(gen)
+    add_constraint_arguments(gen)
     gen.set_defaults(run=_generate)
 
 
@@ -249,7 +250,8 @@ def _train(args) -> None:
 
 def _generate(args) -> None:
     from mtplm.decode.backends import make_backend
-    from mtplm.decode.loop import generate
+    from mtplm.decode.constraint import compile as compile_constraint
+    from mtplm.decode.loop import generate, stop_ids
     from mtplm.model import load_model
     from mtplm.text import StreamDecoder, chat_prompt_ids
 
@@ -261,22 +263,34 @@ def _generate(args) -> None:
             raise UserError(f"cannot read prompt file: {exc}") from None
     if prompt is None or not prompt.strip():
         raise UserError("the prompt is empty: pass some text, e.g. mtplm generate \"What is 2 + 3?\"")
-    cfg = decode_config(args)
+    cfg, spec = decode_config(args), constraint_spec(args)
     if args.backend != "auto":
         BACKENDS.check(args.backend)  # a bad name fails before the model loads
     model = load_model(args.model, args.dtype)
     ids = model.tokenizer(prompt)["input_ids"] if args.raw else chat_prompt_ids(model.tokenizer, prompt)
+    constraint = compile_constraint(spec, model.tokenizer, stop_ids(model)).start() if spec else None
     backend = make_backend(args.backend, model, slots=1)
     if args.no_stream:
-        out = generate(model, ids, cfg, backend=backend)
+        out = generate(model, ids, cfg, backend=backend, constraint=constraint)
         print(model.tokenizer.decode(out.tokens, skip_special_tokens=True))
     else:
         decoder = StreamDecoder(model.tokenizer)
         out = generate(model, ids, cfg, on_step=lambda step: print(decoder.push(step.tokens), end="", flush=True),
-                       backend=backend)
+                       backend=backend, constraint=constraint)
         print(decoder.flush())
     print(f"[{len(out.tokens)} tokens, {out.tokens_per_forward:.2f} tokens/forward, "
-          f"{out.tokens_per_second:.1f} tokens/s, mode {cfg.mode}]", file=sys.stderr)
+          f"{out.tokens_per_second:.1f} tokens/s, mode {cfg.mode}{_constraint_note(out)}]", file=sys.stderr)
+
+
+def _constraint_note(out) -> str:
+    """The summary's constraint part: forced tokens (no pass of their own) vs the model's, and whether the
+    output is complete."""
+    if out.complete is None:
+        return ""
+    model_tokens = len(out.tokens) - out.forced
+    state = "complete" if out.complete else "INCOMPLETE (max-new-tokens reached inside the constraint)"
+    return (f"; constrained: {out.forced} forced + {model_tokens} model tokens "
+            f"({model_tokens / max(1, out.forwards):.2f} model tokens/forward), {state}")
 
 
 def _demo(args) -> None:

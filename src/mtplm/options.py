@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from mtplm.config import BACKEND_ENV, DTYPES
+from mtplm.errors import UserError
 from mtplm.registry import BACKENDS
 
 
@@ -16,3 +19,33 @@ def add_backend_argument(parser) -> None:
 def add_dtype_argument(parser, default: str = "bf16", help: str | None = None) -> None:
     """The one --dtype option of every command that loads a model."""
     parser.add_argument("--dtype", default=default, choices=DTYPES, help=help or "compute dtype (default: %(default)s)")
+
+
+def add_constraint_arguments(parser) -> None:
+    """--json-schema FILE | --regex R | --grammar FILE: the output must match (decode/constraint.py)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--json-schema", type=Path, metavar="FILE",
+                       help="the answer is JSON valid under this JSON schema (`{}`: any JSON)")
+    group.add_argument("--regex", metavar="R",
+                       help="the answer matches this regular expression as a whole")
+    group.add_argument("--grammar", type=Path, metavar="FILE",
+                       help="the answer matches this Lark or GBNF grammar")
+
+
+def constraint_spec(args):
+    """The constraint the options ask for (a decode.constraint.Spec), or None; UserError for a bad one."""
+    from mtplm.decode.constraint import Spec, json_schema
+
+    if getattr(args, "regex", None) is not None:
+        return Spec("regex", args.regex, "--regex")
+    for option, path in (("--json-schema", getattr(args, "json_schema", None)),
+                         ("--grammar", getattr(args, "grammar", None))):
+        if path is None:
+            continue
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = getattr(exc, "strerror", None) or exc
+            raise UserError(f"{option}: cannot read {path}: {reason}") from None
+        return json_schema(text, option) if option == "--json-schema" else Spec("grammar", text, option)
+    return None

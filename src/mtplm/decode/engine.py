@@ -23,6 +23,7 @@ import torch
 
 from mtplm.config import DecodeConfig
 from mtplm.decode.backends import KV, Backend, EagerBackend, describe
+from mtplm.decode.constraint import Constraint
 from mtplm.decode.loop import Decoding, Step
 from mtplm.decode.policy import make_policy
 from mtplm.decode.strategies import make_strategy
@@ -45,6 +46,7 @@ class Job:
     ignore_eos: bool = False  # decode max_new_tokens whatever the model emits (load tests)
     logprobs: int | None = None  # Step.logprobs with this many alternatives per token (None: off)
     echo: bool = False  # with logprobs: also the prompt's token logprobs (first step)
+    constraint: Constraint | None = None  # the grammar the output must match (decode/constraint.py)
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
     decoding: Decoding = field(init=False)  # set by Engine.submit
@@ -86,7 +88,7 @@ class Engine:
         strategy = make_strategy(job.cfg, self.spec.thresholds)
         job.decoding = Decoding(self.spec, job.prompt_ids, strategy, job.cfg.max_new_tokens,
                                 set() if job.ignore_eos else self.spec.stop_ids, job.cfg.seed,
-                                logprobs=job.logprobs, echo=job.echo)
+                                logprobs=job.logprobs, echo=job.echo, constraint=job.constraint)
         with self._wake:
             if self.closing:
                 raise EngineClosed("the server is shutting down")

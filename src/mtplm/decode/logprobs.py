@@ -38,7 +38,9 @@ def rows_logprobs(logits: torch.Tensor, tokens: list[int], top: int, exact: bool
     chosen = logp.gather(-1, torch.tensor(tokens, dtype=torch.long).view(-1, 1)).view(-1).tolist()
     if top:
         values, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)  # [R, top]
-        alternatives = [tuple(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+        # a constraint's masked rows (decode/constraint.py) hold -inf: such tokens are no alternatives
+        alternatives = [tuple((t, x) for t, x in zip(i, v, strict=True) if x != float("-inf"))
+                        for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
     else:
         alternatives = [() for _ in tokens]
     return [TokenLogprob(t, lp, alt, exact) for t, lp, alt in zip(tokens, chosen, alternatives, strict=True)]

@@ -20,6 +20,7 @@ import torch
 from mtplm.config import DecodeConfig
 from mtplm.decode.backends import KV, Backend, EagerBackend, describe
 from mtplm.decode.backends import stop_ids as stop_ids
+from mtplm.decode.constraint import ConstrainedLogits, Constraint, trim
 from mtplm.decode.logprobs import TokenLogprob, prompt_logprobs, step_logprobs
 from mtplm.decode.protocol import DecodeModel, Feed, PassLogits, Plan, Strategy
 from mtplm.decode.strategies import make_strategy
@@ -38,6 +39,8 @@ class Step:
     last: bool = False  # the generation ends here (a stop token, or max_new_tokens reached)
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per emitted token, when the Decoding asked for them
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # prompt tokens 1.. (first step, when asked)
+    forced: int = 0  # leading tokens the constraint forced: taken without a pass of their own
+    complete: bool | None = None  # under a constraint: the output so far is complete (None: no constraint)
 
 
 @dataclass
@@ -46,6 +49,8 @@ class Generation:
     tokens: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)  # tokens emitted per forward pass
     drafts: list[tuple[int, int]] = field(default_factory=list)  # (drafted, kept) per pass that verified drafts
+    forced: int = 0  # tokens a constraint forced (in `tokens` and `accepted`, but chosen by no pass)
+    complete: bool | None = None  # under a constraint: stopped with the output complete (None: no constraint)
     ttft_s: float = 0.0
     elapsed_s: float = 0.0
     stopped: bool = False
@@ -75,7 +80,7 @@ class Decoding:
 
     def __init__(self, model: DecodeModel, prompt_ids: list[int], strategy: Strategy, max_new_tokens: int,
                  stop_ids: set[int] | frozenset[int], seed: int = 0, logprobs: int | None = None,
-                 echo: bool = False) -> None:
+                 echo: bool = False, constraint: Constraint | None = None) -> None:
         if not prompt_ids:
             raise UserError("the prompt is empty: give at least one token of input")
         self.model, self.strategy, self.stop_ids = model, strategy, stop_ids
@@ -92,17 +97,46 @@ class Decoding:
         # and the prompt's own token logprobs from the prefill pass
         self.logprobs, self.echo = logprobs, echo
         self.drafter = model.drafter() if model.drafter is not None else None  # head-based: this sequence's own
+        # constraint.py: the grammar the output must match; the tokens it forces ride in the next pass as
+        # committed tokens (no logprobs for them, so not when logprobs are asked for)
+        self.constraint = constraint
+        self.forced: list[int] = []
 
     def feed(self) -> Feed:
         """The next pass's rows: the pending tokens, the plan's drafts, and its mask blocks."""
         budget = self.max_new_tokens - self.produced
-        plan = self.plan = self.strategy.plan(self.text, min(budget, self.cap or budget))
+        plan = self.strategy.plan(self.text, min(budget, self.cap or budget))
+        # forced tokens (constraint.py) are taken when they run past the plan's drafts: drafts already start
+        # with them (a block is masked along its greedy chain) and the masked rows cannot reject them; a longer
+        # run is committed here (the strategy's drafts then trail it, and are verified and dropped)
+        if self.constraint is not None and self.logprobs is None and self._forces_past(plan):
+            taken = self._take_forced(budget - 1)
+            if taken:  # plan again for the longer text
+                budget -= taken
+                plan = self.strategy.plan(self.text, min(budget, self.cap or budget))
+        self.plan = plan
         drafts = list(plan.drafts)
         slots = 0 if self.drafter is not None else plan.slots  # heads read the block from real rows
         blocks = len(plan.blocks()) if slots else 0
         mask = [self._mask_id()] * (blocks * slots) if blocks else []
         tokens = self.pending + drafts + mask
         return Feed(tokens, len(self.pending), len(drafts), slots, plan.quadratic, plan.parents, plan.anchors)
+
+    def _forces_past(self, plan: Plan) -> bool:
+        assert self.constraint is not None
+        return len(self.constraint.forced()) > len(plan.drafts)
+
+    def _take_forced(self, most: int) -> int:
+        """Commit up to `most` tokens the grammar forces (they are fed as pending tokens, and emitted with the
+        next step)."""
+        assert self.constraint is not None
+        self.forced = self.constraint.forced()[: max(0, most)]
+        if self.forced:
+            self.constraint.advance(self.forced)
+            self.pending.extend(self.forced)
+            self.text.extend(self.forced)
+            self.produced += len(self.forced)
+        return len(self.forced)
 
     def _draft_after(self, hidden: torch.Tensor, after: int, token: int, n: int) -> torch.Tensor:
         """PassLogits' drafter: the block after the first `after` drafts (a tree: the path to node after-1)."""
@@ -136,7 +170,9 @@ class Decoding:
         assert plan is not None, "advance() follows feed()"
         tail = hidden[pending - 1:]  # the last pending token, the drafts, the mask blocks
         drafter = partial(self._draft_after, hidden) if self.drafter is not None else None
-        rows = PassLogits(self.model.head, tail, len(plan.drafts), plan.slots, plan.blocks(), drafter, logits)
+        args = (self.model.head, tail, len(plan.drafts), plan.slots, plan.blocks(), drafter, logits)
+        rows = (PassLogits(*args) if self.constraint is None
+                else ConstrainedLogits(self.constraint, plan.drafts, plan.parents, *args))
         outcome = self.strategy.choose(rows, self.generator)
         if self.drafter is not None and self.drafter.keeps_state:
             path = list(range(outcome.accepted)) if outcome.rows is None else list(outcome.rows)
@@ -147,6 +183,8 @@ class Decoding:
         else:  # a tree path: move its KV up behind the committed tokens
             kv.keep_rows(start, list(outcome.rows))
             kept = [plan.drafts[i] for i in outcome.rows]
+        if self.constraint is not None:
+            outcome = trim(outcome, kept, self.constraint)
         self.past = start + outcome.accepted
         kv.crop_to(self.past)
         new = kept + list(outcome.new)
@@ -162,15 +200,23 @@ class Decoding:
         self.text.extend(new)
         self.pending = list(outcome.new)
         self.done = stopped or self.produced >= self.max_new_tokens
-        return Step(new, plan.k, self.past, stopped, len(plan.drafts), outcome.accepted, self.done, scored, prompt)
+        complete, chosen_forced = None, 0
+        if isinstance(rows, ConstrainedLogits):
+            rows.constraint.advance(new)
+            complete = stopped and rows.constraint.accepting
+            chosen_forced = rows.forced_among(outcome, len(new))  # kept drafts and tokens the grammar forced
+        forced, self.forced = self.forced, []
+        return Step(forced + new, plan.k, self.past, stopped, len(plan.drafts), outcome.accepted, self.done, scored,
+                    prompt, len(forced) + chosen_forced, complete)
 
 
 def stream(model: MTPModel, prompt_ids: list[int], strategy: Strategy, max_new_tokens: int,
-           stop_ids: set[int], seed: int = 0, backend: Backend | None = None) -> Iterator[Step]:
+           stop_ids: set[int], seed: int = 0, backend: Backend | None = None,
+           constraint: Constraint | None = None) -> Iterator[Step]:
     """Yield each step's emitted tokens as soon as they are chosen (one sequence in slot 0 of `backend`)."""
     backend = backend or EagerBackend(model, slots=1)
     spec = describe(model, backend)
-    sequence = Decoding(spec, prompt_ids, strategy, max_new_tokens, stop_ids, seed)
+    sequence = Decoding(spec, prompt_ids, strategy, max_new_tokens, stop_ids, seed, constraint=constraint)
     kv = backend.kv(0)
     with torch.inference_mode():
         while not sequence.done:
@@ -182,19 +228,24 @@ def stream(model: MTPModel, prompt_ids: list[int], strategy: Strategy, max_new_t
 
 
 def generate(model: MTPModel, prompt_ids: list[int], cfg: DecodeConfig, strategy: Strategy | None = None,
-             on_step: Callable[[Step], None] | None = None, backend: Backend | None = None) -> Generation:
-    """Run the loop to the end (calling `on_step` as each block arrives); TTFT and wall-clock measured here."""
+             on_step: Callable[[Step], None] | None = None, backend: Backend | None = None,
+             constraint: Constraint | None = None) -> Generation:
+    """Run the loop to the end (calling `on_step` as each block arrives); TTFT and wall-clock measured here.
+    `constraint` (constraint.py: `compile(spec, model.tokenizer, stop_ids(model)).start()`) makes the output
+    match a grammar."""
     strategy = strategy or make_strategy(cfg, model.meta.decode_thresholds() if model.meta is not None else None)
     result = Generation(prompt_len=len(prompt_ids))
     start = time.perf_counter()
-    for step in stream(model, prompt_ids, strategy, cfg.max_new_tokens, stop_ids(model), cfg.seed, backend):
+    steps = stream(model, prompt_ids, strategy, cfg.max_new_tokens, stop_ids(model), cfg.seed, backend, constraint)
+    for step in steps:
         if not result.tokens:
             result.ttft_s = time.perf_counter() - start
         result.tokens.extend(step.tokens)
         result.accepted.append(len(step.tokens))
         if step.drafted:
             result.drafts.append((step.drafted, step.accepted))
-        result.stopped = step.stopped
+        result.stopped, result.complete = step.stopped, step.complete
+        result.forced += step.forced
         if on_step is not None:
             on_step(step)
     result.elapsed_s = time.perf_counter() - start

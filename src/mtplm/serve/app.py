@@ -23,6 +23,7 @@ from mtplm.serve.metrics import Metrics
 from mtplm.serve.protocol import APIError, ChatRequest, CompletionRequest, message_text, new_id, now
 from mtplm.serve.repository import Loaded, Repository
 from mtplm.serve.run import Options, Piece, Run
+from mtplm.serve.structured import chat_message, request_grammar, stream_delta
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 IGNORED_HEADER = "X-Mtplm-Ignored-Fields"
@@ -54,7 +55,7 @@ def create_app(repository: Repository, settings: Settings, metrics: Metrics | No
         budget = max(checks.max_tokens(req, len(ids), settings.limits, _context(loaded),
                                        COMPLETIONS_DEFAULT_MAX_TOKENS) for ids in prompts)
         echo = [_echo_text(req.prompt, ids, i, loaded) for i, ids in enumerate(prompts)] if req.echo else None
-        options = Options(checks.stops(req), req.ignore_eos, checks.logprobs(req), echo)
+        options = Options(checks.stops(req), req.ignore_eos, checks.logprobs(req), echo, **_grammar(req, loaded))
         return await _respond(request, "completions", req, loaded, prompts, budget, options, settings)
 
     @app.post("/v1/chat/completions")
@@ -64,7 +65,8 @@ def create_app(repository: Repository, settings: Settings, metrics: Metrics | No
         ids = _chat_prompt(req, loaded)
         budget = checks.max_tokens(req, len(ids), settings.limits, _context(loaded),
                                    settings.limits.default_max_tokens)
-        options = Options(checks.stops(req), req.ignore_eos, checks.logprobs(req), chat=True)
+        options = Options(checks.stops(req), req.ignore_eos, checks.logprobs(req), chat=True,
+                          **_grammar(req, loaded))
         return await _respond(request, "chat", req, loaded, [ids], budget, options, settings)
 
     @app.post("/v1/responses")
@@ -76,7 +78,8 @@ def create_app(repository: Repository, settings: Settings, metrics: Metrics | No
             ids = _chat_prompt(chat, loaded)
             budget = checks.max_tokens(chat, len(ids), settings.limits, _context(loaded),
                                        settings.limits.default_max_tokens)
-            return await _respond(request, "responses", chat, loaded, [ids], budget, Options(chat=True), settings,
+            options = Options(chat=True, **_grammar(chat, loaded))
+            return await _respond(request, "responses", chat, loaded, [ids], budget, options, settings,
                                   view=responses.Rendering(req))
 
     return app
@@ -110,6 +113,12 @@ def _status_routes(app: FastAPI, repository: Repository, settings: Settings, met
         if model_id not in repository.entries:
             raise APIError(404, f"the model {model_id!r} does not exist", "model", "model_not_found")
         return JSONResponse(_model_card(repository.entries[model_id], repository))
+
+
+def _grammar(req, loaded: Loaded) -> dict:
+    """Options' constraint fields for this request (serve/structured.py): its compiled grammar and tools."""
+    grammar, tools = request_grammar(req, loaded.model.tokenizer, loaded.engine.spec.stop_ids)
+    return {"grammar": grammar, "tools": tuple(tools)}
 
 
 def _error_handlers(app: FastAPI) -> None:
@@ -260,7 +269,8 @@ def _chat_prompt(req: ChatRequest, loaded: Loaded) -> list[int]:
     if not tokenizer.chat_template:
         raise APIError(400, f"model {req.model!r} has no chat template: use /v1/completions", "model")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        tools = {"tools": req.tools} if req.tools else {}
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **tools)
     except Exception as exc:  # the template's own checks (roles, order)
         raise APIError(400, f"the chat template rejected these messages: {exc}", "messages") from None
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -318,7 +328,7 @@ async def _respond(request: Request, endpoint: str, req, loaded: Loaded, prompts
     finished(200)
     if view is not None:
         return JSONResponse(view.body(run, prompts), headers=headers)
-    choices = [_final_choice(endpoint, c) for c in run.choices]
+    choices = [_final_choice(endpoint, c, run.tools) for c in run.choices]
     return JSONResponse({**head, "object": kind, "choices": choices, "usage": run.usage(prompts)}, headers=headers)
 
 
@@ -344,13 +354,13 @@ async def _drain(run: Run) -> None:
         pass
 
 
-def _final_choice(endpoint: str, choice) -> dict:
+def _final_choice(endpoint: str, choice, tools: tuple[str, ...] = ()) -> dict:
     text = "".join(choice.pieces)
     logprobs = choice.merged_logprobs()
     if endpoint == "completions":
         return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
-    return {"index": choice.index, "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs, "finish_reason": choice.finish_reason}
+    message, finish = chat_message(text, list(tools), choice.finish_reason)
+    return {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
 
 async def _sse(run: Run, endpoint: str, head: dict, prompts, include_usage: bool, finished) -> AsyncIterator[str]:
@@ -363,7 +373,13 @@ async def _sse(run: Run, endpoint: str, head: dict, prompts, include_usage: bool
                 yield _event({**head, "choices": [{"index": choice.index, "delta": {"role": "assistant", "content": ""},
                                                    "logprobs": None, "finish_reason": None}]})
         async for piece in run.pieces():
-            if piece.text or piece.final or _has_entries(piece.logprobs):
+            if run.tools and endpoint == "chat":  # a tool call is sent whole, once its text is complete
+                if piece.final:
+                    final = _final_choice(endpoint, piece.choice, run.tools)
+                    yield _event({**head, "choices": [{"index": piece.choice.index, "logprobs": None,
+                                                       "delta": stream_delta(final["message"]),
+                                                       "finish_reason": final["finish_reason"]}]})
+            elif piece.text or piece.final or _has_entries(piece.logprobs):
                 yield _event({**head, "choices": [_delta(endpoint, piece)]})
         if include_usage:
             yield _event({**head, "choices": [], "usage": run.usage(prompts)})

@@ -142,9 +142,7 @@ def refuse_unsupported(req: _Sampling) -> None:
         if req.best_of not in (None, req.n):
             raise APIError(400, "best_of is not supported by mtplm: use n", "best_of", "unsupported")
     if isinstance(req, ChatRequest):
-        refused = [("tools", bool(req.tools)), ("tool_choice", req.tool_choice not in (None, "none")),
-                   ("functions", bool(req.functions)), ("function_call", req.function_call not in (None, "none")),
-                   ("response_format", bool(req.response_format) and (req.response_format or {}).get("type") != "text"),
+        refused = [("functions", bool(req.functions)), ("function_call", req.function_call not in (None, "none")),
                    ("audio", req.audio is not None), ("web_search_options", req.web_search_options is not None),
                    ("modalities", any(m != "text" for m in req.modalities or []))]
         for name, used in refused:

@@ -90,6 +90,12 @@ class _Sampling(BaseModel):
     prompt_cache_options: Optional[dict[str, Any]] = None
     prediction: Optional[dict[str, Any]] = None  # predicted outputs: a latency hint; the output is the same
 
+    # structured outputs, vLLM's fields (serve/structured.py; chat also takes OpenAI's response_format)
+    guided_json: Optional[Union[dict[str, Any], str, bool]] = None
+    guided_regex: Optional[str] = None
+    guided_grammar: Optional[str] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+
     @model_validator(mode="before")
     @classmethod
     def _null_is_unset(cls, data: Any) -> Any:

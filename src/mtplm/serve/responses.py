@@ -150,9 +150,10 @@ def renamed() -> Iterator[None]:
     try:
         yield
     except APIError as exc:
-        if exc.param in RENAMED:
-            new = RENAMED[exc.param]
-            message = exc.message.replace(exc.param, new)
+        old = next((name for name in RENAMED if exc.param == name or (exc.param or "").startswith(name + ".")), None)
+        if old is not None:  # response_format.json_schema.schema -> text.format.schema
+            new = (exc.param or "").replace(old + ".json_schema", old).replace(old, RENAMED[old])
+            message = exc.message.replace(exc.param or old, new)
             exc.message, exc.param = message if new in message else f"{new}: {message}", new
         raise
 

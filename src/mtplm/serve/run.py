@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from mtplm.config import DecodeConfig
+from mtplm.decode.constraint import Grammar
 from mtplm.decode.engine import EngineClosed, Job
 from mtplm.decode.loop import Step
 from mtplm.decode.strategies import make_strategy
@@ -36,6 +37,7 @@ class Choice:
     passes: int = 0  # forward passes this sequence took part in
     drafted: int = 0
     accepted: int = 0
+    forced: int = 0  # tokens a constraint forced (no pass chose them)
     finish_reason: str | None = None
     pieces: list[str] = field(default_factory=list)
     echo: str | None = None  # the prompt's text, sent before the completion (completions' `echo`)
@@ -63,6 +65,8 @@ class Options:
     logprobs: int | None = None  # alternatives per token; None: no logprobs
     echo: list[str] | None = None  # per prompt: its text, sent before the completion
     chat: bool = False  # chat's logprob format (serve/logprobs.py)
+    grammar: Grammar | None = None  # the output must match it (serve/structured.py); each sequence starts it
+    tools: tuple[str, ...] = ()  # chat: the functions whose calls the reply parses (serve/structured.py)
 
 
 class Run:
@@ -72,6 +76,7 @@ class Run:
                  options: Options | None = None) -> None:
         options = options or Options()
         self.loaded, self.label, self.prompts, self._n = loaded, label, prompts, n
+        self.tools = options.tools
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.started = time.perf_counter()
@@ -83,7 +88,8 @@ class Run:
                         for i, ids in enumerate(prompts) for j in range(n)]
         echo_scores = options.echo is not None and options.logprobs is not None
         jobs = [Job(ids, dataclasses.replace(cfg, seed=(cfg.seed + j) % 2**63), self._emitter(i * n + j),
-                    label=label, ignore_eos=options.ignore_eos, logprobs=options.logprobs, echo=echo_scores)
+                    label=label, ignore_eos=options.ignore_eos, logprobs=options.logprobs, echo=echo_scores,
+                    constraint=options.grammar.start() if options.grammar is not None else None)
                 for i, ids in enumerate(prompts) for j in range(n)]
         try:
             for job in jobs:  # every choice's configuration is checked before any is submitted
@@ -130,6 +136,7 @@ class Run:
         choice.emitted += len(step.tokens)
         choice.drafted += step.drafted
         choice.accepted += step.accepted
+        choice.forced += step.forced
         text = choice.text.push(step.tokens)
         if choice.text.stopped:
             choice.finish_reason = "stop"
@@ -175,4 +182,5 @@ class Run:
                 "forward_passes": passes,
                 "tokens_per_forward": round(sum(c.emitted for c in self.choices) / max(1, passes), 4),
                 "drafted_tokens": sum(c.drafted for c in self.choices),
-                "accepted_tokens": sum(c.accepted for c in self.choices), "mode": self.label}
+                "accepted_tokens": sum(c.accepted for c in self.choices),
+                "forced_tokens": sum(c.forced for c in self.choices), "mode": self.label}
