@@ -190,18 +190,16 @@ def test_unsupported_architectures_are_refused():
 
 
 def dequantized(model: MTPModel) -> MTPModel:
-    """A copy whose decoder projections and adapter A matrices hold exactly what int8 weights stand for
-    (q * scale per output row): the eager reference for the int8 pass."""
+    """A copy whose decoder projections hold exactly what int8 weights stand for (q * scale per output
+    row): the eager reference for the int8 pass (whose adapters stay unquantized)."""
     import copy
 
     from mtplm.decode.fast.kernels import quantize_int8
-    from mtplm.lora import GatedLoRALinear
 
     reference = copy.deepcopy(model)
     with torch.no_grad():
         for module in reference.hf.get_decoder().layers.modules():
-            params = [module.lora_a] if isinstance(module, GatedLoRALinear) else []
-            params += [module.weight] if isinstance(module, torch.nn.Linear) else []
+            params = [module.weight] if isinstance(module, torch.nn.Linear) else []
             for param in params:
                 q, scales = quantize_int8(param)
                 param.copy_(q.float() * scales.unsqueeze(1))
