@@ -112,7 +112,12 @@ def probe(name: str, plain: Chain, paths: list[str], rows: list[int], repeats: i
             module = Packed(plain) if path == "packed" else plain
             began = time.perf_counter()
             run = compiled(module, path)
-            got = run(x).float()  # the compile, not timed
+            try:
+                got = run(x).float()  # the compile, not timed
+            except Exception as exc:  # noqa: BLE001 - e.g. no C++ compiler: the probe goes on with the next path
+                cells.append(f"{path} failed ({type(exc).__name__}: {str(exc).strip()[:120]})")
+                torch._dynamo.reset()
+                continue
             seconds = time.perf_counter() - began
             error = ((got - reference).abs().max() / reference.abs().max()).item()
             ms = best_ms(run, x, repeats)

@@ -98,8 +98,10 @@ def project(block, name: str, inputs: torch.Tensor, gate: torch.Tensor | None) -
 
 
 def linear(block, key: str, inputs: torch.Tensor) -> torch.Tensor:
-    """inputs @ W^T + bias for the block's weight `key` as stored: int8, prepacked bf16 or plain."""
+    """inputs @ W^T + bias for the block's weight `key` as stored: int4, int8, prepacked bf16 or plain."""
     weight, bias = getattr(block, f"{key}_w"), getattr(block, f"{key}_bias")
+    if block.quantized == "int4":
+        return kernels.int4_linear(inputs, weight, getattr(block, f"{key}_scale"), block.out_features[key], bias)
     if block.quantized:
         return kernels.int8_linear(inputs, weight, getattr(block, f"{key}_scale"), bias)
     if block.prepacked:

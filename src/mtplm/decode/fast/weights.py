@@ -62,8 +62,11 @@ class FastWeights(nn.Module):
     inv_freq: torch.Tensor
 
     def __init__(self, model: MTPModel, fuse: bool = True, prepack: bool | None = None,
-                 quantize: bool = False) -> None:
+                 quantize: bool | str = False) -> None:
         super().__init__()
+        quantize = "int8" if quantize is True else quantize or None  # None | "int8" | "int4"
+        if quantize not in (None, "int8", "int4"):
+            raise ValueError(f"quantize is int8 or int4, not {quantize!r}")
         hf = model.hf
         self.shape = check_supported(model)
         on_cpu = hf.get_input_embeddings().weight.device.type == "cpu"
@@ -71,7 +74,7 @@ class FastWeights(nn.Module):
         self.pack_head = on_cpu and (prepack_default(model.dtype) if prepack is None else prepack)
         self.prepacked = self.pack_head and not quantize
         if (self.prepacked or quantize) and not fuse:
-            raise ValueError("prepacked and int8 weights are fused copies: they need fuse")
+            raise ValueError("prepacked and quantized weights are fused copies: they need fuse")
         decoder: Any = hf.get_decoder()  # an HF module tree: attributes by name
         self.register_buffer("embed", decoder.embed_tokens.weight, persistent=False)  # [V, D]
         self.register_buffer("final_norm", decoder.norm.weight, persistent=False)  # [D]
@@ -84,9 +87,10 @@ class FastWeights(nn.Module):
 class _Block(nn.Module):
     """One decoder layer's tensors: norms, projections (fused or HF's own), biases, adapters."""
 
-    def __init__(self, layer: Any, fuse: bool, prepack: bool, quantize: bool = False) -> None:
+    def __init__(self, layer: Any, fuse: bool, prepack: bool, quantize: str | None = None) -> None:
         super().__init__()
         self.prepacked, self.quantized = prepack, quantize
+        self.out_features: dict[str, int] = {}  # int4 weights are padded to 16 rows: the real output width
         attn, mlp = layer.self_attn, layer.mlp
         self.register_buffer("attn_norm", layer.input_layernorm.weight, persistent=False)  # [D]
         self.register_buffer("mlp_norm", layer.post_attention_layernorm.weight, persistent=False)  # [D]
@@ -120,9 +124,14 @@ class _Block(nn.Module):
             self._add(f"{name}_wb", torch.cat([weight, b.to(weight.dtype)], dim=1), bias, prepack)  # [out, in + n r]
 
     def _add(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool = False) -> None:
-        """Buffers `{name}_w` [out, in] (prepacked, int8 with `{name}_scale` [out], or as given) and `{name}_bias`."""
+        """Buffers `{name}_w` [out, in] (prepacked, int8 with `{name}_scale` [out], int4 packed with
+        `{name}_scale` [in / group, out, 2], or as given) and `{name}_bias`."""
         weight = weight.detach()
-        if self.quantized:
+        self.out_features[name] = weight.shape[0]
+        if self.quantized == "int4":
+            weight, scales = kernels.quantize_int4(weight)
+            self.register_buffer(f"{name}_scale", scales, persistent=False)
+        elif self.quantized:
             weight, scales = kernels.quantize_int8(weight)
             self.register_buffer(f"{name}_scale", scales, persistent=False)
         elif prepack:
