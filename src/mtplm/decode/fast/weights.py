@@ -64,24 +64,24 @@ class FastWeights(nn.Module):
     def __init__(self, model: MTPModel, fuse: bool = True, prepack: bool | None = None,
                  quantize: bool | str = False) -> None:
         super().__init__()
-        quantize = "int8" if quantize is True else quantize or None  # None | "int8" | "int4"
-        if quantize not in (None, "int8", "int4"):
+        kind = "int8" if quantize is True else quantize or None  # None | "int8" | "int4"
+        if kind not in (None, "int8", "int4"):
             raise ValueError(f"quantize is int8 or int4, not {quantize!r}")
         hf = model.hf
         self.shape = check_supported(model)
         on_cpu = hf.get_input_embeddings().weight.device.type == "cpu"
         # where bf16 prepacking pays: the LM head always (int8 kernels read it slower), projections unless int8
         self.pack_head = on_cpu and (prepack_default(model.dtype) if prepack is None else prepack)
-        self.prepacked = self.pack_head and not quantize
-        if (self.prepacked or quantize) and not fuse:
+        self.prepacked = self.pack_head and not kind
+        if (self.prepacked or kind) and not fuse:
             raise ValueError("prepacked and quantized weights are fused copies: they need fuse")
         decoder: Any = hf.get_decoder()  # an HF module tree: attributes by name
         self.register_buffer("embed", decoder.embed_tokens.weight, persistent=False)  # [V, D]
         self.register_buffer("final_norm", decoder.norm.weight, persistent=False)  # [D]
         self.register_buffer("inv_freq", decoder.rotary_emb.inv_freq.float().clone(), persistent=False)  # [d/2]
         self.fused = fuse
-        self.quantized = quantize
-        self.blocks = nn.ModuleList(_Block(layer, fuse, self.prepacked, quantize) for layer in decoder.layers)
+        self.quantized = kind
+        self.blocks = nn.ModuleList(_Block(layer, fuse, self.prepacked, kind) for layer in decoder.layers)
 
 
 class _Block(nn.Module):
