@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_mtp, tiny_tokenizer
+from conftest import VOCAB, tiny_llama, tiny_mtp, tiny_tokenizer
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from mtplm.decode.fast import StaticBackend
@@ -239,6 +239,9 @@ def test_int4_refuses_in_features_off_the_group():
 
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize_int4(torch.randn(16, 48))
+    model = MTPModel(tiny_llama(hidden=48), tiny_tokenizer(), None)
+    with pytest.raises(UserError, match="multiple of 32.*use --backend compiled"):
+        StaticBackend(model, 1, compile=False, quantize="int4")
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])

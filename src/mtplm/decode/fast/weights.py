@@ -129,6 +129,9 @@ class _Block(nn.Module):
         weight = weight.detach()
         self.out_features[name] = weight.shape[0]
         if self.quantized == "int4":
+            if weight.shape[1] % kernels.INT4_GROUP:
+                raise UserError(f"int4 weights need in-features a multiple of {kernels.INT4_GROUP}; this model's "
+                                f"{name} projection has {weight.shape[1]}: use --backend compiled")
             weight, scales = kernels.quantize_int4(weight)
             self.register_buffer(f"{name}_scale", scales, persistent=False)
         elif self.quantized:
