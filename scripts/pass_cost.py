@@ -163,14 +163,16 @@ def main() -> None:
 
 def read_bytes(model, backend: str) -> int:
     """Weight bytes a 1-row plain pass reads: the model's (the LM head once; not the adapters, which plain
-    rows skip), with int8 projections at one byte a weight under the int8 backend."""
-    total = 0
+    rows skip), with int8 projections at one byte a weight under the int8 backend and int4 ones at 5/8 of a
+    byte (half a byte, and a 2-byte scale and zero per 32 weights)."""
+    total = 0.0
     for name, p in model.hf.named_parameters():
         if "lora_" in name:
             continue
-        int8 = backend.endswith("int8") and p.dim() == 2 and ".layers." in name
-        total += p.numel() * (1 if int8 else p.element_size())
-    return total
+        projection = p.dim() == 2 and ".layers." in name
+        size = {"int8": 1, "int4": 5 / 8}.get(backend[-4:], p.element_size()) if projection else p.element_size()
+        total += p.numel() * size
+    return int(total)
 
 
 if __name__ == "__main__":

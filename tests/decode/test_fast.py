@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_mtp, tiny_tokenizer
+from conftest import VOCAB, tiny_llama, tiny_mtp, tiny_tokenizer
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from mtplm.decode.fast import StaticBackend
@@ -189,20 +189,21 @@ def test_unsupported_architectures_are_refused():
         StaticBackend(MTPModel(gpt2, tiny_tokenizer(), None), 1, compile=False)
 
 
-def dequantized(model: MTPModel) -> MTPModel:
-    """A copy whose decoder projections and adapter A matrices hold exactly what int8 weights stand for
-    (q * scale per output row): the eager reference for the int8 pass."""
+def dequantized(model: MTPModel, kind: str = "int8") -> MTPModel:
+    """A copy whose decoder projections hold exactly what int8 (q * scale per output row) or int4 weights
+    stand for: the eager reference for the quantized pass (whose adapters stay unquantized)."""
     import copy
 
-    from mtplm.decode.fast.kernels import quantize_int8
-    from mtplm.lora import GatedLoRALinear
+    from mtplm.decode.fast.kernels import dequantize_int4, quantize_int8
 
     reference = copy.deepcopy(model)
     with torch.no_grad():
         for module in reference.hf.get_decoder().layers.modules():
-            params = [module.lora_a] if isinstance(module, GatedLoRALinear) else []
-            params += [module.weight] if isinstance(module, torch.nn.Linear) else []
+            params = [module.weight] if isinstance(module, torch.nn.Linear) else []
             for param in params:
+                if kind == "int4":
+                    param.copy_(dequantize_int4(param))
+                    continue
                 q, scales = quantize_int8(param)
                 param.copy_(q.float() * scales.unsqueeze(1))
     return reference
@@ -217,11 +218,38 @@ def test_int8_weights_round_to_half_a_step():
     assert ((q.float() * scales.unsqueeze(1) - weight).abs() <= scales.unsqueeze(1) / 2 + 1e-7).all()
 
 
+@pytest.mark.parametrize(("m", "k"), [(37, 64), (16, 32), (70, 96)])
+def test_the_int4_product_is_the_product_over_dequantized_weights(m, k):
+    from mtplm.decode.fast.kernels import dequantize_int4, int4_linear, quantize_int4
+
+    torch.manual_seed(0)
+    weight = (torch.randn(m, k) * torch.logspace(-2, 0, m).unsqueeze(1)).to(torch.bfloat16)
+    packed, scales = quantize_int4(weight)
+    reference = dequantize_int4(weight).float()
+    assert (reference - weight.float()).abs().max() <= (weight.float().abs().max() * 2 / 15)  # a real round
+    for rows in (1, 3, 8, 17, 32):
+        inputs = torch.randn(rows, k, dtype=torch.bfloat16)
+        got = int4_linear(inputs, packed, scales, m, None).float()
+        expected = inputs.float() @ reference.T
+        torch.testing.assert_close(got, expected, atol=2e-2 * expected.abs().max().item(), rtol=2e-2)
+
+
+def test_int4_refuses_in_features_off_the_group():
+    from mtplm.decode.fast.kernels import quantize_int4
+
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_int4(torch.randn(16, 48))
+    model = MTPModel(tiny_llama(hidden=48), tiny_tokenizer(), None)
+    with pytest.raises(UserError, match="multiple of 32.*use --backend compiled"):
+        StaticBackend(model, 1, compile=False, quantize="int4")
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_the_int8_pass_is_the_eager_pass_over_dequantized_weights(arch):
+def test_the_quantized_pass_is_the_eager_pass_over_dequantized_weights(arch, kind):
     model = MODELS[arch]()
-    reference, cache = dequantized(model), RaggedCache(2, 32)
-    fast = StaticBackend(model, 2, capacity=32, compile=False, quantize=True)
+    reference, cache = dequantized(model, kind), RaggedCache(2, 32)
+    fast = StaticBackend(model, 2, capacity=32, compile=False, quantize=kind)
     passes = [([plain([3, 4, 5, 6, 7]), plain([8, 9, 10])], [0, 0]),
               ([masked(model, [1, 2], 1, 3, quadratic=True), tree([6, 7, 8], (-1, 0))], [5, 3])]
     with torch.inference_mode():

@@ -56,7 +56,7 @@ class StaticBackend:
 
     def __init__(self, model: MTPModel, slots: int, capacity: int = 256, compile: bool = True,
                  fuse: bool = True, key_buckets: bool = True, regional: bool = True,
-                 prepack: bool | None = None, quantize: bool = False) -> None:
+                 prepack: bool | None = None, quantize: bool | str = False) -> None:
         self.model, self.slots, self.compile = model, slots, compile
         self.key_buckets = key_buckets
         self.weights = FastWeights(model, fuse, prepack, quantize)
@@ -220,6 +220,15 @@ class CompiledInt8Backend(StaticBackend):
     def __init__(self, model: MTPModel, slots: int = 1) -> None:
         require_compiler()
         super().__init__(model, slots, compile=True, quantize=True)
+
+
+@BACKENDS.register("compiled-int4", "the compiled pass over group-wise int4 projections (32 weights per scale and "
+                                    "zero, llama.cpp's Q4_1 scheme; LM head and embeddings unquantized): a "
+                                    "different model, measure its quality")
+class CompiledInt4Backend(StaticBackend):
+    def __init__(self, model: MTPModel, slots: int = 1) -> None:
+        require_compiler()
+        super().__init__(model, slots, compile=True, quantize="int4")
 
 
 @BACKENDS.register("static", "the same pass and store, not compiled (no compiler needed)")

@@ -7,9 +7,10 @@ writes its rows' keys and values at lengths[i] .. lengths[i] + Q - 1 of store sl
 attends to key positions j < T of that slot where j < lengths[i] (its cache) or j = lengths[i] + c with
 allowed[i, r, c] (its fed rows, masks.step_layout). Padded rows see themselves only: finite, never read.
 
-Gated LoRA: every adapted projection adds ((x A^T) B^T) * gate, gate = (ids == mask_id) * alpha / r per
+Gated LoRA: every adapted projection adds ((x A^T) * gate) B^T, gate = (ids == mask_id) * alpha / r per
 row. The delta is computed for every row and zeroed by the gate where no `<mtp>` token sits: a few
-thousand multiply-adds per row, and no host sync to find out whether any mask row exists.
+thousand multiply-adds per row, and no host sync to find out whether any mask row exists. With fused
+weights the B product rides in the projection's own GEMM ([W | B] over [x, gate * x A^T]).
 
 Attention scores and softmax run in float32 (the keys are gathered and cast in one fused kernel), and
 grouped-query attention folds the G = H / KVH query heads of a KV head into the row dimension of one
@@ -83,7 +84,7 @@ def layer(block, shape: Shape, hidden: torch.Tensor, rope: tuple[torch.Tensor, t
 def project(block, name: str, inputs: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
     """A (fused) projection plus its gated low-rank delta: [b, Q, in] -> [b, Q, out]."""
     parts = block.parts[name]
-    if gate is not None and hasattr(block, f"{name}_wa_w"):
+    if gate is not None and hasattr(block, f"{name}_wb_w"):
         return _project_widened(block, name, inputs, gate)
     if parts == 1:
         out = linear(block, name, inputs)
@@ -91,16 +92,16 @@ def project(block, name: str, inputs: torch.Tensor, gate: torch.Tensor | None) -
         out = torch.cat([linear(block, f"{name}{i}", inputs) for i in range(parts)], dim=-1)
     if gate is None:
         return out
-    down, up = getattr(block, f"{name}_a"), getattr(block, f"{name}_b")  # [n r, in], [out, n r]
-    # (unfused weights only; fused ones take _project_widened.) Measured at 1 x 8 rows: a small GEMM call
-    # costs ~30 us at 2 threads whatever its size, so A is one GEMM and B a short reduction inductor fuses.
-    delta = _low_rank_up(inputs.to(down.dtype) @ down.T, up)  # [b, Q, out]
-    return out + (delta * gate.to(delta.dtype)).to(out.dtype)
+    up = getattr(block, f"{name}_b")  # [out, n r]; unfused or int8 weights only (the rest take _project_widened)
+    delta = _low_rank_up(_low_rank(inputs, getattr(block, f"{name}_a"), gate), up)  # [b, Q, out]
+    return out + delta.to(out.dtype)
 
 
 def linear(block, key: str, inputs: torch.Tensor) -> torch.Tensor:
-    """inputs @ W^T + bias for the block's weight `key` as stored: int8, prepacked bf16 or plain."""
+    """inputs @ W^T + bias for the block's weight `key` as stored: int4, int8, prepacked bf16 or plain."""
     weight, bias = getattr(block, f"{key}_w"), getattr(block, f"{key}_bias")
+    if block.quantized == "int4":
+        return kernels.int4_linear(inputs, weight, getattr(block, f"{key}_scale"), block.out_features[key], bias)
     if block.quantized:
         return kernels.int8_linear(inputs, weight, getattr(block, f"{key}_scale"), bias)
     if block.prepacked:
@@ -109,21 +110,31 @@ def linear(block, key: str, inputs: torch.Tensor) -> torch.Tensor:
 
 
 def _project_widened(block, name: str, inputs: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """A fused projection whose weight carries the adapters' A rows too: one GEMM gives the output and the
-    low-rank activations [b, Q, n r]; the B product is a short reduction inductor fuses with the gate.
-    Measured (batch 1, 8 <mtp> rows): 31.7 ms a pass against 40.1 with A and B as two GEMM calls each."""
-    up = getattr(block, f"{name}_b")
-    both = linear(block, f"{name}_wa", inputs)
-    out, low = both.split([up.shape[0], up.shape[1]], dim=-1)  # [b, Q, out], [b, Q, n r]
-    return out + (_low_rank_up(low.to(up.dtype), up) * gate.to(up.dtype)).to(out.dtype)
+    """A fused projection whose weight carries the adapters' B columns too ([W | B], weights.py): the gated
+    low-rank activations join the GEMM's input, so one GEMM gives W x + B (gate * A x). Rows without <mtp>
+    feed zeros there and get W x exactly. Measured against [W; A] with B as a fused reduction: see
+    docs/backends-kernels.md."""
+    low = _low_rank(inputs, getattr(block, f"{name}_a"), gate)  # [b, Q, n r]
+    return linear(block, f"{name}_wb", torch.cat([inputs, low.to(inputs.dtype)], dim=-1))
+
+
+def _low_rank(inputs: torch.Tensor, down: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """gate * (inputs [b, Q, in] @ down^T [in, n r]) in float32 (at least). Inside a compiled graph a
+    reduction over `in` that inductor fuses with the op producing `inputs` (a GEMM call costs ~30 us at 2
+    threads whatever its size); run eagerly (prompts) a GEMM, which materializes nothing."""
+    if torch.compiler.is_compiling():
+        low = (inputs.unsqueeze(-2).float() * down.float()).sum(-1)
+    else:
+        low = (inputs.to(down.dtype) @ down.T).float()
+    return low * gate
 
 
 def _low_rank_up(low: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """low [b, Q, n r] @ up^T [n r, out]. Inside a compiled graph a short reduction that inductor fuses (no
-    GEMM call, ~30 us each at 2 threads); run eagerly (prompts) a GEMM, which materializes nothing."""
+    GEMM call); run eagerly a GEMM."""
     if torch.compiler.is_compiling():
-        return (low.unsqueeze(-2) * up).sum(-1)  # [b, Q, out]
-    return low @ up.T
+        return (low.unsqueeze(-2) * up.float()).sum(-1)  # [b, Q, out]
+    return low.to(up.dtype) @ up.T
 
 
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

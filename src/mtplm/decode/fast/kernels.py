@@ -1,5 +1,5 @@
 """Linear layers over prepacked (oneDNN-blocked) bf16 weights, as one opaque op torch.compile can call, and
-over weight-only int8 weights (per-output-channel scales).
+over weight-only int8 weights (per-output-channel scales) and int4 weights (group-wise scales and zeros).
 
 PyTorch's bf16 F.linear on CPU hands oneDNN a plain [out, in] weight on every call; a weight reordered
 once into oneDNN's blocked layout (mkldnn._reorder_linear_weight, what inductor's freezing pass does)
@@ -64,3 +64,44 @@ def int8_linear(inputs: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bia
     out = torch.ops.aten._weight_int8pack_mm(flat, q, scales.to(flat.dtype))
     out = out if bias is None else out + bias
     return out.view(*inputs.shape[:-1], q.shape[0])
+
+
+INT4_GROUP = 32  # weights per (scale, zero) pair along K: llama.cpp's Q4 block size
+
+
+def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise int4 (llama.cpp's Q4_1 scheme): per `group` inputs of an output row, 16 levels
+    from the group's min to its max. weight [M, K] -> (packed [M', K / 2] uint8 for PyTorch's CPU int4
+    kernel, scales_and_zeros [K / group, M', 2] in weight's dtype), M' = M rounded up to 16 (zero rows)."""
+    m, k = weight.shape
+    if k % group:
+        raise ValueError(f"int4 weights need in-features a multiple of {group}; this projection has {k}")
+    padded = torch.cat([weight.detach().float(), weight.new_zeros(-m % 16, k).float()])  # [M', K]
+    groups = padded.view(padded.shape[0], k // group, group)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    scales = ((high - low) / 15).clamp(min=1e-12)
+    q = torch.round((groups - low) / scales).clamp(0, 15).to(torch.int32).view_as(padded)
+    zeros = low + 8 * scales  # the kernel dequantizes (q - 8) * scale + zero
+    scales_and_zeros = torch.cat([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(weight.dtype)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scales_and_zeros
+
+
+def dequantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
+    """What quantize_int4's output stands for, [M, K] in weight's dtype (the reference the tests compare with)."""
+    m, k = weight.shape
+    groups = weight.detach().float().view(m, k // group, group)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    scales = ((high - low) / 15).clamp(min=1e-12)
+    q = torch.round((groups - low) / scales).clamp(0, 15)
+    scales, zeros = scales.to(weight.dtype).float(), (low + 8 * scales).to(weight.dtype).float()
+    return ((q - 8) * scales + zeros).view(m, k).to(weight.dtype)
+
+
+def int4_linear(inputs: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int,
+                bias: torch.Tensor | None, group: int = INT4_GROUP) -> torch.Tensor:
+    """inputs [..., K] @ dequantized(packed)^T (+ bias) -> [..., M], with PyTorch's CPU int4 kernel."""
+    flat = inputs.reshape(-1, inputs.shape[-1])  # [N, K]
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, group, scales_and_zeros.to(flat.dtype))
+    out = out[:, :out_features]
+    out = out if bias is None else out + bias
+    return out.reshape(*inputs.shape[:-1], out_features)

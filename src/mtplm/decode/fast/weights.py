@@ -10,9 +10,11 @@ gate/up one [2 I, D] matrix, so a pass reads each layer's weights in 4 GEMMs ins
 matrices are copies (the HF model keeps its own); unfused, the fast pass reads HF's tensors in place.
 Gated LoRA adapters (lora.GatedLoRALinear) are always fused the same way: the A matrices stacked
 ([3r, D]: one low-rank product for q, k and v), the B matrices block-diagonal ([(H + 2 KVH) d, 3r]). With
-fused weights a second, widened copy [W; A] serves the passes that carry <mtp> rows, so one GEMM gives both
-the projection and the low-rank activations (passes without <mtp> rows read W alone): a copy of the
-adapted projections' weights, traded for ~8 ms a pass.
+fused bf16 or fp32 weights a second, widened copy [W | B] ([out, in + n r]) serves the passes that carry
+<mtp> rows: the gated low-rank activations ride along the GEMM's input ([x, gate * x A^T]), so the one
+GEMM a projection costs anyway also gives the adapter's B product (passes without <mtp> rows read W
+alone): a copy of the adapted projections' weights, traded for the B product's own kernels. int8 weights
+keep A and B apart (B's columns would share W's per-row scales).
 
 Shapes: D hidden, H query heads, KVH key/value heads, d head dim, I MLP width, r adapter rank.
 """
@@ -60,31 +62,35 @@ class FastWeights(nn.Module):
     inv_freq: torch.Tensor
 
     def __init__(self, model: MTPModel, fuse: bool = True, prepack: bool | None = None,
-                 quantize: bool = False) -> None:
+                 quantize: bool | str = False) -> None:
         super().__init__()
+        kind = "int8" if quantize is True else quantize or None  # None | "int8" | "int4"
+        if kind not in (None, "int8", "int4"):
+            raise ValueError(f"quantize is int8 or int4, not {quantize!r}")
         hf = model.hf
         self.shape = check_supported(model)
         on_cpu = hf.get_input_embeddings().weight.device.type == "cpu"
         # where bf16 prepacking pays: the LM head always (int8 kernels read it slower), projections unless int8
         self.pack_head = on_cpu and (prepack_default(model.dtype) if prepack is None else prepack)
-        self.prepacked = self.pack_head and not quantize
-        if (self.prepacked or quantize) and not fuse:
-            raise ValueError("prepacked and int8 weights are fused copies: they need fuse")
+        self.prepacked = self.pack_head and not kind
+        if (self.prepacked or kind) and not fuse:
+            raise ValueError("prepacked and quantized weights are fused copies: they need fuse")
         decoder: Any = hf.get_decoder()  # an HF module tree: attributes by name
         self.register_buffer("embed", decoder.embed_tokens.weight, persistent=False)  # [V, D]
         self.register_buffer("final_norm", decoder.norm.weight, persistent=False)  # [D]
         self.register_buffer("inv_freq", decoder.rotary_emb.inv_freq.float().clone(), persistent=False)  # [d/2]
         self.fused = fuse
-        self.quantized = quantize
-        self.blocks = nn.ModuleList(_Block(layer, fuse, self.prepacked, quantize) for layer in decoder.layers)
+        self.quantized = kind
+        self.blocks = nn.ModuleList(_Block(layer, fuse, self.prepacked, kind) for layer in decoder.layers)
 
 
 class _Block(nn.Module):
     """One decoder layer's tensors: norms, projections (fused or HF's own), biases, adapters."""
 
-    def __init__(self, layer: Any, fuse: bool, prepack: bool, quantize: bool = False) -> None:
+    def __init__(self, layer: Any, fuse: bool, prepack: bool, quantize: str | None = None) -> None:
         super().__init__()
         self.prepacked, self.quantized = prepack, quantize
+        self.out_features: dict[str, int] = {}  # int4 weights are padded to 16 rows: the real output width
         attn, mlp = layer.self_attn, layer.mlp
         self.register_buffer("attn_norm", layer.input_layernorm.weight, persistent=False)  # [D]
         self.register_buffer("mlp_norm", layer.post_attention_layernorm.weight, persistent=False)  # [D]
@@ -97,33 +103,38 @@ class _Block(nn.Module):
             if adapters and len(adapters) < len(linears):
                 raise UserError(f"the compiled backend fuses {name}'s adapters: it needs gated LoRA on all of "
                                 f"them or none; use --backend eager")
-            a = torch.cat([adapter.lora_a for adapter in adapters]).detach() if adapters else None  # [n r, in]
+            b = None
             if adapters:
+                a = torch.cat([adapter.lora_a for adapter in adapters]).detach()  # [n r, in]
                 b = torch.block_diag(*[adapter.lora_b for adapter in adapters]).detach()  # [sum out, n r]
+                self.register_buffer(f"{name}_a", a, persistent=False)
                 self.register_buffer(f"{name}_b", b, persistent=False)
             if self.parts[name] == 1:
-                self._add_fused(name, _cat([b_.weight for b_ in bases]).detach(), _cat_bias(bases), a, prepack)
+                self._add_fused(name, _cat([b_.weight for b_ in bases]).detach(), _cat_bias(bases), b, prepack)
             else:
                 for i, base in enumerate(bases):
                     self._add(f"{name}{i}", base.weight, base.bias)
-                if a is not None:
-                    self.register_buffer(f"{name}_a", a, persistent=False)
 
-    def _add_fused(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor | None,
+    def _add_fused(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, b: torch.Tensor | None,
                    prepack: bool) -> None:
-        """The fused weight; with adapters also the widened [W; A] that passes with <mtp> rows read, so one
-        GEMM gives the projection and the low-rank activations (a copy of W, traded for ~8 ms a pass)."""
+        """The fused weight; with adapters (not int8) also the widened [W | B] that passes with <mtp> rows
+        read, so the projection's one GEMM also gives the adapters' B product (a copy of W)."""
         self._add(name, weight, bias, prepack)
-        if a is None:
-            return
-        wide = torch.cat([weight, a.to(weight.dtype)])  # [out + n r, in]
-        wide_bias = None if bias is None else torch.cat([bias, bias.new_zeros(a.shape[0])])
-        self._add(f"{name}_wa", wide, wide_bias, prepack)
+        if b is not None and not self.quantized:
+            self._add(f"{name}_wb", torch.cat([weight, b.to(weight.dtype)], dim=1), bias, prepack)  # [out, in + n r]
 
     def _add(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool = False) -> None:
-        """Buffers `{name}_w` [out, in] (prepacked, int8 with `{name}_scale` [out], or as given) and `{name}_bias`."""
+        """Buffers `{name}_w` [out, in] (prepacked, int8 with `{name}_scale` [out], int4 packed with
+        `{name}_scale` [in / group, out, 2], or as given) and `{name}_bias`."""
         weight = weight.detach()
-        if self.quantized:
+        self.out_features[name] = weight.shape[0]
+        if self.quantized == "int4":
+            if weight.shape[1] % kernels.INT4_GROUP:
+                raise UserError(f"int4 weights need in-features a multiple of {kernels.INT4_GROUP}; this model's "
+                                f"{name} projection has {weight.shape[1]}: use --backend compiled")
+            weight, scales = kernels.quantize_int4(weight)
+            self.register_buffer(f"{name}_scale", scales, persistent=False)
+        elif self.quantized:
             weight, scales = kernels.quantize_int8(weight)
             self.register_buffer(f"{name}_scale", scales, persistent=False)
         elif prepack:
