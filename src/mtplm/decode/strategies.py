@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from mtplm.config import DecodeConfig, Thresholds
-from mtplm.decode.protocol import Outcome, Plan, Strategy
+from mtplm.decode.protocol import Outcome, PassLogits, Plan, Strategy
 from mtplm.decode.sampling import leading_run, sample, warp
 from mtplm.decode.verified import Verified
 from mtplm.errors import UserError
@@ -40,11 +40,11 @@ class _Block(_SingleTokenSampler):
 
     k = 1
 
-    def plan(self, text: Sequence[int], budget: int) -> Plan:
+    def plan(self, text: Sequence[int], budget: int, last: Outcome | None) -> Plan:
         k = min(self.k, budget)
-        return Plan(k, slots=k - 1)
+        return Plan(k, slots=k - 1, emits_block=True)
 
-    def choose(self, logits, generator):
+    def choose(self, plan: Plan, logits: PassLogits, generator: torch.Generator) -> Outcome:
         return Outcome(0, tuple(self.emit(logits.candidates(), generator).tolist()))
 
     def emit(self, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -112,27 +112,17 @@ class ConfidentVerified(Verified):
     def __init__(self, cfg: DecodeConfig, taus: list[float] | None = None) -> None:
         super().__init__(cfg)
         self.taus, self.confidence = block_taus(cfg, taus), CONFIDENCE.get(cfg.confidence)
-        self.budget, self.sure = 1, 0  # this pass's token budget; the new block's confident leading run
 
-    def plan(self, text: Sequence[int], budget: int) -> Plan:
-        self.budget = budget
-        return super().plan(text, budget)
-
-    def choose(self, logits, generator):
-        out = super().choose(logits, generator)
-        n = max(0, min(self.sure, self.budget - out.accepted - len(out.new)))  # sure <= len(drafts): one block
-        self.pending = 1 + n
+    def draft(self, outcome: Outcome, block: torch.Tensor | None, room: int,
+              generator: torch.Generator) -> Outcome:
+        out = super().draft(outcome, block, room, generator)
+        slots = 0 if block is None else len(block)  # block position j + 1 follows the token just chosen
+        sure = leading_run(self.confidence(block) >= self.taus[1: 1 + slots]) if slots else 0
+        n = max(0, min(sure, room))  # sure <= len(drafts): one block
         if not n:
             return out
-        emitted, self.drafts = self.drafts[:n], self.drafts[n:]
-        if self.proposal is not None:
-            self.proposal = self.proposal[n:]
-        return Outcome(out.accepted, (*out.new, *emitted), out.rows)
-
-    def _draft(self, block: torch.Tensor | None, generator: torch.Generator | None) -> None:
-        super()._draft(block, generator)
-        slots = 0 if block is None else len(block)  # block position j + 1 follows the token just chosen
-        self.sure = leading_run(self.confidence(block) >= self.taus[1: 1 + slots]) if slots else 0
+        proposal = None if out.proposal is None else out.proposal[n:]
+        return out.replace(new=(*out.new, *out.drafts[:n]), drafts=out.drafts[n:], proposal=proposal)
 
 
 def block_taus(cfg: DecodeConfig, taus: list[float] | None) -> torch.Tensor:
