@@ -26,8 +26,9 @@ from typing import Protocol
 
 import torch
 
-from mtplm.config import Thresholds
+from mtplm.config import DecodeConfig, Thresholds
 from mtplm.masks import block_anchors, step_layout
+from mtplm.registry import STRATEGIES
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,40 @@ class Drafting(Strategy, Protocol):
               generator: torch.Generator) -> Outcome:
         """`room`: tokens this pass may still emit beyond outcome's (a strategy that emits block tokens)."""
         ...
+
+
+@dataclass(frozen=True)
+class ModeEntry:
+    """A STRATEGIES entry (register_mode): how a decoding mode is built, written as a string, and served."""
+
+    build: Callable[..., Strategy]  # (cfg: DecodeConfig, calibrated taus or None) -> Strategy
+    # the mode string after its name and any @K (e.g. ":0.9:top1"), with the caller's defaults
+    # (config.ModeDefaults) -> DecodeConfig; ValueError or UserError when it is not one of this mode's
+    parse: Callable[..., DecodeConfig] | None = None  # None: the bare name only
+    grammar: Callable[[], str] | None = None  # how the mode is written (config.mode_grammar); None: the name
+    capped: bool = False  # the engine's load policy may cap its tokens per pass (it adapts how many it emits)
+    defaults: tuple[str, ...] = ()  # DecodeConfig fields ("k_max", "tau") the checkpoint fills when unset
+    aliases: tuple[str, ...] = ()  # other names the mode string accepts
+
+    def __call__(self, cfg: DecodeConfig, taus: tuple[float, ...] | None) -> Strategy:
+        return self.build(cfg, taus)
+
+
+def register_mode(name: str, description: str, **entry) -> Callable[[Callable[..., Strategy]], Callable[..., Strategy]]:
+    """Decorator for a strategy factory `(cfg, taus) -> Strategy`: registers it in STRATEGIES with the
+    ModeEntry fields in `entry` (parse, grammar, capped, defaults, aliases)."""
+
+    def add(build: Callable[..., Strategy]) -> Callable[..., Strategy]:
+        STRATEGIES.register(name, description)(ModeEntry(build, **entry))
+        return build
+
+    return add
+
+
+def mode_entry(name: str) -> ModeEntry:
+    """The registered mode `name` (a bare factory registered with STRATEGIES.register counts as one)."""
+    entry = STRATEGIES.get(name)
+    return entry if isinstance(entry, ModeEntry) else ModeEntry(entry)
 
 
 @dataclass(frozen=True)

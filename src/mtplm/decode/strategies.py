@@ -14,12 +14,12 @@ from collections.abc import Sequence
 
 import torch
 
-from mtplm.config import DecodeConfig, Thresholds
-from mtplm.decode.protocol import Outcome, PassLogits, Plan, Strategy
+from mtplm.config import DecodeConfig, ModeDefaults, Thresholds
+from mtplm.decode.protocol import Outcome, PassLogits, Plan, Strategy, mode_entry, register_mode
 from mtplm.decode.sampling import leading_run, sample, warp
-from mtplm.decode.verified import Verified
+from mtplm.decode.verified import Verified, build_verified, mode_parts, parse_drafting, parse_verified, verified_grammar
 from mtplm.errors import UserError
-from mtplm.registry import CONFIDENCE, STRATEGIES
+from mtplm.registry import CONFIDENCE
 
 
 class _SingleTokenSampler:
@@ -133,25 +133,52 @@ def block_taus(cfg: DecodeConfig, taus: list[float] | None) -> torch.Tensor:
     return torch.tensor((list(taus or []) + [tau] * k_max)[:k_max])
 
 
-@STRATEGIES.register("ntp", "plain decoding, one token per pass")
+def parse_static(tail: str, defaults: ModeDefaults) -> DecodeConfig:
+    plus, _, value, measure = mode_parts(tail)
+    if plus or measure:
+        raise ValueError(tail)
+    return DecodeConfig(mode="static", k=int(value) if value else DecodeConfig.k)
+
+
+def parse_confadapt(tail: str, defaults: ModeDefaults) -> DecodeConfig:
+    plus, drafts, value, measure = mode_parts(tail)
+    if drafts == "linear":
+        raise ValueError(tail)
+    drafting, lookup = parse_drafting(drafts or "linear", plus)
+    return DecodeConfig(mode="confadapt", tau=float(value) if value else None, k_max=defaults.k_max,
+                        confidence=measure or defaults.confidence, drafting=drafting, lookup=lookup)
+
+
+def confadapt_grammar() -> str:
+    return f"confadapt[+quadratic|+lookup|+quadratic+lookup][:TAU[:{'|'.join(CONFIDENCE.names())}]][@K]"
+
+
+# the built-in modes, in the order mode_grammar() and the CLI list them
+@register_mode("ntp", "plain decoding, one token per pass", aliases=("plain",))
 def _next_token(cfg: DecodeConfig, taus: tuple[float, ...] | None) -> Strategy:
     return NextToken(cfg)
 
 
-@STRATEGIES.register("static", "always emit k tokens (lossy)")
+@register_mode("static", "always emit k tokens (lossy)", parse=parse_static, grammar=lambda: "static:K")
 def _static(cfg: DecodeConfig, taus: tuple[float, ...] | None) -> Strategy:
     return StaticK(cfg)
 
 
-@STRATEGIES.register("confadapt", "emit the confident leading run of a k_max block (lossy; +quadratic or "
-                     "+lookup: verify the rest as drafts)")
+@register_mode("confadapt", "emit the confident leading run of a k_max block (lossy; +quadratic or +lookup: "
+               "verify the rest as drafts)", parse=parse_confadapt, grammar=confadapt_grammar, capped=True,
+               defaults=("k_max", "tau"))
 def _confadapt(cfg: DecodeConfig, taus: tuple[float, ...] | None) -> Strategy:
     hybrid = ConfidentVerified if cfg.verifies_rest() else ConfAdapt
     return hybrid(cfg, list(taus) if taus else None)
 
 
+register_mode("verified", "lossless: drafts from mask slots or heads, kept where the model agrees",
+              parse=parse_verified, grammar=verified_grammar, capped=True, defaults=("k_max", "tau"))(build_verified)
+
+
 def make_strategy(cfg: DecodeConfig, thresholds: Thresholds | None = None) -> Strategy:
-    """Build the registered strategy for `cfg`; unset knobs (k_max, tau) come from the checkpoint's thresholds.
+    """Build the registered strategy for `cfg`; the knobs it takes from the checkpoint (ModeEntry.defaults:
+    k_max, tau), when unset, come from the checkpoint's thresholds.
 
     Calibrated per-position thresholds apply when the user set no tau and asks for the confidence measure
     they were calibrated with."""
@@ -159,12 +186,10 @@ def make_strategy(cfg: DecodeConfig, thresholds: Thresholds | None = None) -> St
     if cfg.needs_conversion() and thresholds is None:
         raise UserError(f"mode {cfg.mode!r} needs a converted model (one with an <mtp> token): run `mtplm train` first")
     thresholds, user_tau = thresholds or Thresholds(), cfg.tau
-    if cfg.mode in ("confadapt", "verified"):
-        cfg = dataclasses.replace(
-            cfg,
-            k_max=cfg.k_max if cfg.k_max is not None else thresholds.k_max,
-            tau=cfg.tau if cfg.tau is not None else thresholds.tau,
-        ).validate()
+    entry = mode_entry(cfg.mode)
+    unset = {name: getattr(thresholds, name) for name in entry.defaults if getattr(cfg, name) is None}
+    if entry.defaults:
+        cfg = dataclasses.replace(cfg, **unset).validate()
     calibrated = thresholds.tau_per_position is not None and user_tau is None
     calibrated = calibrated and cfg.confidence == thresholds.confidence
-    return STRATEGIES.get(cfg.mode)(cfg, thresholds.tau_per_position if calibrated else None)
+    return entry(cfg, thresholds.tau_per_position if calibrated else None)
