@@ -178,22 +178,14 @@ def parse_mode(spec: str, window: str = "adaptive", k_max: int | None = None,
     name = body.split(":", 1)[0].split("+", 1)[0]
     try:
         defaults = ModeDefaults(window, int(k) if at else k_max, confidence)
-        entry = _mode_named(name)
+        entry = next(e for e in STRATEGIES.names() if name in (e, *getattr(STRATEGIES.get(e), "aliases", ())))
         parse = getattr(STRATEGIES.get(entry), "parse", None)
         if parse is None and body != name:
             raise ValueError
         cfg = parse(body[len(name):], defaults) if parse is not None else DecodeConfig(mode=entry)
         return cfg.validate()
-    except (ValueError, UserError):
+    except (ValueError, UserError, StopIteration):  # StopIteration: no strategy of that name or alias
         raise UserError(f"bad decoding mode {spec!r}: use {mode_grammar()}") from None
-
-
-def _mode_named(name: str) -> str:
-    """The registered strategy a mode string names (by its name or one of its aliases)."""
-    for entry in STRATEGIES.names():
-        if name == entry or name in getattr(STRATEGIES.get(entry), "aliases", ()):
-            return entry
-    raise ValueError(name)
 
 
 @dataclass
