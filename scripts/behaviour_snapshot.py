@@ -39,7 +39,8 @@ def snapshot(prompts: int, max_new_tokens: int) -> dict:
     bench_run._one_prompt = keep
     with tempfile.TemporaryDirectory() as out:
         args = build_parser().parse_args(
-            ["bench", "--prompts", str(prompts), "--dtype", "fp32", "--backend", "eager", "--no-hf", "--no-score",
+            ["bench", "--prompts", str(prompts), "--dtype", "fp32", "--backend", "eager", "--no-hf",
+             "--no-score",
              "--lookup-tokens", "0", "--max-new-tokens", str(max_new_tokens),
              "--modes", f"{bench_run.DEFAULT_MODES},{EXTRA_MODES}", "--out", out])
         args.argv = []
@@ -47,7 +48,8 @@ def snapshot(prompts: int, max_new_tokens: int) -> dict:
     bench_run._one_prompt = original
     records = captured["records"]
     return {
-        "modes": {name: [{"tokens": r.tokens, "accepted": r.accepted} for r in recs] for name, recs in records.items()},
+        "modes": {name: [{"tokens": r.tokens, "accepted": r.accepted} for r in recs]
+                  for name, recs in records.items()},
         "rows": [{key: row[key] for key in DETERMINISTIC} for row in report["rows"]],
         "predicted": [{"mode": row["mode"], "predicted_tokens_per_pass": row["predicted_tokens_per_pass"]}
                       for row in report.get("predicted", {}).get("rows", [])],

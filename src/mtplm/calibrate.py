@@ -33,7 +33,8 @@ from mtplm.model import MTPModel
 from mtplm.modelio import META_FILE
 from mtplm.train.predict import answer_records
 
-__all__ = ["GRID", "calibrate", "choose_thresholds", "held_out", "records", "store_thresholds", "token_agreement"]
+__all__ = ["GRID", "calibrate", "choose_thresholds", "held_out", "records", "store_thresholds",
+           "token_agreement"]
 
 
 def records(model: MTPModel, prompts: list[list[int]], answers: list[list[int]], k: int,

@@ -159,7 +159,7 @@ class Limits:
 
 @dataclass(frozen=True)
 class ModeDefaults:
-    """The caller's defaults for the parts a mode string leaves out (parse_mode; a strategy's parser reads them)."""
+    """The caller's defaults for the parts a mode string leaves out (a strategy's parser reads them)."""
 
     window: str = "adaptive"
     k_max: int | None = None  # the string's @K when it has one

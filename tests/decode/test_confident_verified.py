@@ -99,7 +99,8 @@ def test_training_and_the_held_out_score_replay_the_hybrid():
     sure, unsure = Answer(3, torch.ones(12, 4), agree), Answer(3, torch.full((12, 4), 0.5), agree)
     static = replay([sure], "static:4", 4, 12)
     hybrid = replay([sure], "confadapt+quadratic:0.9@4", 4, 12)
-    assert (hybrid.tokens, hybrid.passes) == (static.tokens, static.passes) and hybrid.wrong == static.wrong == 1
+    assert (hybrid.tokens, hybrid.passes) == (static.tokens, static.passes)
+    assert hybrid.wrong == static.wrong == 1
     lossless = replay([unsure], "verified:quadratic@4", 4, 12)
     cautious = replay([unsure], "confadapt+quadratic:0.9@4", 4, 12)
     assert (cautious.tokens, cautious.passes, cautious.wrong) == (lossless.tokens, lossless.passes, 0)

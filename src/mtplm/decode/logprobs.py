@@ -48,7 +48,7 @@ def step_logprobs(rows: PassLogits, outcome: Outcome, kept: list[int], top: int,
                   block: torch.Tensor | None = None) -> list[TokenLogprob]:
     """The kept drafts and the outcome's new tokens, in emission order (before any stop or budget cut);
     `block`: the block [n, V] whose leading tokens the pass emitted after its first new token, if it did."""
-    before = [0] + [row + 1 for row in outcome.path]  # next_token row preceding each kept draft, then the new token
+    before = [0] + [row + 1 for row in outcome.path]  # next_token row before each kept draft, then the new one
     tokens = kept + list(outcome.new[:1])
     exact = rows_logprobs(rows.next_token[before[: len(tokens)]], tokens, top)
     rest = list(outcome.new[1:])

@@ -122,9 +122,10 @@ class Decoding:
         rows = PassLogits(self.model.head, hidden[feed.pending - 1:], feed, logits)
         block = None  # the block whose tokens this pass emits or drafts from
         if plan.emits_block and plan.slots and self.drafter is not None:  # heads draft it before choose
-            rows = rows.with_block(block := self._heads(hidden, [], int(rows.next_token[0].argmax()), plan.slots))
+            block = self._heads(hidden, [], int(rows.next_token[0].argmax()), plan.slots)
+            rows = rows.with_block(block)
         outcome = self.strategy.choose(plan, rows, self.generator)
-        if plan.slots and not plan.emits_block:  # the strategy drafts the next pass from the block after the kept path
+        if plan.slots and not plan.emits_block:  # it drafts the next pass from the block after the kept path
             path = outcome.path
             block = (rows.block(path[-1] if path else -1) if self.drafter is None
                      else self._heads(hidden, path, outcome.new[0], plan.slots))
@@ -157,7 +158,7 @@ class Decoding:
         if outcome.rows is not None:  # a tree path: move its KV up behind the committed tokens
             kv.keep_rows(start, list(outcome.rows))
         kept = [plan.drafts[i] for i in outcome.path]  # a prefix sits where it belongs already
-        self.past = start + outcome.accepted  # the cache's rows past it (rejected drafts, mask slots) are dropped
+        self.past = start + outcome.accepted  # the rows past it (rejected drafts, mask slots) are dropped
         new = kept + list(outcome.new)
         stop_at = next((i for i, t in enumerate(new) if t in self.stop_ids), None)
         stopped = stop_at is not None

@@ -39,9 +39,10 @@ class Plan:
     quadratic: bool = False  # a block after every prefix of the drafts (else one after the last fed token)
     parents: tuple[int, ...] | None = None  # a draft tree: each draft's parent (-1: the last committed token)
     anchors: tuple[int, ...] | None = None  # a tree's drafts a mask block follows (-1: the last committed token)
-    proposal: torch.Tensor | None = field(default=None, compare=False)  # [m, V] what sampled drafts were drawn from
-    drafted: int = 0  # drafts per path that came from the drafter's block (the window policy learns from them)
-    emits_block: bool = False  # the pass emits its block's tokens itself (static k, ConfAdapt): no draft() call
+    # [m, V] what sampled drafts were drawn from (None: greedy, or copied drafts)
+    proposal: torch.Tensor | None = field(default=None, compare=False)
+    drafted: int = 0  # drafts per path from the drafter's block (the window policy learns from them)
+    emits_block: bool = False  # the pass emits its own block's tokens (static k, ConfAdapt): no draft()
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,8 @@ class Outcome:
     new: tuple[int, ...]  # tokens chosen after them (fed, and cached, next step)
     rows: tuple[int, ...] | None = None  # which drafts were kept, when they are not the first `accepted` (a tree)
     drafts: tuple[int, ...] = ()  # the next pass's guesses (draft())
-    proposal: torch.Tensor | None = field(default=None, compare=False)  # [len(drafts), V] when they were sampled
-    block: torch.Tensor | None = field(default=None, compare=False)  # [n, V] the block they came from (tree drafting)
+    proposal: torch.Tensor | None = field(default=None, compare=False)  # [len(drafts), V]: sampled from
+    block: torch.Tensor | None = field(default=None, compare=False)  # [n, V] their block (tree drafting)
 
     @property
     def path(self) -> list[int]:
@@ -120,7 +121,8 @@ class Feed:
     def layout(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Position offsets [Q] and allowed [Q, Q] among the fed rows (masks.step_layout)."""
         parents = list(self.parents) if self.parents is not None else None
-        return step_layout(self.pending, self.drafts, self.slots, self.quadratic, parents, self.anchors or None)
+        anchors = self.anchors or None
+        return step_layout(self.pending, self.drafts, self.slots, self.quadratic, parents, anchors)
 
 
 class PassLogits:
@@ -201,7 +203,7 @@ class ModeEntry:
         return self.build(cfg, taus)
 
 
-def register_mode(name: str, description: str, **entry) -> Callable[[Callable[..., Strategy]], Callable[..., Strategy]]:
+def register_mode(name: str, description: str, **entry) -> Callable[[Callable[..., Strategy]], Callable]:
     """Decorator for a strategy factory `(cfg, taus) -> Strategy`: registers it in STRATEGIES with the
     ModeEntry fields in `entry` (parse, grammar, capped, defaults, aliases)."""
 

@@ -136,7 +136,7 @@ class _Text:
             index = {token: FIRST_ID + i for i, token in enumerate(sorted(set(record.text)))}
             self.ids = [index[t] for t in record.text]
         if FIRST_ID + len(set(self.ids)) > VOCAB:
-            raise ValueError(f"a record of {len(set(self.ids))} distinct tokens does not fit the replay's vocabulary")
+            raise ValueError(f"a record of {len(set(self.ids))} distinct tokens exceeds the replay's vocabulary")
 
     def truth(self, position: int) -> int:
         """Answer token `position` (END past the answer's end)."""
@@ -206,7 +206,7 @@ class Prediction:
 
 _OFFSETS = torch.tensor([-(p + 1) * 1e-3 for p in range(RANKED - 1)])  # the ranked candidates, in order
 _REST = -RANKED * 1e-3  # every other token
-_MASS = float(_OFFSETS.exp().sum()) + (VOCAB - RANKED) * math.exp(_REST)  # sum of e^offset over non-top tokens
+_MASS = float(_OFFSETS.exp().sum()) + (VOCAB - RANKED) * math.exp(_REST)  # sum of e^offset, non-top tokens
 
 
 def _logits(rows: list[Prediction]) -> torch.Tensor:
@@ -242,7 +242,8 @@ def confadapt(records: Sequence[Record], taus: Sequence[float]) -> Tally:
     return replay(lambda: ConfAdapt(cfg, list(taus)), records, max(r.length for r in records))
 
 
-def choose_thresholds(records: Sequence[Record], target: float, per_position: bool) -> tuple[float, list[float]]:
+def choose_thresholds(records: Sequence[Record], target: float,
+                      per_position: bool) -> tuple[float, list[float]]:
     """The fastest single tau, and the fastest thresholds [k] (per position, if asked), whose replayed token
     agreement (Tally.agreement) reaches `target`."""
     k = records[0].agree.shape[1]
@@ -251,7 +252,7 @@ def choose_thresholds(records: Sequence[Record], target: float, per_position: bo
         tally = confadapt(records, taus)
         return tally.agreement >= target, tally.tokens_per_pass
 
-    best = next((tau for tau in GRID if meets([tau] * k)[0]), 1.0)  # lower tau = faster; take the first that meets
+    best = next((tau for tau in GRID if meets([tau] * k)[0]), 1.0)  # lower tau = faster: the first that meets
     taus = [best] * k
     if per_position:
         for _ in range(2):  # coordinate search, position by position

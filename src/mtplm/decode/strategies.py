@@ -1,6 +1,8 @@
-"""The lossy decoding strategies (plain, static k, ConfAdapt) and `make_strategy`, which builds any registered one.
+"""The lossy decoding strategies (plain, static k, ConfAdapt), the built-in modes' registration, and
+`make_strategy`, which builds any registered one.
 
-Strategies plug in through protocol.py's two-method interface and one STRATEGIES entry; the loop
+Strategies plug in through protocol.py's interface (plan, choose, and draft for one that drafts) and one
+STRATEGIES entry (protocol.register_mode: the factory, its mode-string parser and grammar); the loop
 (loop.py) never asks which strategy it runs. The lossy strategies (static k, ConfAdapt)
 draft nothing and emit mask-slot tokens directly; the lossless one (verified.py) keeps only drafts that
 the model's own next-token path confirms. ConfAdapt over verified drafting (ConfidentVerified) does both:
@@ -173,7 +175,8 @@ def _confadapt(cfg: DecodeConfig, taus: tuple[float, ...] | None) -> Strategy:
 
 
 register_mode("verified", "lossless: drafts from mask slots or heads, kept where the model agrees",
-              parse=parse_verified, grammar=verified_grammar, capped=True, defaults=("k_max", "tau"))(build_verified)
+              parse=parse_verified, grammar=verified_grammar, capped=True,
+              defaults=("k_max", "tau"))(build_verified)
 
 
 def make_strategy(cfg: DecodeConfig, thresholds: Thresholds | None = None) -> Strategy:

@@ -58,7 +58,7 @@ class Verified:
         if self.lookup is None:
             return plain
         blocks = block_anchors(fed, self.quadratic, False) if slots else ()
-        pending = len(last.new) if last is not None else 1  # committed tokens fed before the drafts (uncached)
+        pending = len(last.new) if last is not None else 1  # committed tokens fed before the drafts
         copied = self.lookup.propose(text, copy_room(self.cfg.lookup_tokens(), budget,
                                                      pending + len(chain) + len(blocks) * slots))
         tokens, parents = merge_chain(chain, copied)
@@ -67,7 +67,8 @@ class Verified:
         if not self.masks:  # the copied drafts alone: a chain, verified like mask drafts
             return Plan(1 + len(copied), tuple(copied))
         tree = (*range(-1, len(chain) - 1), *parents)
-        return Plan(max(k, 1 + len(copied)), (*chain, *tokens), slots, self.quadratic, tree, blocks, drafted=fed)
+        nodes = (*chain, *tokens)
+        return Plan(max(k, 1 + len(copied)), nodes, slots, self.quadratic, tree, blocks, drafted=fed)
 
     def choose(self, plan: Plan, logits: PassLogits, generator: torch.Generator) -> Outcome:
         if plan.parents is not None:
@@ -92,7 +93,8 @@ class Verified:
         if plan.drafted:
             self.window.update(plan.drafted, sum(1 for i in path if i < plan.drafted))
         on_chain = path == list(range(len(path)))
-        return Outcome(len(path), (target[path[-1] + 1 if path else 0],), rows=None if on_chain else tuple(path))
+        token = target[path[-1] + 1 if path else 0]
+        return Outcome(len(path), (token,), rows=None if on_chain else tuple(path))
 
     def draft(self, outcome: Outcome, block: torch.Tensor | None, room: int,
               generator: torch.Generator) -> Outcome:
@@ -230,8 +232,8 @@ def parse_verified(tail: str, defaults: ModeDefaults) -> DecodeConfig:
     if plus:
         raise ValueError(tail)
     drafting, lookup = parse_drafting(value or "linear")
-    return DecodeConfig(mode="verified", k_max=defaults.k_max, drafting=drafting, window=window or defaults.window,
-                        lookup=lookup)
+    return DecodeConfig(mode="verified", k_max=defaults.k_max, drafting=drafting,
+                        window=window or defaults.window, lookup=lookup)
 
 
 def verified_grammar() -> str:
