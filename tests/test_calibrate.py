@@ -7,29 +7,33 @@ import shutil
 import torch
 from synthetic import chain_rows
 
-from mtplm.calibrate import Blocks, calibrate, choose_thresholds, store_thresholds, token_agreement
+from mtplm.calibrate import calibrate, choose_thresholds, store_thresholds, token_agreement
 from mtplm.config import DecodeConfig
 from mtplm.decode.loop import generate
+from mtplm.decode.replay import Record, confadapt
 from mtplm.decode.strategies import make_strategy
 from mtplm.model import MTPModel
 from mtplm.text import chat_prompt_ids
 
 
-def test_simulation_counts_emitted_and_wrong_tokens_by_hand():
+def test_the_replay_counts_emitted_and_wrong_tokens_by_hand():
     confidence = torch.tensor([[0.9, 0.8, 0.3], [0.95, 0.9, 0.9], [0.4, 0.99, 0.99]])
     agree = torch.tensor([[True, False, True], [True, True, False], [True, True, True]])
-    blocks = Blocks(confidence, agree, [0, 1, 2, 3])  # three one-position answers: every row is visited
-    # tau 0.5: runs 2, 3, 1 -> 6 tokens in 3 passes; wrong: row 0 slot 1, row 1 slot 2
-    assert blocks.simulate(torch.tensor([0.5, 0.5, 0.5])) == (1 - 2 / 6, 2.0)
+    answer = Record(2, confidence, agree)  # one answer of three positions (ConfAdapt itself is replayed)
+    # tau 0.5: row 0 emits 2 (its slot 1 wrong), which skips row 1; row 2 emits 1 -> 3 tokens in 2 passes
+    tally = confadapt([answer], [0.5, 0.5, 0.5])
+    assert (tally.tokens, tally.passes, tally.wrong) == (3, 2, 1)
+    assert tally.rows == [1 + 2, 2]  # the last pass: 2 pending tokens, and no slots for its 1-token budget
     # tau 1.0 everywhere: one token per pass, always the model's own next token
-    assert blocks.simulate(torch.tensor([1.0, 1.0, 1.0])) == (1.0, 1.0)
-    tau, taus = choose_thresholds(blocks, target=1.0, per_position=True)
-    agreement, speed = blocks.simulate(torch.tensor(taus))
-    assert agreement == 1.0
-    assert taus[1] > 0.8 and taus[2] > 0.9  # just above the confidence of each position's wrong token
-    assert speed > blocks.simulate(torch.tensor([tau] * 3))[1]  # per position beats one tau here
-    # one answer of three positions: a step that emits 2 tokens skips the next position
-    assert Blocks(confidence, agree, [0, 3]).simulate(torch.tensor([0.5, 0.5, 0.5])) == (1 - 1 / 3, 1.5)
+    strict = confadapt([answer], [1.0, 1.0, 1.0])
+    assert (strict.agreement, strict.tokens_per_pass) == (1.0, 1.0)
+    # every row visited once: three one-position answers (a pass emits at most what is left of its answer)
+    singles = [Record(0, confidence[i: i + 1], agree[i: i + 1]) for i in range(3)]
+    assert confadapt(singles, [0.5, 0.5, 0.5]).tokens_per_pass == 1.0
+    tau, taus = choose_thresholds([answer] * 3, target=1.0, per_position=True)
+    assert confadapt([answer], taus).agreement == 1.0
+    assert taus[1] > 0.8  # just above the confidence of position 1's wrong token
+    assert confadapt([answer], taus).tokens_per_pass >= confadapt([answer], [tau] * 3).tokens_per_pass
 
 
 def _prompts(model, n, seed):

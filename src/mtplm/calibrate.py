@@ -6,9 +6,11 @@ next-token prediction); a mask-slot token must earn it.
 
 1. Calibration prompts: the model answers them greedily. For every position of every answer one
    forward reads the k block predictions, their confidences, and whether each agrees with the model's
-   greedy token given the block tokens before it (student forcing: exactly what ConfAdapt commits).
-2. ConfAdapt is then simulated for any threshold vector over all those blocks at once, and the fastest
-   thresholds that meet the target are chosen: one tau, or one per span position (coordinate search).
+   greedy token given the block tokens before it (student forcing: exactly what ConfAdapt commits), as
+   the records every replay reads (train/predict.answer_records with teacher=True, decode/replay.py).
+2. ConfAdapt itself (strategies.ConfAdapt) is then replayed over those records for any threshold vector,
+   and the fastest thresholds that meet the target are chosen: one tau, or one per span position
+   (coordinate search, replay.choose_thresholds).
 3. The thresholds become the checkpoint's defaults (its mtplm.json is rewritten atomically).
 4. Held-out prompts are decoded with ConfAdapt at those thresholds, and every emitted token is checked
    against the model's greedy choice for its prefix: the quality a user will actually get.
@@ -17,7 +19,6 @@ next-token prediction); a mask-slot token must earn it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,88 +26,26 @@ from tqdm import tqdm
 
 from mtplm.config import DecodeConfig, Thresholds
 from mtplm.decode.loop import generate
+from mtplm.decode.replay import GRID, Record, choose_thresholds, confadapt
 from mtplm.decode.strategies import make_strategy
 from mtplm.files import atomic_file
-from mtplm.masks import make_regions
 from mtplm.model import MTPModel
 from mtplm.modelio import META_FILE
-from mtplm.registry import CONFIDENCE
-from mtplm.train.slots import TokenBatch, cached_slots
+from mtplm.train.predict import answer_records
 
-GRID = tuple(round(0.05 * i, 2) for i in range(1, 19)) + (0.92, 0.94, 0.96, 0.97, 0.98, 0.99, 0.995, 0.999, 1.0)
-
-
-@dataclass(frozen=True)
-class Blocks:
-    """The block at every answer position: confidence [R, k] and agreement [R, k] of its k predictions.
-
-    Rows run answer by answer; answer a owns rows bounds[a] .. bounds[a+1]-1, one per position.
-    """
-
-    confidence: torch.Tensor
-    agree: torch.Tensor
-    bounds: list[int]
-
-    def simulate(self, taus: torch.Tensor) -> tuple[float, float]:
-        """(token agreement, tokens/forward) of ConfAdapt with thresholds taus [k], stepping through each
-        answer as ConfAdapt would: a step at position r emits n tokens and the next step starts at r + n."""
-        emitted = (self.confidence >= taus).long().cumprod(-1).sum(-1).clamp(min=1)  # [R]
-        wrong_before = torch.cat([torch.zeros(len(emitted), 1, dtype=torch.long),
-                                  (~self.agree).long().cumsum(-1)], 1)  # [R, k+1]: wrong among the first n
-        wrong_of = wrong_before.gather(1, emitted.unsqueeze(1)).squeeze(1).tolist()
-        runs = emitted.tolist()
-        tokens = wrong = steps = 0
-        for start, end in zip(self.bounds, self.bounds[1:], strict=False):
-            row = start
-            while row < end:
-                tokens, wrong, steps = tokens + runs[row], wrong + wrong_of[row], steps + 1
-                row += runs[row]
-        return 1.0 - wrong / max(1, tokens), tokens / max(1, steps)
+__all__ = ["GRID", "calibrate", "choose_thresholds", "held_out", "records", "store_thresholds",
+           "token_agreement"]
 
 
-def block_records(model: MTPModel, prompts: list[list[int]], answers: list[list[int]], k: int,
-                  measure: str = "top1") -> Blocks:
-    """Teacher-forced block predictions at every answer position whose whole block lies in the text, with
-    their confidence under the registered measure `measure`."""
-    confidence_of = CONFIDENCE.get(measure)
-    confidence, agree, bounds = [], [], [0]
-    with torch.no_grad():
-        for prompt, answer in zip(prompts, answers, strict=False):
-            ids = torch.tensor([prompt + answer])
-            length = ids.shape[1]
-            ends = torch.arange(len(prompt) - 1, length - k).unsqueeze(0)  # [1, M]
-            if ends.shape[1] == 0:
-                continue
-            regions = make_regions(ends, k, torch.tensor([length]))
-            batch = TokenBatch(ids, torch.tensor([length]), torch.tensor([len(prompt) - 1]))
-            out = cached_slots(model, batch, regions, use_teacher=True)
-            logits = out.student_logits[0].float()  # [M, k, V]
-            confidence.append(confidence_of(logits))  # [M, k]
-            agree.append(logits.argmax(-1) == out.labels[0])
-            bounds.append(bounds[-1] + len(logits))
-    if not confidence:
-        raise ValueError("no calibration answer is longer than one block: use longer answers or a smaller k")
-    return Blocks(torch.cat(confidence), torch.cat(agree), bounds)
-
-
-def choose_thresholds(blocks: Blocks, target: float, per_position: bool) -> tuple[float, list[float]]:
-    """The fastest single tau, and the fastest thresholds [k] (per position, if asked), that reach `target`."""
-    k = blocks.confidence.shape[1]
-
-    def meets(taus: list[float]) -> tuple[bool, float]:
-        agreement, speed = blocks.simulate(torch.tensor(taus))
-        return agreement >= target, speed
-
-    best = next((tau for tau in GRID if meets([tau] * k)[0]), 1.0)  # lower tau = faster; take the first that meets
-    taus = [best] * k
-    if per_position:
-        for _ in range(2):  # coordinate search, position by position
-            for j in range(k):
-                options = [(meets(taus[:j] + [tau] + taus[j + 1:]), tau) for tau in GRID]
-                feasible = [(speed, -tau, tau) for (ok, speed), tau in options if ok]
-                if feasible:
-                    taus[j] = max(feasible)[2]
-    return best, taus
+def records(model: MTPModel, prompts: list[list[int]], answers: list[list[int]], k: int,
+            measure: str = "top1") -> list[Record]:
+    """Student-forced block predictions at every answer position, their confidence under the registered
+    measure `measure` (train/predict.answer_records with teacher=True)."""
+    out = [answer_records(model, prompt, answer, k, measure=measure, teacher=True)
+           for prompt, answer in zip(prompts, answers, strict=False) if answer]
+    if not out:
+        raise ValueError("no calibration answer: every calibration prompt was answered with nothing")
+    return out
 
 
 def token_agreement(model: MTPModel, prompt: list[int], tokens: list[int]) -> tuple[int, int]:
@@ -147,12 +86,12 @@ def calibrate(model: MTPModel, calibration: list[list[int]], held: list[list[int
     for prompt in tqdm(calibration, desc="calibration answers", unit="prompt", disable=not progress):
         with model.pristine():
             answers.append(generate(model, prompt, DecodeConfig(mode="ntp", max_new_tokens=max_new_tokens)).tokens)
-    blocks = block_records(model, calibration, answers, k, measure)
-    tau, taus = choose_thresholds(blocks, target, per_position)
-    agreement, speed = blocks.simulate(torch.tensor(taus))
+    found = records(model, calibration, answers, k, measure)
+    tau, taus = choose_thresholds(found, target, per_position)
+    tally = confadapt(found, taus)
     return {"target": target, "per_position": per_position, "tau_per_position": taus, "tau": tau, "confidence": measure,
-            "calibration": {"token_agreement": agreement, "tokens_per_forward": speed, "blocks": len(blocks.agree),
-                            "prompts": len(calibration)},
+            "calibration": {"token_agreement": tally.agreement, "tokens_per_forward": tally.tokens_per_pass,
+                            "blocks": sum(r.length for r in found), "prompts": len(calibration)},
             "held_out": held_out(model, held, taus, max_new_tokens, progress, measure) if held else None}
 
 

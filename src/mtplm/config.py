@@ -135,19 +135,14 @@ class DecodeConfig:
         return self
 
 
-def _drafting(spec: str, after_plus: bool = False) -> tuple[str, int]:  # (drafting, lookup) of quadratic+lookup
-    drafting, plus, extra = spec.partition("+")  # after a `+`, `lookup` alone means linear + copies
-    if after_plus and drafting == "lookup" and not plus:
-        return "linear", LOOKUP_TOKENS
-    if plus and (extra != "lookup" or drafting == "lookup"):
-        raise ValueError
-    return drafting, LOOKUP_TOKENS if plus else 0
-
-
 def mode_grammar() -> str:
-    """How a decoding mode is written as one string (CLI --modes, the server's `mode` field), from the registries."""
-    return (f"ntp, static:K, confadapt[+quadratic|+lookup|+quadratic+lookup][:TAU[:{'|'.join(CONFIDENCE.names())}]]"
-            f"[@K] or verified[:{'|'.join(DRAFTING)}[+lookup][:{'|'.join(WINDOWS.names())}]][@K]")
+    """How a decoding mode is written as one string (CLI --modes, the server's `mode` field): each registered
+    strategy's own fragment (protocol.ModeEntry.grammar), in registry order."""
+    parts = []
+    for name in STRATEGIES.names():
+        grammar = getattr(STRATEGIES.get(name), "grammar", None)
+        parts.append(grammar() if grammar is not None else name)
+    return ", ".join(parts[:-1]) + " or " + parts[-1] if len(parts) > 1 else "".join(parts)
 
 
 BACKEND_ENV = "MTPLM_BACKEND"  # what --backend auto means when set (e.g. eager in a test run)
@@ -162,34 +157,34 @@ class Limits:
     context: int = 8192  # prompt + max_tokens must fit (further capped by the model's own context)
 
 
+@dataclass(frozen=True)
+class ModeDefaults:
+    """The caller's defaults for the parts a mode string leaves out (a strategy's parser reads them)."""
+
+    window: str = "adaptive"
+    k_max: int | None = None  # the string's @K when it has one
+    confidence: str = "top1"
+
+
 def parse_mode(spec: str, window: str = "adaptive", k_max: int | None = None,
                confidence: str = "top1") -> DecodeConfig:
     """A decoding mode written as one string (mode_grammar()), e.g. `confadapt:0.9@8` or `verified:tree`.
 
-    Parts left out keep DecodeConfig's defaults (a confadapt tau or k_max left out: the checkpoint's
-    calibrated values); `window`, `k_max` and `confidence` are the caller's defaults for those parts.
+    The name (up to the first `:` or `+`) picks the registered strategy, whose own parser reads the rest
+    (protocol.ModeEntry.parse). Parts left out keep DecodeConfig's defaults (a confadapt tau or k_max left
+    out: the checkpoint's calibrated values); `window`, `k_max` and `confidence` are the caller's defaults.
     """
     body, at, k = spec.strip().partition("@")
-    kind, _, rest = body.partition(":")
-    kind, plus, drafts = kind.partition("+")  # confadapt+quadratic[+lookup]: its leftover slots verified
-    value, _, measure = rest.partition(":")
+    name = body.split(":", 1)[0].split("+", 1)[0]
     try:
-        k_max = int(k) if at else k_max
-        if kind in ("ntp", "plain") and not rest + plus:
-            cfg = DecodeConfig(mode="ntp")
-        elif kind == "static" and not measure + plus:
-            cfg = DecodeConfig(mode="static", k=int(value) if value else DecodeConfig.k)
-        elif kind == "confadapt" and drafts != "linear":
-            drafting, lookup = _drafting(drafts or "linear", bool(plus))
-            cfg = DecodeConfig(mode="confadapt", tau=float(value) if value else None, k_max=k_max,
-                               confidence=measure or confidence, drafting=drafting, lookup=lookup)
-        elif kind == "verified" and not plus:
-            drafting, lookup = _drafting(value or "linear")
-            cfg = DecodeConfig(mode="verified", k_max=k_max, drafting=drafting, window=measure or window, lookup=lookup)
-        else:
+        defaults = ModeDefaults(window, int(k) if at else k_max, confidence)
+        entry = next(e for e in STRATEGIES.names() if name in (e, *getattr(STRATEGIES.get(e), "aliases", ())))
+        parse = getattr(STRATEGIES.get(entry), "parse", None)
+        if parse is None and body != name:
             raise ValueError
+        cfg = parse(body[len(name):], defaults) if parse is not None else DecodeConfig(mode=entry)
         return cfg.validate()
-    except (ValueError, UserError):
+    except (ValueError, UserError, StopIteration):  # StopIteration: no strategy of that name or alias
         raise UserError(f"bad decoding mode {spec!r}: use {mode_grammar()}") from None
 
 

@@ -85,14 +85,22 @@ def test_hybrid_keeps_more_per_pass_than_confadapt_on_a_trained_model(chain_chec
     assert rate["confadapt+quadratic"] > rate["confadapt"]
 
 
-def test_training_and_the_held_out_score_refuse_to_replay_the_hybrid():
-    """The replay (training log, sweep score) has no model of the hybrid: asking for one is a clear error."""
+def test_training_and_the_held_out_score_replay_the_hybrid():
+    """The replay runs the strategies' own rules (decode/replay.py), so the hybrid is predicted like any mode:
+    with the records always confident it is static k, never confident it is verified decoding."""
     from mtplm.bench.heldout import ScoreSettings
     from mtplm.config import TrainConfig
+    from mtplm.train.predict import Answer, replay
 
-    with pytest.raises(UserError, match="the replay has no model of ConfAdapt over verified drafts"):
-        TrainConfig(predict_modes="verified,confadapt+quadratic").validate()
-    with pytest.raises(UserError, match="the replay has no model of ConfAdapt over verified drafts"):
-        ScoreSettings(modes="verified,confadapt+lookup").validate()  # the sweep's held-out score replays too
-    TrainConfig(predict_modes="verified,verified:quadratic+lookup,confadapt").validate()
-    ScoreSettings(modes="verified:quadratic+lookup,confadapt").validate()
+    TrainConfig(predict_modes="verified,confadapt+quadratic").validate()
+    ScoreSettings(modes="verified,confadapt+lookup").validate()  # the sweep's held-out score replays too
+    agree = torch.ones(12, 4, dtype=torch.bool)
+    agree[4, 2] = False  # one wrong prediction: verification rejects it, a confident run emits it
+    sure, unsure = Answer(3, torch.ones(12, 4), agree), Answer(3, torch.full((12, 4), 0.5), agree)
+    static = replay([sure], "static:4", 4, 12)
+    hybrid = replay([sure], "confadapt+quadratic:0.9@4", 4, 12)
+    assert (hybrid.tokens, hybrid.passes) == (static.tokens, static.passes)
+    assert hybrid.wrong == static.wrong == 1
+    lossless = replay([unsure], "verified:quadratic@4", 4, 12)
+    cautious = replay([unsure], "confadapt+quadratic:0.9@4", 4, 12)
+    assert (cautious.tokens, cautious.passes, cautious.wrong) == (lossless.tokens, lossless.passes, 0)

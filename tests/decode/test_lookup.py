@@ -11,7 +11,7 @@ from mtplm.config import DecodeConfig, Thresholds, parse_mode
 from mtplm.decode.backends import make_backend
 from mtplm.decode.lookup import NgramLookup, merge_chain
 from mtplm.decode.loop import generate
-from mtplm.decode.protocol import PassLogits, Plan
+from mtplm.decode.protocol import Feed, PassLogits, Plan
 from mtplm.decode.strategies import make_strategy
 from mtplm.errors import UserError
 from mtplm.model import MTPModel, load_model
@@ -125,11 +125,15 @@ def test_lookup_alone_samples_the_models_distribution():
 
 def test_a_path_off_the_anchors_has_no_block():
     plan = Plan(4, (7, 8, 9), 2, True, parents=(-1, 0, -1), anchors=(-1, 0, 1))
+    feed = Feed.of(plan, [5], 2, lambda: 0)
+    assert feed.tokens == [5, 7, 8, 9] + [0] * (3 * 2) and feed.anchors == (-1, 0, 1)
     hidden = torch.randn(1 + 3 + 3 * 2, 8)
-    rows = PassLogits(lambda h: h, hidden, 3, 2, plan.blocks())
-    assert torch.equal(rows.block(2), hidden[4 + 2 * 2: 4 + 3 * 2])  # after node 1: the third block
-    assert rows.block(3) is None  # node 2 (the copied branch) carries none
-    assert Plan(3, (1, 2), 2, False).blocks() == (1,) and Plan(3, (1, 2), 2, True).blocks() == (-1, 0, 1)
+    rows = PassLogits(lambda h: h, hidden, feed)
+    assert torch.equal(rows.block(1), hidden[4 + 2 * 2: 4 + 3 * 2])  # after node 1: the third block
+    assert rows.block(2) is None  # node 2 (the copied branch) carries none
+    linear, quadratic = (Feed.of(Plan(3, (1, 2), 2, q), [5], 2, lambda: 0) for q in (False, True))
+    assert linear.anchors == (1,) and quadratic.anchors == (-1, 0, 1)
+    assert Feed.of(Plan(3, (1, 2), 2, True), [5], 0, lambda: 0).anchors == ()  # heads: no mask rows fed
 
 
 @pytest.mark.parametrize("mode", ["verified:tree+lookup", "verified:quadratic+lookahead", "verified:lookup+lookup"])

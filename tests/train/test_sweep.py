@@ -14,7 +14,7 @@ import torch
 from synthetic import chain_rows, write_rows
 
 from mtplm.config import DecodeConfig
-from mtplm.train.predict import Answer, replay, replay_confadapt, replay_verified
+from mtplm.train.predict import Answer, replay
 from mtplm.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -147,9 +147,8 @@ def test_linear_drafting_pays_a_draft_free_pass_after_each_rejection():
     rows = [[True, True, True]] * 8
     rows[0] = [True, True, False]
     answer = _answer(rows)
-    linear = replay_verified([answer], DecodeConfig(mode="verified", k_max=3, window="fixed"), 64)
-    quadratic = replay_verified([answer], DecodeConfig(mode="verified", k_max=3, window="fixed",
-                                                       drafting="quadratic"), 64)
+    linear = replay([answer], "verified:linear:fixed", 3, 64)
+    quadratic = replay([answer], "verified:quadratic:fixed", 3, 64)
     # linear: [0 | drafts for 1, 2] [keeps 1, corrects 2 | no block] [3 | drafts] [4, 5, 6] [7]
     assert (linear.tokens, linear.passes) == (8, 5)
     assert linear.rows == [3, 5, 3, 5, 5]  # 1 + drafts + one block of 2 slots
@@ -161,7 +160,7 @@ def test_linear_drafting_pays_a_draft_free_pass_after_each_rejection():
 def test_confadapt_replay_emits_the_confident_run_and_feeds_it_next():
     confidence = [[0.95, 0.95, 0.5], [0.9] * 3, [0.99, 0.99, 0.99], [0.2] * 3, [0.99] * 3, [0.99] * 3]
     answer = _answer([[True] * 3] * 6, confidence)
-    tally = replay_confadapt([answer], [0.9, 0.9, 0.9], 64)
+    tally = replay([answer], "confadapt:0.9", 3, 64)
     assert (tally.tokens, tally.passes) == (6, 3)  # rows 0 (2 tokens), 2 (3 tokens), 5 (1)
     assert tally.rows == [1 + 2, 2 + 2, 3 + 2]
     assert replay([answer], "ntp", 3, 64).tokens_per_pass == 1.0

@@ -1,6 +1,7 @@
 """The bench's prediction of its own rows, checked in the same run: every mask-slot mode's tokens/pass and
-served speedup replayed over the plain answers (train/predict.py), priced on this machine's pass-cost curve
-(bench/passcost.py, timed on the bench's own backend), beside what the run measured.
+served speedup replayed over the plain answers (the strategies' own rules, decode/replay.py), priced on
+this machine's pass-cost curve (bench/passcost.py, timed on the bench's own backend), beside what the run
+measured.
 
 This is what a training run's log predicts from its validation answers; here both sides come from the same
 prompts, so the error column says how far the predictor can be trusted on this machine. Modes the replay
@@ -18,7 +19,7 @@ CURVE_ROWS = (1, 2, 4, 8, 16)  # buckets the compiled backend compiles anyway fo
 
 def replayable(item: str, cfg: DecodeConfig) -> bool:
     """Whether the replay models this bench row (its item string, parsed as `cfg`)."""
-    if "[" in item or cfg.temperature > 0 or cfg.verifies_rest():  # no replay of ConfAdapt over verified drafts
+    if "[" in item or cfg.temperature > 0:
         return False
     if cfg.mode == "verified":
         return True

@@ -37,8 +37,6 @@ class KV(Protocol):
 
     def keep_rows(self, start: int, rows: list[int]) -> None: ...
 
-    def crop_to(self, length: int) -> None: ...
-
 
 class Store(Protocol):
     """A per-slot KV store that can move a kept tree path up inside a slot."""
@@ -48,17 +46,14 @@ class Store(Protocol):
 
 class SlotKV:
     """One sequence's commit operations in a per-slot store; the engine keeps `slot` current when it
-    compacts. Cropping is free: the sequence's length is its Decoding.past, and the store's positions
-    past it are masked, then overwritten."""
+    compacts. There is no crop: the sequence's length is its Decoding.past, and the store's positions past
+    it are masked, then overwritten."""
 
     def __init__(self, store: Store, slot: int) -> None:
         self.store, self.slot = store, slot
 
     def keep_rows(self, start: int, rows: list[int]) -> None:
         self.store.keep_rows(self.slot, start, rows)
-
-    def crop_to(self, length: int) -> None:
-        pass
 
 
 class Backend(Protocol):

@@ -340,19 +340,19 @@ class Constraint:
 class ConstrainedLogits(PassLogits):
     """A pass's logits under a constraint: each next-token row masked by the grammar's state after the
     committed text and the drafts on its path, so every strategy's target is the constrained distribution
-    (a row whose path the grammar rejects stays as it was: no strategy can reach it). A block is masked along
-    its own greedy chain, so its drafts (verified by the masked rows) stay inside the grammar too."""
+    (a row whose path the grammar rejects stays as it was: no strategy can reach it). A lossy strategy's block
+    is masked along its own greedy chain, so its slot tokens stay inside the grammar; the loop masks a drafting
+    strategy's block along the kept path and the chosen token (Constraint.mask_chain)."""
 
-    def __init__(
-        self, constraint: Constraint, drafts: Sequence[int], parents: Sequence[int] | None, *args, **kwargs
-    ) -> None:
+    def __init__(self, constraint: Constraint, drafts: Sequence[int], *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.constraint, self.draft_tokens, self.parents = constraint, list(drafts), parents
+        self.constraint, self.draft_tokens = constraint, list(drafts)
+        self.forced_rows: list[bool] = []
 
     @cached_property
     def next_token(self) -> torch.Tensor:
-        rows = self._rows(0, self.drafts + 1).clone()
-        masks = self.constraint.masks_along(self.draft_tokens, self.parents)
+        rows = self._rows(0, self.feed.drafts + 1).clone()
+        masks = self.constraint.masks_along(self.draft_tokens, self.feed.parents)
         for i, mask in enumerate(masks):
             if mask is not None:
                 rows[i] = self.constraint.apply(rows[i], mask)
@@ -363,28 +363,26 @@ class ConstrainedLogits(PassLogits):
         """How many of the first `emitted` tokens of this pass (kept drafts, then the new tokens) the grammar
         forced: chosen at a next-token row where it allows exactly one token."""
         _ = self.next_token  # computes forced_rows
-        path = list(outcome.rows) if outcome.rows is not None else list(range(outcome.accepted))
-        rows = [0] + [i + 1 for i in path]  # the row each kept draft, then the first new token, was chosen at
+        rows = [0] + [i + 1 for i in outcome.path]  # the row each kept draft, then the first new token, came from
         return sum(self.forced_rows[r] for r in rows[: min(emitted, len(rows))])
 
-    def block(self, after: int, token: int | None = None) -> torch.Tensor | None:
-        """The block masked along its own greedy chain (mask_chain), so the drafts it proposes, and a lossy
-        block's slot tokens, stay inside the grammar."""
-        block = super().block(after, token)
-        if block is None or not len(block):
-            return block
-        token = int(self.next_token[after].argmax()) if token is None else token
-        return self.constraint.mask_chain(block, [*self._path(after), token])
+    def candidates(self) -> torch.Tensor:
+        """The lossy strategies' next token and block, the block masked along its greedy chain."""
+        rows = super().candidates()
+        if len(rows) <= 1:
+            return rows
+        chain = [*self._path(self.feed.drafts - 1), int(rows[0].argmax())]
+        return torch.cat([rows[:1], self.constraint.mask_chain(rows[1:], chain)])
 
-    def _path(self, after: int) -> list[int]:
-        """The drafts the committed text would end with: the first `after` (a tree: the path to node after-1)."""
-        if self.parents is None:
-            return self.draft_tokens[:after]
+    def _path(self, anchor: int) -> list[int]:
+        """The drafts the committed text would end with if draft `anchor` were kept (-1: none)."""
+        parents = self.feed.parents
+        if parents is None:
+            return self.draft_tokens[: anchor + 1]
         path: list[int] = []
-        node = after - 1
-        while node >= 0:
-            path.insert(0, self.draft_tokens[node])
-            node = self.parents[node]
+        while anchor >= 0:
+            path.insert(0, self.draft_tokens[anchor])
+            anchor = parents[anchor]
         return path
 
 
@@ -394,4 +392,5 @@ def trim(outcome: Outcome, kept: Sequence[int], constraint: Constraint) -> Outco
     valid = constraint.accepts([*kept, *outcome.new]) - len(kept)
     if valid >= len(outcome.new):
         return outcome
-    return Outcome(outcome.accepted, outcome.new[: max(1, valid)], outcome.rows)
+    # the drafts that followed the cut run follow text that is no longer committed: none are kept
+    return outcome.replace(new=outcome.new[: max(1, valid)], drafts=(), proposal=None)

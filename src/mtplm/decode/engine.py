@@ -26,6 +26,7 @@ from mtplm.decode.backends import KV, Backend, EagerBackend, describe
 from mtplm.decode.constraint import Constraint
 from mtplm.decode.loop import Decoding, Step
 from mtplm.decode.policy import make_policy
+from mtplm.decode.protocol import mode_entry
 from mtplm.decode.strategies import make_strategy
 from mtplm.errors import UserError
 from mtplm.model import MTPModel
@@ -149,9 +150,10 @@ class Engine:
         return True
 
     def _apply_caps(self) -> None:
-        """The load policy (policy.py) sets how many tokens per pass ConfAdapt and verified sequences
-        may emit at the current batch size; explicit static k is the caller's and never capped."""
-        adaptive = [job for job in self.running if job.cfg.mode in ("confadapt", "verified")]
+        """The load policy (policy.py) sets how many tokens per pass the sequences whose strategy adapts
+        it (ModeEntry.capped: ConfAdapt, verified) may emit at the current batch size; an explicit static k is
+        the caller's and never capped."""
+        adaptive = [job for job in self.running if mode_entry(job.cfg.mode).capped]
         self._measure = None
         if self.policy is None or not adaptive:
             return

@@ -46,17 +46,17 @@ def rows_logprobs(logits: torch.Tensor, tokens: list[int], top: int, exact: bool
     return [TokenLogprob(t, lp, alt, exact) for t, lp, alt in zip(tokens, chosen, alternatives, strict=True)]
 
 
-def step_logprobs(rows: PassLogits, outcome: Outcome, kept: list[int], top: int) -> list[TokenLogprob]:
-    """The kept drafts and the outcome's new tokens, in emission order (before any stop or budget cut)."""
-    path = list(outcome.rows) if outcome.rows is not None else list(range(outcome.accepted))
-    before = [0] + [row + 1 for row in path]  # next_token row preceding each kept draft, then the first new token
+def step_logprobs(rows: PassLogits, outcome: Outcome, kept: list[int], top: int,
+                  block: torch.Tensor | None = None) -> list[TokenLogprob]:
+    """The kept drafts and the outcome's new tokens, in emission order (before any stop or budget cut);
+    `block`: the block [n, V] whose leading tokens the pass emitted after its first new token, if it did."""
+    before = [0] + [row + 1 for row in outcome.path]  # next_token row before each kept draft, then the new one
     tokens = kept + list(outcome.new[:1])
     exact = rows_logprobs(rows.next_token[before[: len(tokens)]], tokens, top)
     rest = list(outcome.new[1:])
-    if not rest:
+    if not rest or block is None:
         return exact
-    slots = rows.candidates()[1: 1 + len(rest)]  # a lossy block's slots: tokens 2..n of this pass
-    return exact + rows_logprobs(slots, rest, top, exact=False)
+    return exact + rows_logprobs(block[: len(rest)], rest, top, exact=False)  # a lossy block: tokens 2..n
 
 
 def prompt_logprobs(head, hidden: torch.Tensor, prompt: list[int], top: int) -> list[TokenLogprob]:

@@ -1,11 +1,14 @@
-"""The generation loop: one forward pass per step, then the cache is cropped to the committed tokens.
+"""The generation loop: one forward pass per step; the loop owns everything between passes.
 
-Each step feeds the tokens whose KV is not cached yet (the prompt, then the previous step's new
-tokens), the strategy's drafts, and its mask blocks (masks.step_layout). The strategy reads the
-pass's logits and returns how many drafts it keeps and which new tokens follow them; the cache keeps
-the fed committed tokens and the kept drafts, and drops everything after them (rejected drafts, mask
-slots). Invariant after every step: cache length == prompt + emitted - the step's new tokens.
-The pass itself is a backend's (backends.py): the loop and the batch engine never call the model.
+One token's way, prompt to output: `feed()` asks the strategy for a Plan (the previous pass's drafts to
+verify, mask slots per block) and lays out the pass once (protocol.Feed: the tokens whose KV is not cached
+yet, the drafts, the mask blocks, masks.step_layout); a backend runs it (backends.py: the loop and the
+batch engine never call the model); `advance()` hands the strategy the pass's logits, and it chooses
+(protocol.Outcome: drafts kept, new tokens after them). A strategy that drafts then gets the block after
+the kept path (this pass's mask rows, or the head drafter, which the loop runs) and returns the next
+pass's drafts. The cache keeps the fed committed tokens and the kept drafts and drops everything after
+them (rejected drafts, mask slots). Invariant after every step: cache length == prompt + emitted - the
+step's new tokens (they are fed, and cached, next step).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from functools import partial
+from typing import cast
 
 import torch
 
@@ -22,7 +25,7 @@ from mtplm.decode.backends import KV, Backend, EagerBackend, describe
 from mtplm.decode.backends import stop_ids as stop_ids
 from mtplm.decode.constraint import ConstrainedLogits, Constraint, trim
 from mtplm.decode.logprobs import TokenLogprob, prompt_logprobs, step_logprobs
-from mtplm.decode.protocol import DecodeModel, Feed, PassLogits, Plan, Strategy
+from mtplm.decode.protocol import DecodeModel, Drafting, Feed, Outcome, PassLogits, Plan, Strategy
 from mtplm.decode.strategies import make_strategy
 from mtplm.errors import UserError
 from mtplm.model import MTPModel
@@ -39,7 +42,7 @@ class Step:
     last: bool = False  # the generation ends here (a stop token, or max_new_tokens reached)
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per emitted token, when the Decoding asked for them
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # prompt tokens 1.. (first step, when asked)
-    forced: int = 0  # leading tokens the constraint forced: taken without a pass of their own
+    forced: int = 0  # tokens the constraint forced: taken without a pass, or chosen where it allowed one token
     complete: bool | None = None  # under a constraint: the output so far is complete (None: no constraint)
 
 
@@ -72,10 +75,11 @@ class Decoding:
     """One generation between forward passes: what the next pass feeds, and what its rows decide.
 
     `feed()` asks the strategy for a plan and returns the rows to run; `advance(hidden, kv)` reads the
-    pass's final hidden states for those rows, lets the strategy choose, commits the kept drafts in `kv`
-    (backends.KV) and returns the step. The single-sequence
-    loop (`stream`) and the ragged batch engine (engine.py) drive the same object, so a sequence decodes
-    the same tokens alone or batched.
+    pass's final hidden states for those rows, lets the strategy choose (and draft the next pass from the
+    block after what it kept), commits the kept drafts in `kv` (backends.KV) and returns the step. Everything
+    that passes from one pass to the next lives here: the committed text, the pending tokens, the last
+    Outcome (the next pass's drafts), the head drafter. The single-sequence loop (`stream`) and the ragged
+    batch engine (engine.py) drive the same object, so a sequence decodes the same tokens alone or batched.
     """
 
     def __init__(self, model: DecodeModel, prompt_ids: list[int], strategy: Strategy, max_new_tokens: int,
@@ -91,7 +95,10 @@ class Decoding:
         self.text = list(prompt_ids)  # every committed token: the prompt, then what was emitted
         self.produced = 0
         self.done = False
-        self.plan: Plan | None = None
+        self.last: Outcome | None = None  # the previous pass's outcome: its drafts are the next pass's
+        self.plan: Plan | None = None  # this pass's plan and rows (feed() sets them, advance() reads them)
+        self.fed: Feed | None = None
+        self.budget = 0  # tokens this pass may emit
         self.cap: int | None = None  # most tokens one pass may emit, set from outside (the engine's load policy)
         # opt-in (decode/logprobs.py): top-N alternatives per emitted token (None: no logprobs at all),
         # and the prompt's own token logprobs from the prefill pass
@@ -99,28 +106,25 @@ class Decoding:
         self.drafter = model.drafter() if model.drafter is not None else None  # head-based: this sequence's own
         # constraint.py: the grammar the output must match; the tokens it forces ride in the next pass as
         # committed tokens (no logprobs for them, so not when logprobs are asked for)
-        self.constraint = constraint
-        self.forced: list[int] = []
+        self.constraint, self.forced = constraint, list[int]()
 
     def feed(self) -> Feed:
         """The next pass's rows: the pending tokens, the plan's drafts, and its mask blocks."""
-        budget = self.max_new_tokens - self.produced
-        plan = self.strategy.plan(self.text, min(budget, self.cap or budget))
+        left = self.max_new_tokens - self.produced
+        self.budget = min(left, self.cap or left)
+        plan = self.strategy.plan(self.text, self.budget, self.last)
         # forced tokens (constraint.py) are taken when they run past the plan's drafts: drafts already start
         # with them (a block is masked along its greedy chain) and the masked rows cannot reject them; a longer
         # run is committed here (the strategy's drafts then trail it, and are verified and dropped)
         if self.constraint is not None and self.logprobs is None and self._forces_past(plan):
-            taken = self._take_forced(budget - 1)
+            taken = self._take_forced(self.budget - 1)
             if taken:  # plan again for the longer text
-                budget -= taken
-                plan = self.strategy.plan(self.text, min(budget, self.cap or budget))
+                self.budget -= taken
+                plan = self.strategy.plan(self.text, self.budget, self.last)
         self.plan = plan
-        drafts = list(plan.drafts)
         slots = 0 if self.drafter is not None else plan.slots  # heads read the block from real rows
-        blocks = len(plan.blocks()) if slots else 0
-        mask = [self._mask_id()] * (blocks * slots) if blocks else []
-        tokens = self.pending + drafts + mask
-        return Feed(tokens, len(self.pending), len(drafts), slots, plan.quadratic, plan.parents, plan.anchors)
+        self.fed = Feed.of(plan, self.pending, slots, self._mask_id)
+        return self.fed
 
     def _forces_past(self, plan: Plan) -> bool:
         assert self.constraint is not None
@@ -138,15 +142,40 @@ class Decoding:
             self.produced += len(self.forced)
         return len(self.forced)
 
-    def _draft_after(self, hidden: torch.Tensor, after: int, token: int, n: int) -> torch.Tensor:
-        """PassLogits' drafter: the block after the first `after` drafts (a tree: the path to node after-1)."""
-        assert self.drafter is not None and self.plan is not None
-        parents, path, node = self.plan.parents, [], after - 1
-        if parents is None:
-            path = list(range(after))
-        while parents is not None and node >= 0:
-            path.insert(0, node)
-            node = parents[node]
+    def _mask_id(self) -> int:
+        if self.model.mask_id is None:
+            raise UserError("this model has no <mtp> token: convert it first with `mtplm train`")
+        return self.model.mask_id
+
+    def advance(self, hidden: torch.Tensor, kv: KV, logits: torch.Tensor | None = None) -> Step:
+        """Decide the step from the fed rows' hidden states [Q, D] (and, if the caller computed them, the
+        LM head's logits for rows pending-1 onwards); commit it in `kv`."""
+        plan, feed = self.plan, self.fed
+        assert plan is not None and feed is not None, "advance() follows feed()"
+        tail = hidden[feed.pending - 1:]
+        rows = (PassLogits(self.model.head, tail, feed, logits) if self.constraint is None
+                else ConstrainedLogits(self.constraint, plan.drafts, self.model.head, tail, feed, logits))
+        block = None  # the block whose tokens this pass emits or drafts from
+        if plan.emits_block and plan.slots and self.drafter is not None:  # heads draft it before choose
+            block = self._heads(hidden, [], int(rows.next_token[0].argmax()), plan.slots)
+            rows = rows.with_block(block)
+        outcome = self.strategy.choose(plan, rows, self.generator)
+        if plan.slots and not plan.emits_block:  # it drafts the next pass from the block after the kept path
+            path = outcome.path
+            block = (rows.block(path[-1] if path else -1) if self.drafter is None
+                     else self._heads(hidden, path, outcome.new[0], plan.slots))
+            if self.constraint is not None and block is not None:  # drafts the grammar rejects are not fed
+                chain = [plan.drafts[i] for i in path] + [outcome.new[0]]
+                block = self.constraint.mask_chain(block, chain)
+            room = self.budget - outcome.accepted - len(outcome.new)
+            outcome = cast(Drafting, self.strategy).draft(outcome, block, room, self.generator)
+        if self.drafter is not None and self.drafter.keeps_state:
+            self.drafter.commit(self.past, *self._committed(hidden, outcome.path, outcome.new[0]))
+        return self._commit(plan, outcome, kv, hidden, rows, block)
+
+    def _heads(self, hidden: torch.Tensor, path: list[int], token: int, n: int) -> torch.Tensor:
+        """The head drafter's block [n, V] after the pending tokens, drafts `path`, then `token`."""
+        assert self.drafter is not None
         return self.drafter.block(self.past, *self._committed(hidden, path, token), n)
 
     def _committed(self, hidden: torch.Tensor, path: list[int], token: int) -> tuple[torch.Tensor, list[int]]:
@@ -158,47 +187,31 @@ class Decoding:
         fed = self.pending + [self.plan.drafts[i] for i in path]
         return hidden[index], fed[1:] + [token]
 
-    def _mask_id(self) -> int:
-        if self.model.mask_id is None:
-            raise UserError("this model has no <mtp> token: convert it first with `mtplm train`")
-        return self.model.mask_id
-
-    def advance(self, hidden: torch.Tensor, kv: KV, logits: torch.Tensor | None = None) -> Step:
-        """Decide the step from the fed rows' hidden states [Q, D] (and, if the caller computed them, the
-        LM head's logits for rows pending-1 onwards); commit it in `kv`."""
-        plan, pending = self.plan, len(self.pending)
-        assert plan is not None, "advance() follows feed()"
-        tail = hidden[pending - 1:]  # the last pending token, the drafts, the mask blocks
-        drafter = partial(self._draft_after, hidden) if self.drafter is not None else None
-        args = (self.model.head, tail, len(plan.drafts), plan.slots, plan.blocks(), drafter, logits)
-        rows = (PassLogits(*args) if self.constraint is None
-                else ConstrainedLogits(self.constraint, plan.drafts, plan.parents, *args))
-        outcome = self.strategy.choose(rows, self.generator)
-        if self.drafter is not None and self.drafter.keeps_state:
-            path = list(range(outcome.accepted)) if outcome.rows is None else list(outcome.rows)
-            self.drafter.commit(self.past, *self._committed(hidden, path, outcome.new[0]))
+    def _commit(self, plan: Plan, outcome: Outcome, kv: KV, hidden: torch.Tensor, rows: PassLogits,
+                block: torch.Tensor | None) -> Step:
+        """Keep the outcome's drafts in the cache, emit them and its new tokens (up to a stop token or the
+        budget), and make the new tokens the next pass's pending ones."""
+        pending = len(self.pending)
         start = self.past + pending
-        if outcome.rows is None:  # the kept drafts are a prefix: they already sit where they belong
-            kept = list(plan.drafts[: outcome.accepted])
-        else:  # a tree path: move its KV up behind the committed tokens
+        if outcome.rows is not None:  # a tree path: move its KV up behind the committed tokens
             kv.keep_rows(start, list(outcome.rows))
-            kept = [plan.drafts[i] for i in outcome.rows]
-        if self.constraint is not None:
+        kept = [plan.drafts[i] for i in outcome.path]  # a prefix sits where it belongs already
+        if self.constraint is not None:  # a lossy block's slot token outside the grammar ends its run
             outcome = trim(outcome, kept, self.constraint)
-        self.past = start + outcome.accepted
-        kv.crop_to(self.past)
+        self.past = start + outcome.accepted  # the rows past it (rejected drafts, mask slots) are dropped
         new = kept + list(outcome.new)
         stop_at = next((i for i, t in enumerate(new) if t in self.stop_ids), None)
         stopped = stop_at is not None
         new = new[: stop_at + 1] if stop_at is not None else new[: self.max_new_tokens - self.produced]
         scored = prompt = None
         if self.logprobs is not None:
-            scored = tuple(step_logprobs(rows, outcome, kept, self.logprobs)[: len(new)])
+            emitted = rows.candidates()[1:] if plan.emits_block else block
+            scored = tuple(step_logprobs(rows, outcome, kept, self.logprobs, emitted)[: len(new)])
             if self.echo and start == pending:  # the first pass fed the whole prompt
                 prompt = tuple(prompt_logprobs(self.model.head, hidden, self.pending, self.logprobs))
         self.produced += len(new)
         self.text.extend(new)
-        self.pending = list(outcome.new)
+        self.pending, self.last = list(outcome.new), outcome
         self.done = stopped or self.produced >= self.max_new_tokens
         complete, chosen_forced = None, 0
         if isinstance(rows, ConstrainedLogits):

@@ -1,25 +1,34 @@
-"""The types a decoding strategy is written against: the plan of a pass, its outcome, its logits.
+"""The types a decoding strategy is written against: the plan of a pass, its logits, its outcome.
 
-Every strategy answers two questions per step and keeps whatever state it adapts:
-    plan(text, budget)          -> Plan: drafts to verify, mask slots per block, their layout (text: every
-                                   committed token so far, the prompt first; read it, never keep or write it)
-    choose(logits, generator)   -> Outcome: drafts kept, and the new tokens that follow them
-Strategies (strategies.py, verified.py) and the loop (loop.py) import these; none imports the other.
+The loop (loop.py) owns everything that passes from one pass to the next; a strategy answers, per pass:
+    plan(text, budget, last)      -> Plan: drafts to verify and mask slots per block (text: every committed
+                                     token so far, the prompt first; last: the previous pass's Outcome, whose
+                                     drafts this pass verifies; read both, never keep or write them)
+    choose(plan, logits, generator) -> Outcome: drafts kept and the new tokens that follow them
+and, a strategy that drafts its next pass from the block after the kept drafts (verified.py),
+    draft(outcome, block, room, generator) -> Outcome: the same, with the next pass's drafts
+which the loop calls after verification with the block after the kept path (from this pass's mask rows,
+or from the head drafter, which the loop runs). What a strategy keeps itself is only what it adapts over
+passes (a window policy, ConfAdapt's back-off). Strategies (strategies.py, verified.py) and the loop import
+these types; none imports the other.
 
 Shapes: m drafts, V vocabulary, D hidden.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Protocol
 
 import torch
 
-from mtplm.config import Thresholds
+from mtplm.config import DecodeConfig, Thresholds
 from mtplm.masks import block_anchors, step_layout
+from mtplm.registry import STRATEGIES
 
 
 @dataclass(frozen=True)
@@ -30,13 +39,10 @@ class Plan:
     quadratic: bool = False  # a block after every prefix of the drafts (else one after the last fed token)
     parents: tuple[int, ...] | None = None  # a draft tree: each draft's parent (-1: the last committed token)
     anchors: tuple[int, ...] | None = None  # a tree's drafts a mask block follows (-1: the last committed token)
-
-    def blocks(self) -> tuple[int, ...]:
-        """The drafts each mask block follows, in feed order (-1: the last committed token): the plan's
-        anchors, else one after every draft (quadratic) or one after the last (linear)."""
-        if self.anchors is not None:
-            return self.anchors
-        return block_anchors(len(self.drafts), self.quadratic, self.parents is not None)
+    # [m, V] what sampled drafts were drawn from (None: greedy, or copied drafts)
+    proposal: torch.Tensor | None = field(default=None, compare=False)
+    drafted: int = 0  # drafts per path from the drafter's block (the window policy learns from them)
+    emits_block: bool = False  # the pass emits its own block's tokens (static k, ConfAdapt): no draft()
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,17 @@ class Outcome:
     accepted: int  # drafts kept: their KV stays cached
     new: tuple[int, ...]  # tokens chosen after them (fed, and cached, next step)
     rows: tuple[int, ...] | None = None  # which drafts were kept, when they are not the first `accepted` (a tree)
+    drafts: tuple[int, ...] = ()  # the next pass's guesses (draft())
+    proposal: torch.Tensor | None = field(default=None, compare=False)  # [len(drafts), V]: sampled from
+    block: torch.Tensor | None = field(default=None, compare=False)  # [n, V] their block (tree drafting)
+
+    @property
+    def path(self) -> list[int]:
+        """The kept drafts' indices in the plan, in order."""
+        return list(range(self.accepted)) if self.rows is None else list(self.rows)
+
+    def replace(self, **changes) -> Outcome:
+        return dataclasses.replace(self, **changes)
 
 
 class Drafter(Protocol):
@@ -66,76 +83,141 @@ class Drafter(Protocol):
         ...
 
 
-class PassLogits:
-    """One pass's logits, computed from its final hidden states only where a strategy asks.
-
-    hidden [1 + m + blocks*slots, D]: the last pending token, the m drafts, then the mask blocks, block b
-    after draft anchors[b] (-1: the last pending token). A
-    head-based model has no mask rows: its `drafter(after, next token, n)` gives the block after the
-    first `after` drafts (or the path to tree node after-1). `logits`, when given, are the LM head's output
-    for (a prefix of) those rows, already computed in one call for a whole batch.
-    """
-
-    def __init__(self, head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, drafts: int,
-                 slots: int, anchors: tuple[int, ...], drafter: Callable | None = None,
-                 logits: torch.Tensor | None = None) -> None:
-        self._head, self._hidden, self.drafts, self.slots, self.anchors = head, hidden, drafts, slots, anchors
-        self._drafter, self._logits = drafter, logits
-
-    def _rows(self, start: int, stop: int) -> torch.Tensor:
-        if self._logits is not None and stop <= len(self._logits):
-            return self._logits[start:stop]
-        return self._head(self._hidden[start:stop])
-
-    @property
-    def mask_rows(self) -> bool:
-        """Whether this pass's blocks are <mtp> rows it fed (else a head drafter computes them)."""
-        return self._drafter is None and self.slots > 0
-
-    @cached_property
-    def next_token(self) -> torch.Tensor:
-        """[m+1, V]: the next-token logits at the last committed token and after each draft."""
-        return self._rows(0, self.drafts + 1)
-
-    def block(self, after: int, token: int | None = None) -> torch.Tensor | None:
-        """[slots, V]: the block that follows the first `after` drafts (a tree: the path to draft after-1)
-        and then `token`, if this pass has one."""
-        if not self.slots:
-            return None
-        if self._drafter is not None:  # heads read the block from row `after`, given the token that follows it
-            token = int(self.next_token[after].argmax()) if token is None else token
-            return self._drafter(after, token, self.slots)
-        if after - 1 not in self.anchors:
-            return None
-        start = self.drafts + 1 + self.anchors.index(after - 1) * self.slots
-        return self._rows(start, start + self.slots)
-
-    def candidates(self) -> torch.Tensor:
-        """[1 + slots, V]: next token and block of a draft-free pass (the lossy strategies' block)."""
-        block = self.block(self.drafts)
-        return self.next_token if block is None else torch.cat([self.next_token[-1:], block])
-
-
-class Strategy(Protocol):
-    def plan(self, text: Sequence[int], budget: int) -> Plan: ...
-
-    def choose(self, logits: PassLogits, generator: torch.Generator) -> Outcome: ...
-
-
 @dataclass(frozen=True)
 class Feed:
+    """One pass's rows and their layout, computed once (the loop builds it from the Plan; backends, PassLogits
+    and the loop read it): the pending tokens, the drafts, then one mask block of `slots` after each of
+    `anchors` (the drafts they follow, -1: the last pending token)."""
+
     tokens: list[int]  # the rows to run: pending tokens, drafts, mask blocks
     pending: int
     drafts: int
     slots: int  # mask slots per block actually fed (0 for a head-based model)
     quadratic: bool
     parents: tuple[int, ...] | None  # a draft tree's parent pointers
-    anchors: tuple[int, ...] | None = None  # a tree's drafts that a block follows (Plan.anchors)
+    anchors: tuple[int, ...] | None = None  # the drafts the blocks follow; None: masks.block_anchors' default
+
+    def __post_init__(self) -> None:
+        tree = self.parents is not None
+        anchors = block_anchors(self.drafts, self.quadratic, tree) if self.anchors is None else self.anchors
+        object.__setattr__(self, "anchors", tuple(anchors) if self.slots else ())
+
+    @classmethod
+    def of(cls, plan: Plan, pending: list[int], slots: int, mask_id: Callable[[], int]) -> Feed:
+        """The rows of `plan` behind the `pending` tokens, with `slots` mask slots per block (0: none fed)."""
+        shape = cls([], len(pending), len(plan.drafts), slots, plan.quadratic, plan.parents, plan.anchors)
+        blocks = len(shape.anchors or ())
+        tokens = list(pending) + list(plan.drafts) + ([mask_id()] * (blocks * slots) if blocks else [])
+        return dataclasses.replace(shape, tokens=tokens)
+
+    def block_start(self, anchor: int) -> int | None:
+        """The first row of the block after draft `anchor`, counted from the last pending token (PassLogits'
+        row 0); None when this pass fed no such block."""
+        anchors = self.anchors or ()
+        if anchor not in anchors:
+            return None
+        return self.drafts + 1 + anchors.index(anchor) * self.slots
 
     def layout(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Position offsets [Q] and allowed [Q, Q] among the fed rows (masks.step_layout)."""
         parents = list(self.parents) if self.parents is not None else None
-        return step_layout(self.pending, self.drafts, self.slots, self.quadratic, parents, self.anchors)
+        anchors = self.anchors or None
+        return step_layout(self.pending, self.drafts, self.slots, self.quadratic, parents, anchors)
+
+
+class PassLogits:
+    """One pass's logits, computed from its final hidden states only where a strategy asks.
+
+    hidden [1 + m + blocks*slots, D]: the last pending token, the m drafts, then the mask blocks as the Feed
+    lays them out. `logits`, when given, are the LM head's output for (a prefix of) those rows, already
+    computed in one call for a whole batch. A head-based model feeds no mask rows: for a plan that emits its
+    block (Plan.emits_block) the loop drafts it with the heads first and passes it as `block`.
+    """
+
+    def __init__(self, head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, feed: Feed,
+                 logits: torch.Tensor | None = None, block: torch.Tensor | None = None) -> None:
+        self._head, self._hidden, self.feed, self._logits, self._block = head, hidden, feed, logits, block
+
+    def _rows(self, start: int, stop: int) -> torch.Tensor:
+        if self._logits is not None and stop <= len(self._logits):
+            return self._logits[start:stop]
+        return self._head(self._hidden[start:stop])
+
+    def with_block(self, block: torch.Tensor | None) -> PassLogits:
+        """The same logits (what was computed stays computed) with a head drafter's block."""
+        out = copy.copy(self)
+        out._block = block
+        return out
+
+    @property
+    def mask_rows(self) -> bool:
+        """Whether this pass's blocks are <mtp> rows it fed (else a head drafter computes them)."""
+        return self.feed.slots > 0
+
+    @cached_property
+    def next_token(self) -> torch.Tensor:
+        """[m+1, V]: the next-token logits at the last committed token and after each draft."""
+        return self._rows(0, self.feed.drafts + 1)
+
+    def block(self, anchor: int) -> torch.Tensor | None:
+        """[slots, V]: the fed mask block after draft `anchor` (-1: the last committed token), if any."""
+        start = self.feed.block_start(anchor)
+        return None if start is None else self._rows(start, start + self.feed.slots)
+
+    def candidates(self) -> torch.Tensor:
+        """[1 + slots, V]: next token and block of a draft-free pass (the lossy strategies' block)."""
+        block = self._block if self._block is not None else self.block(self.feed.drafts - 1)
+        return self.next_token if block is None else torch.cat([self.next_token[-1:], block])
+
+
+class Strategy(Protocol):
+    def plan(self, text: Sequence[int], budget: int, last: Outcome | None) -> Plan: ...
+
+    def choose(self, plan: Plan, logits: PassLogits, generator: torch.Generator) -> Outcome: ...
+
+
+class Drafting(Strategy, Protocol):
+    """A strategy whose plans verify drafts (slots > 0, not emits_block): after choose, the loop hands it the
+    block after the kept drafts and the chosen token, and it returns the outcome with the next drafts."""
+
+    def draft(self, outcome: Outcome, block: torch.Tensor | None, room: int,
+              generator: torch.Generator) -> Outcome:
+        """`room`: tokens this pass may still emit beyond outcome's (a strategy that emits block tokens)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ModeEntry:
+    """A STRATEGIES entry (register_mode): how a decoding mode is built, written as a string, and served."""
+
+    build: Callable[..., Strategy]  # (cfg: DecodeConfig, calibrated taus or None) -> Strategy
+    # the mode string after its name and any @K (e.g. ":0.9:top1"), with the caller's defaults
+    # (config.ModeDefaults) -> DecodeConfig; ValueError or UserError when it is not one of this mode's
+    parse: Callable[..., DecodeConfig] | None = None  # None: the bare name only
+    grammar: Callable[[], str] | None = None  # how the mode is written (config.mode_grammar); None: the name
+    capped: bool = False  # the engine's load policy may cap its tokens per pass (it adapts how many it emits)
+    defaults: tuple[str, ...] = ()  # DecodeConfig fields ("k_max", "tau") the checkpoint fills when unset
+    aliases: tuple[str, ...] = ()  # other names the mode string accepts
+
+    def __call__(self, cfg: DecodeConfig, taus: tuple[float, ...] | None) -> Strategy:
+        return self.build(cfg, taus)
+
+
+def register_mode(name: str, description: str, **entry) -> Callable[[Callable[..., Strategy]], Callable]:
+    """Decorator for a strategy factory `(cfg, taus) -> Strategy`: registers it in STRATEGIES with the
+    ModeEntry fields in `entry` (parse, grammar, capped, defaults, aliases)."""
+
+    def add(build: Callable[..., Strategy]) -> Callable[..., Strategy]:
+        STRATEGIES.register(name, description)(ModeEntry(build, **entry))
+        return build
+
+    return add
+
+
+def mode_entry(name: str) -> ModeEntry:
+    """The registered mode `name` (a bare factory registered with STRATEGIES.register counts as one)."""
+    entry = STRATEGIES.get(name)
+    return entry if isinstance(entry, ModeEntry) else ModeEntry(entry)
 
 
 @dataclass(frozen=True)

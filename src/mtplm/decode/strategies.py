@@ -1,6 +1,8 @@
-"""The lossy decoding strategies (plain, static k, ConfAdapt) and `make_strategy`, which builds any registered one.
+"""The lossy decoding strategies (plain, static k, ConfAdapt), the built-in modes' registration, and
+`make_strategy`, which builds any registered one.
 
-Strategies plug in through protocol.py's two-method interface and one STRATEGIES entry; the loop
+Strategies plug in through protocol.py's interface (plan, choose, and draft for one that drafts) and one
+STRATEGIES entry (protocol.register_mode: the factory, its mode-string parser and grammar); the loop
 (loop.py) never asks which strategy it runs. The lossy strategies (static k, ConfAdapt)
 draft nothing and emit mask-slot tokens directly; the lossless one (verified.py) keeps only drafts that
 the model's own next-token path confirms. ConfAdapt over verified drafting (ConfidentVerified) does both:
@@ -14,12 +16,12 @@ from collections.abc import Sequence
 
 import torch
 
-from mtplm.config import DecodeConfig, Thresholds
-from mtplm.decode.protocol import Outcome, Plan, Strategy
+from mtplm.config import DecodeConfig, ModeDefaults, Thresholds
+from mtplm.decode.protocol import Outcome, PassLogits, Plan, Strategy, mode_entry, register_mode
 from mtplm.decode.sampling import leading_run, sample, warp
-from mtplm.decode.verified import Verified
+from mtplm.decode.verified import Verified, build_verified, mode_parts, parse_drafting, parse_verified, verified_grammar
 from mtplm.errors import UserError
-from mtplm.registry import CONFIDENCE, STRATEGIES
+from mtplm.registry import CONFIDENCE
 
 
 class _SingleTokenSampler:
@@ -40,11 +42,11 @@ class _Block(_SingleTokenSampler):
 
     k = 1
 
-    def plan(self, text: Sequence[int], budget: int) -> Plan:
+    def plan(self, text: Sequence[int], budget: int, last: Outcome | None) -> Plan:
         k = min(self.k, budget)
-        return Plan(k, slots=k - 1)
+        return Plan(k, slots=k - 1, emits_block=True)
 
-    def choose(self, logits, generator):
+    def choose(self, plan: Plan, logits: PassLogits, generator: torch.Generator) -> Outcome:
         return Outcome(0, tuple(self.emit(logits.candidates(), generator).tolist()))
 
     def emit(self, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -112,27 +114,17 @@ class ConfidentVerified(Verified):
     def __init__(self, cfg: DecodeConfig, taus: list[float] | None = None) -> None:
         super().__init__(cfg)
         self.taus, self.confidence = block_taus(cfg, taus), CONFIDENCE.get(cfg.confidence)
-        self.budget, self.sure = 1, 0  # this pass's token budget; the new block's confident leading run
 
-    def plan(self, text: Sequence[int], budget: int) -> Plan:
-        self.budget = budget
-        return super().plan(text, budget)
-
-    def choose(self, logits, generator):
-        out = super().choose(logits, generator)
-        n = max(0, min(self.sure, self.budget - out.accepted - len(out.new)))  # sure <= len(drafts): one block
-        self.pending = 1 + n
+    def draft(self, outcome: Outcome, block: torch.Tensor | None, room: int,
+              generator: torch.Generator) -> Outcome:
+        out = super().draft(outcome, block, room, generator)
+        slots = 0 if block is None else len(block)  # block position j + 1 follows the token just chosen
+        sure = leading_run(self.confidence(block) >= self.taus[1: 1 + slots]) if slots else 0
+        n = max(0, min(sure, room))  # sure <= len(drafts): one block
         if not n:
             return out
-        emitted, self.drafts = self.drafts[:n], self.drafts[n:]
-        if self.proposal is not None:
-            self.proposal = self.proposal[n:]
-        return Outcome(out.accepted, (*out.new, *emitted), out.rows)
-
-    def _draft(self, block: torch.Tensor | None, generator: torch.Generator | None) -> None:
-        super()._draft(block, generator)
-        slots = 0 if block is None else len(block)  # block position j + 1 follows the token just chosen
-        self.sure = leading_run(self.confidence(block) >= self.taus[1: 1 + slots]) if slots else 0
+        proposal = None if out.proposal is None else out.proposal[n:]
+        return out.replace(new=(*out.new, *out.drafts[:n]), drafts=out.drafts[n:], proposal=proposal)
 
 
 def block_taus(cfg: DecodeConfig, taus: list[float] | None) -> torch.Tensor:
@@ -143,25 +135,53 @@ def block_taus(cfg: DecodeConfig, taus: list[float] | None) -> torch.Tensor:
     return torch.tensor((list(taus or []) + [tau] * k_max)[:k_max])
 
 
-@STRATEGIES.register("ntp", "plain decoding, one token per pass")
+def parse_static(tail: str, defaults: ModeDefaults) -> DecodeConfig:
+    plus, _, value, measure = mode_parts(tail)
+    if plus or measure:
+        raise ValueError(tail)
+    return DecodeConfig(mode="static", k=int(value) if value else DecodeConfig.k)
+
+
+def parse_confadapt(tail: str, defaults: ModeDefaults) -> DecodeConfig:
+    plus, drafts, value, measure = mode_parts(tail)
+    if drafts == "linear":
+        raise ValueError(tail)
+    drafting, lookup = parse_drafting(drafts or "linear", plus)
+    return DecodeConfig(mode="confadapt", tau=float(value) if value else None, k_max=defaults.k_max,
+                        confidence=measure or defaults.confidence, drafting=drafting, lookup=lookup)
+
+
+def confadapt_grammar() -> str:
+    return f"confadapt[+quadratic|+lookup|+quadratic+lookup][:TAU[:{'|'.join(CONFIDENCE.names())}]][@K]"
+
+
+# the built-in modes, in the order mode_grammar() and the CLI list them
+@register_mode("ntp", "plain decoding, one token per pass", aliases=("plain",))
 def _next_token(cfg: DecodeConfig, taus: tuple[float, ...] | None) -> Strategy:
     return NextToken(cfg)
 
 
-@STRATEGIES.register("static", "always emit k tokens (lossy)")
+@register_mode("static", "always emit k tokens (lossy)", parse=parse_static, grammar=lambda: "static:K")
 def _static(cfg: DecodeConfig, taus: tuple[float, ...] | None) -> Strategy:
     return StaticK(cfg)
 
 
-@STRATEGIES.register("confadapt", "emit the confident leading run of a k_max block (lossy; +quadratic or "
-                     "+lookup: verify the rest as drafts)")
+@register_mode("confadapt", "emit the confident leading run of a k_max block (lossy; +quadratic or +lookup: "
+               "verify the rest as drafts)", parse=parse_confadapt, grammar=confadapt_grammar, capped=True,
+               defaults=("k_max", "tau"))
 def _confadapt(cfg: DecodeConfig, taus: tuple[float, ...] | None) -> Strategy:
     hybrid = ConfidentVerified if cfg.verifies_rest() else ConfAdapt
     return hybrid(cfg, list(taus) if taus else None)
 
 
+register_mode("verified", "lossless: drafts from mask slots or heads, kept where the model agrees",
+              parse=parse_verified, grammar=verified_grammar, capped=True,
+              defaults=("k_max", "tau"))(build_verified)
+
+
 def make_strategy(cfg: DecodeConfig, thresholds: Thresholds | None = None) -> Strategy:
-    """Build the registered strategy for `cfg`; unset knobs (k_max, tau) come from the checkpoint's thresholds.
+    """Build the registered strategy for `cfg`; the knobs it takes from the checkpoint (ModeEntry.defaults:
+    k_max, tau), when unset, come from the checkpoint's thresholds.
 
     Calibrated per-position thresholds apply when the user set no tau and asks for the confidence measure
     they were calibrated with."""
@@ -169,12 +189,10 @@ def make_strategy(cfg: DecodeConfig, thresholds: Thresholds | None = None) -> St
     if cfg.needs_conversion() and thresholds is None:
         raise UserError(f"mode {cfg.mode!r} needs a converted model (one with an <mtp> token): run `mtplm train` first")
     thresholds, user_tau = thresholds or Thresholds(), cfg.tau
-    if cfg.mode in ("confadapt", "verified"):
-        cfg = dataclasses.replace(
-            cfg,
-            k_max=cfg.k_max if cfg.k_max is not None else thresholds.k_max,
-            tau=cfg.tau if cfg.tau is not None else thresholds.tau,
-        ).validate()
+    entry = mode_entry(cfg.mode)
+    unset = {name: getattr(thresholds, name) for name in entry.defaults if getattr(cfg, name) is None}
+    if entry.defaults:
+        cfg = dataclasses.replace(cfg, **unset).validate()
     calibrated = thresholds.tau_per_position is not None and user_tau is None
     calibrated = calibrated and cfg.confidence == thresholds.confidence
-    return STRATEGIES.get(cfg.mode)(cfg, thresholds.tau_per_position if calibrated else None)
+    return entry(cfg, thresholds.tau_per_position if calibrated else None)

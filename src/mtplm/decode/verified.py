@@ -23,11 +23,12 @@ from collections.abc import Sequence
 
 import torch
 
-from mtplm.config import DecodeConfig
+from mtplm.config import DRAFTING, LOOKUP_TOKENS, DecodeConfig, ModeDefaults
 from mtplm.decode.lookup import NgramLookup, merge_chain
 from mtplm.decode.protocol import Outcome, PassLogits, Plan, Strategy
 from mtplm.decode.sampling import leading_run, sample, speculative_accept, warp
-from mtplm.registry import STRATEGIES, WINDOWS
+from mtplm.masks import block_anchors
+from mtplm.registry import WINDOWS
 
 
 class Verified:
@@ -45,78 +46,71 @@ class Verified:
         self.quadratic = cfg.drafting == "quadratic"
         self.masks = cfg.drafting != "lookup"  # mask slots (or heads) draft; lookup alone: none
         self.lookup = NgramLookup() if cfg.lookup_tokens() else None
-        self.drafts: list[int] = []
-        self.proposal: torch.Tensor | None = None  # [len(drafts), V]: what each draft was drawn from
-        self.fed = 0
-        self.parents: tuple[int, ...] | None = None  # this pass's draft tree, when copied drafts branch off
-        self.nodes: list[int] = []  # its tokens: the chain's drafts, then the copied branch's
-        self.pending = 1  # committed tokens the next pass feeds before its drafts (uncached)
 
-    def plan(self, text: Sequence[int], budget: int) -> Plan:
+    def plan(self, text: Sequence[int], budget: int, last: Outcome | None) -> Plan:
+        """The previous pass's drafts (as many as fit this pass's window), with lookup beside or instead."""
+        drafts, proposal = (last.drafts, last.proposal) if last is not None else ((), None)
         k = max(1, min(self.window.size(len(text)), budget))
-        self.fed = min(len(self.drafts), k - 1)
-        chain, slots = tuple(self.drafts[: self.fed]), k - 1 if self.masks else 0
-        plain = Plan(k, chain, slots, self.quadratic)
-        self.parents = None
+        fed = min(len(drafts), k - 1)
+        chain, slots = tuple(drafts[:fed]), k - 1 if self.masks else 0
+        proposal = None if proposal is None else proposal[:fed]
+        plain = Plan(k, chain, slots, self.quadratic, proposal=proposal, drafted=fed)
         if self.lookup is None:
             return plain
-        blocks = plain.blocks() if slots else ()
+        blocks = block_anchors(fed, self.quadratic, False) if slots else ()
+        pending = len(last.new) if last is not None else 1  # committed tokens fed before the drafts
         copied = self.lookup.propose(text, copy_room(self.cfg.lookup_tokens(), budget,
-                                                     self.pending + len(chain) + len(blocks) * slots))
+                                                     pending + len(chain) + len(blocks) * slots))
         tokens, parents = merge_chain(chain, copied)
         if not tokens:
             return plain
         if not self.masks:  # the copied drafts alone: a chain, verified like mask drafts
-            self.drafts, self.fed, self.proposal = copied, len(copied), None
             return Plan(1 + len(copied), tuple(copied))
-        self.parents, self.nodes = (*range(-1, len(chain) - 1), *parents), [*chain, *tokens]
-        return Plan(max(k, 1 + len(copied)), tuple(self.nodes), slots, self.quadratic, self.parents, blocks)
+        tree = (*range(-1, len(chain) - 1), *parents)
+        nodes = (*chain, *tokens)
+        return Plan(max(k, 1 + len(copied)), nodes, slots, self.quadratic, tree, blocks, drafted=fed)
 
-    def choose(self, logits: PassLogits, generator: torch.Generator) -> Outcome:
-        if self.parents is not None:
-            return self._choose_tree(logits)
-        m = self.fed
-        drafts = torch.tensor(self.drafts[:m], dtype=torch.long)
+    def choose(self, plan: Plan, logits: PassLogits, generator: torch.Generator) -> Outcome:
+        if plan.parents is not None:
+            return self._choose_tree(plan, logits)
+        drafts = torch.tensor(plan.drafts, dtype=torch.long)
         if self.cfg.temperature == 0:
             target = logits.next_token.argmax(-1)  # [m+1]
-            kept = leading_run(target[:m] == drafts)
+            kept = leading_run(target[: len(drafts)] == drafts)
             token = int(target[kept])
         else:
             probs = self._warp(logits.next_token)
-            kept, token = speculative_accept(probs, drafts, self._proposal(drafts, probs), generator)
-        if m and self.masks:
-            self.window.update(m, kept)
-        self._draft(logits.block(kept, token), generator)
+            kept, token = speculative_accept(probs, drafts, self._proposal(plan, drafts, probs), generator)
+        if plan.drafted:
+            self.window.update(plan.drafted, kept)
         return Outcome(kept, (token,))
 
-    def _choose_tree(self, logits: PassLogits) -> Outcome:
+    def _choose_tree(self, plan: Plan, logits: PassLogits) -> Outcome:
         """Greedy: the longest path of the chain-and-copies tree the model agrees with."""
-        assert self.parents is not None
+        assert plan.parents is not None
         target = logits.next_token.argmax(-1).tolist()  # row 0: the last committed token; row i+1: node i
-        path = greedy_path(self.nodes, self.parents, target)
-        current = path[-1] if path else -1
-        if self.fed:
-            self.window.update(self.fed, sum(1 for i in path if i < self.fed))
-        token = target[current + 1]
-        self._draft(logits.block(current + 1, token), None)
+        path = greedy_path(plan.drafts, plan.parents, target)
+        if plan.drafted:
+            self.window.update(plan.drafted, sum(1 for i in path if i < plan.drafted))
         on_chain = path == list(range(len(path)))
+        token = target[path[-1] + 1 if path else 0]
         return Outcome(len(path), (token,), rows=None if on_chain else tuple(path))
 
-    def _proposal(self, drafts: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        """[m, V]: what each draft was drawn from (one-hot rows for copied drafts)."""
-        if len(drafts) and self.proposal is not None:
-            return self.proposal[: len(drafts)]
-        return torch.zeros(len(drafts), probs.shape[-1], dtype=probs.dtype).scatter_(1, drafts.view(-1, 1), 1.0)
-
-    def _draft(self, block: torch.Tensor | None, generator: torch.Generator | None) -> None:
+    def draft(self, outcome: Outcome, block: torch.Tensor | None, room: int,
+              generator: torch.Generator) -> Outcome:
         """The next pass's drafts: the block conditioned on exactly the committed text (if any)."""
         if block is None or not len(block):
-            self.drafts, self.proposal = [], None
-        elif self.cfg.temperature == 0:
-            self.drafts, self.proposal = block.argmax(-1).tolist(), None
-        else:
-            self.proposal = self._warp(block)
-            self.drafts = sample(self.proposal, generator).tolist()
+            return outcome
+        if self.cfg.temperature == 0:
+            return outcome.replace(drafts=tuple(block.argmax(-1).tolist()))
+        proposal = self._warp(block)
+        return outcome.replace(drafts=tuple(sample(proposal, generator).tolist()), proposal=proposal)
+
+    def _proposal(self, plan: Plan, drafts: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """[m, V]: what each draft was drawn from (one-hot rows for copied drafts)."""
+        if len(drafts) and plan.proposal is not None:
+            return plan.proposal
+        return torch.zeros(len(drafts), probs.shape[-1], dtype=probs.dtype).scatter_(1, drafts.view(-1, 1), 1.0)
 
     def _warp(self, logits: torch.Tensor) -> torch.Tensor:
         return warp(logits, self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
@@ -140,37 +134,42 @@ class TreeVerified:
     def __init__(self, cfg: DecodeConfig) -> None:
         self.window = WINDOWS.get(cfg.window)(cfg.k_max)
         self.widths = [int(w) for w in cfg.tree_widths.split(",")]
-        self.block: torch.Tensor | None = None  # [n, V]: the drafter's logits after the last committed token
-        self.nodes: list[tuple[int, int]] = []  # (token, parent) of this pass's tree
-        self.levels = 0  # its depth
         self.mask_blocks = False  # the block comes from mask slots fed after every node (not from heads)
 
-    def plan(self, text: Sequence[int], budget: int) -> Plan:
+    def plan(self, text: Sequence[int], budget: int, last: Outcome | None) -> Plan:
+        """A tree of the previous pass's block (Outcome.block, the drafter's logits after the last committed
+        token): the top tree_width tokens of each position under every node of the depth before."""
+        block = last.block if last is not None else None
         k = max(1, min(self.window.size(len(text)), budget))
         depth = mask_tree_depth(self.widths, k - 1) if self.mask_blocks else k - 1
-        self.levels = min(depth, 0 if self.block is None else len(self.block))
-        self.nodes, frontier = [], [-1]
-        block = self.block if self.block is not None else torch.empty(0, 0)  # no block: levels == 0
-        for d in range(self.levels):
+        levels = min(depth, 0 if block is None else len(block))
+        tokens: list[int] = []
+        parents: list[int] = []
+        frontier = [-1]
+        for d in range(levels):
+            assert block is not None
             top = block[d].topk(tree_width(self.widths, d)).indices.tolist()
-            frontier = [self._add(token, parent) for parent in frontier for token in top]
-        tokens, parents = tuple(t for t, _ in self.nodes), tuple(p for _, p in self.nodes)
-        return Plan(k, tokens, depth, quadratic=True, parents=parents if self.nodes else None)
+            frontier = [_add(tokens, parents, token, parent) for parent in frontier for token in top]
+        return Plan(k, tuple(tokens), depth, quadratic=True, parents=tuple(parents) if tokens else None,
+                    drafted=levels)
 
-    def _add(self, token: int, parent: int) -> int:
-        self.nodes.append((token, parent))
-        return len(self.nodes) - 1
-
-    def choose(self, logits: PassLogits, generator: torch.Generator) -> Outcome:
+    def choose(self, plan: Plan, logits: PassLogits, generator: torch.Generator) -> Outcome:
         self.mask_blocks = logits.mask_rows
         target = logits.next_token.argmax(-1).tolist()  # row 0: the last committed token; row i+1: node i
-        path = greedy_path([t for t, _ in self.nodes], [p for _, p in self.nodes], target)
-        current = path[-1] if path else -1
-        token = target[current + 1]
-        if self.nodes:
-            self.window.update(self.levels, len(path))
-        self.block = logits.block(current + 1, token)
-        return Outcome(len(path), (token,), rows=tuple(path))
+        path = greedy_path(plan.drafts, plan.parents or (), target)
+        if plan.drafts:
+            self.window.update(plan.drafted, len(path))
+        return Outcome(len(path), (target[path[-1] + 1 if path else 0],), rows=tuple(path))
+
+    def draft(self, outcome: Outcome, block: torch.Tensor | None, room: int,
+              generator: torch.Generator) -> Outcome:
+        return outcome.replace(block=block)
+
+
+def _add(tokens: list[int], parents: list[int], token: int, parent: int) -> int:
+    tokens.append(token)
+    parents.append(parent)
+    return len(tokens) - 1
 
 
 def greedy_path(tokens: Sequence[int], parents: Sequence[int], target: Sequence[int]) -> list[int]:
@@ -211,6 +210,35 @@ def mask_tree_depth(widths: list[int], most: int) -> int:
     return max(fits, default=1)
 
 
-@STRATEGIES.register("verified", "lossless: drafts from mask slots or heads, kept where the model agrees")
-def _verified(cfg: DecodeConfig, taus: tuple[float, ...] | None) -> Strategy:
+def mode_parts(tail: str) -> tuple[bool, str, str, str]:
+    """A mode string after its name, e.g. `+quadratic:0.9:top1` -> (True, "quadratic", "0.9", "top1")."""
+    head, _, rest = tail.partition(":")
+    value, _, measure = rest.partition(":")
+    return head.startswith("+"), head[1:], value, measure
+
+
+def parse_drafting(spec: str, after_plus: bool = False) -> tuple[str, int]:
+    """(drafting, lookup) of e.g. `quadratic+lookup`; after a `+`, `lookup` alone means linear + copies."""
+    drafting, plus, extra = spec.partition("+")
+    if after_plus and drafting == "lookup" and not plus:
+        return "linear", LOOKUP_TOKENS
+    if plus and (extra != "lookup" or drafting == "lookup"):
+        raise ValueError(spec)
+    return drafting, LOOKUP_TOKENS if plus else 0
+
+
+def parse_verified(tail: str, defaults: ModeDefaults) -> DecodeConfig:
+    plus, _, value, window = mode_parts(tail)
+    if plus:
+        raise ValueError(tail)
+    drafting, lookup = parse_drafting(value or "linear")
+    return DecodeConfig(mode="verified", k_max=defaults.k_max, drafting=drafting,
+                        window=window or defaults.window, lookup=lookup)
+
+
+def verified_grammar() -> str:
+    return f"verified[:{'|'.join(DRAFTING)}[+lookup][:{'|'.join(WINDOWS.names())}]][@K]"
+
+
+def build_verified(cfg: DecodeConfig, taus: tuple[float, ...] | None) -> Strategy:
     return TreeVerified(cfg) if cfg.drafting == "tree" else Verified(cfg)
