@@ -39,3 +39,12 @@ def test_shipped_checkpoint_emits_several_tokens_per_forward_at_a_low_threshold(
     out = generate(shipped, ids, DecodeConfig(mode="confadapt", tau=0.3, max_new_tokens=48))
     assert out.tokens_per_forward > 1.2
     assert shipped.meta.k_max >= 2 and 0 < shipped.meta.thresholds["tau"] <= 1
+
+
+def test_the_class_loader_reads_a_shipped_name_as_load_model_does(shipped):
+    """One loader: `MTPModel.load` is `load_model`, shipped names included (it once failed on them)."""
+    from mtplm.model import MTPModel
+
+    model = MTPModel.load("smollm2-135m-mtp")
+    assert model.meta == shipped.meta
+    assert torch.equal(model.hf.get_input_embeddings().weight, shipped.hf.get_input_embeddings().weight)
