@@ -237,10 +237,11 @@ def _setup(args) -> None:
 
 
 def _train(args) -> None:
+    from mtplm.train.checks import check_train_config
     from mtplm.train.trainer import train
 
     settings = args.settings + ([f"resume={args.resume}"] if args.resume else [])
-    cfg = load_train_config(args.config, settings).validate()
+    cfg = check_train_config(load_train_config(args.config, settings))
     checkpoint = train(cfg, progress=not args.quiet)
     if checkpoint is not None:  # None on the other ranks of a torchrun job: rank 0 writes the checkpoint
         print(f"checkpoint: {checkpoint}")

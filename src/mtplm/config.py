@@ -305,13 +305,8 @@ class TrainConfig:
             raise UserError("save_every, log_every and val_every must be >= 1")
         if self.data_texts < 0 or self.predict_texts < 0 or self.predict_max_new_tokens < 1:
             raise UserError("data_texts and predict_texts must be >= 0, predict_max_new_tokens >= 1")
-        from mtplm.train.mix import parse_mix  # pure parsers; the mix's loading and the replay live above config
-        from mtplm.train.predict import replay_mode
-        parse_mix(self.data)
         lora_targets(self.lora_targets)
-        for mode in filter(str.strip, self.predict_modes.split(",")):
-            replay_mode(mode, self.k_max)
-        return self
+        return self  # the data mix and the replayed modes are train's rules: train.checks checks them
 
 
 LORA_GROUPS = {"all": DEFAULT_TARGETS, "attn": DEFAULT_TARGETS[:4], "mlp": DEFAULT_TARGETS[4:]}

@@ -89,10 +89,11 @@ def test_training_and_the_held_out_score_refuse_to_replay_the_hybrid():
     """The replay (training log, sweep score) has no model of the hybrid: asking for one is a clear error."""
     from mtplm.bench.heldout import ScoreSettings
     from mtplm.config import TrainConfig
+    from mtplm.train.checks import check_train_config
 
     with pytest.raises(UserError, match="the replay has no model of ConfAdapt over verified drafts"):
-        TrainConfig(predict_modes="verified,confadapt+quadratic").validate()
+        check_train_config(TrainConfig(predict_modes="verified,confadapt+quadratic"))
     with pytest.raises(UserError, match="the replay has no model of ConfAdapt over verified drafts"):
         ScoreSettings(modes="verified,confadapt+lookup").validate()  # the sweep's held-out score replays too
-    TrainConfig(predict_modes="verified,verified:quadratic+lookup,confadapt").validate()
+    check_train_config(TrainConfig(predict_modes="verified,verified:quadratic+lookup,confadapt"))
     ScoreSettings(modes="verified:quadratic+lookup,confadapt").validate()

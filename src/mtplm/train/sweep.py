@@ -38,6 +38,7 @@ import tomllib
 
 from mtplm.config import TrainConfig, override
 from mtplm.errors import UserError
+from mtplm.train.checks import check_train_config
 
 ALIASES = {"texts": "data_texts", "rank": "lora_rank", "projections": "lora_targets", "teacher": "objective"}
 NOT_KNOBS = ("out", "resume", "model", "method", "device", "parallel", "threads")  # the sweep or the machine sets these
@@ -127,7 +128,7 @@ def config(sweep: Sweep, variant: Variant) -> TrainConfig:
     pairs = [f"{k}={v}" for k, v in {**sweep.base, **variant.settings}.items()]
     pairs += [f"out={out}", "resume=auto", f"self_gen_cache={sweep.runs / 'selfgen.jsonl'}"]
     try:
-        return override(TrainConfig(), pairs).validate()
+        return check_train_config(override(TrainConfig(), pairs))
     except UserError as exc:
         raise UserError(f"variant {variant.name}: {exc}") from None
 

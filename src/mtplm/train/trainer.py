@@ -27,6 +27,7 @@ from mtplm.errors import UserError
 from mtplm.model import MTPModel
 from mtplm.registry import HEAD_FORMS, OBJECTIVES, TRAINABLE
 from mtplm.train import checkpoint
+from mtplm.train.checks import check_train_config
 from mtplm.train.data import BatchStream, collate, load_samples
 from mtplm.train.distributed import (
     World,
@@ -183,7 +184,7 @@ class StudentLoss(nn.Module):
 
 def train(cfg: TrainConfig, progress: bool = True) -> Path | None:
     """Train, save and check a converted model; its checkpoint (None on ranks other than 0 under torchrun)."""
-    cfg.validate()
+    check_train_config(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if cfg.method == "heads":
