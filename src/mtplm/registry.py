@@ -82,4 +82,6 @@ BACKENDS: Registry = Registry("backend", "mtplm.decode.backends", "mtplm.decode.
 # training
 OBJECTIVES: Registry = Registry("objective", "mtplm.train.objectives")
 TRAINABLE: Registry = Registry("trainable variant", "mtplm.train.recipes")
-HEAD_FORMS: Registry = Registry("head form", "mtplm.heads.forms", "mtplm.heads.eagle3")
+HEAD_FORMS: Registry = Registry("head form", "mtplm.heads.forms", "mtplm.heads.eagle3")  # model builders
+# each head form's training function, under the form's name, registered beside the training code
+HEAD_TRAINERS: Registry = Registry("head-form trainer", "mtplm.heads.train", "mtplm.heads.eagle3_train")

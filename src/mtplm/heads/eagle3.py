@@ -319,9 +319,3 @@ class Eagle3Form:
     @staticmethod
     def build(config: dict) -> nn.Module:
         return Eagle3Drafter(**{key: value for key, value in config.items() if key != "form"})
-
-    @staticmethod
-    def train(cfg, progress: bool = True):
-        from mtplm.heads.eagle3_train import train_eagle3  # the trainer imports this module
-
-        return train_eagle3(cfg, progress)

@@ -73,19 +73,14 @@ class Depth(nn.Module):
 class BlockForm:
     """A form made of K-1 blocks on the trunk's final state (`Heads`), trained by heads.train.
 
-    Every HEAD_FORMS entry builds its module from a checkpoint's recorded config (`build`) and trains it
-    (`train`); the two block forms share both and differ in their blocks, training states and drafting.
+    Every HEAD_FORMS entry builds its module from a checkpoint's recorded config (`build`); its trainer is
+    registered under the same name in HEAD_TRAINERS, beside the training code. The two block forms share the
+    builder and differ in their blocks, training states and drafting.
     """
 
     @staticmethod
     def build(config: dict) -> nn.Module:
         return Heads(**config)
-
-    @staticmethod
-    def train(cfg, progress: bool = True):
-        from mtplm.heads.train import train_heads  # train.py imports this module
-
-        return train_heads(cfg, progress)
 
 
 class Medusa(BlockForm):

@@ -37,6 +37,7 @@ from mtplm.files import atomic_file
 from mtplm.heads.forms import Heads, head_lr_scale, head_weights
 from mtplm.heads.resume import Loop, restore, save, saved_state
 from mtplm.model import MTPModel
+from mtplm.registry import HEAD_TRAINERS
 from mtplm.train.checkpoint import ComputeClock, MetricsLog
 from mtplm.train.data import Sample, row_ids
 
@@ -335,3 +336,7 @@ def _fit(cfg: TrainConfig, trainer, train_rows: list[TrunkRow], val_batches: lis
                            "continue with resume=auto")
                 raise KeyboardInterrupt
     return val
+
+
+for _form in ("medusa", "sequential"):
+    HEAD_TRAINERS.register(_form, "heads on the cached trunk states, one block per future token")(train_heads)

@@ -25,7 +25,7 @@ from mtplm.bench.plots import training_curves
 from mtplm.config import Thresholds, TrainConfig, as_dict
 from mtplm.errors import UserError
 from mtplm.model import MTPModel
-from mtplm.registry import HEAD_FORMS, OBJECTIVES, TRAINABLE
+from mtplm.registry import HEAD_TRAINERS, OBJECTIVES, TRAINABLE
 from mtplm.train import checkpoint
 from mtplm.train.checks import check_train_config
 from mtplm.train.data import BatchStream, collate, load_samples
@@ -191,7 +191,7 @@ def train(cfg: TrainConfig, progress: bool = True) -> Path | None:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise UserError("method=heads trains small heads on cached trunk states in one process: run it "
                             "without torchrun")
-        return HEAD_FORMS.get(cfg.head_form).train(cfg, progress)
+        return HEAD_TRAINERS.get(cfg.head_form)(cfg, progress)
     world = init_world(cfg.device, cfg.parallel, cfg.batch_size)
     try:
         with torch.device(world.device):  # every tensor the loop makes lives where the model does
