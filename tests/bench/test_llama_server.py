@@ -175,7 +175,7 @@ def test_self_generation_on_llama_server_caches_exactly_what_the_server_decodes(
     from mtplm.assets.datasets import prompt_set
     from mtplm.config import TrainConfig
     from mtplm.text import chat_prompt_ids
-    from mtplm.train.data import self_generate
+    from mtplm.train.sources import self_generate
 
     tokenizer = AutoTokenizer.from_pretrained(BASE)
     cfg = TrainConfig(self_gen_engine="llama-server", self_gen_batch=1, self_gen_max_new_tokens=12, seq_len=256)

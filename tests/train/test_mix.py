@@ -18,8 +18,9 @@ from mtplm.cli import main
 from mtplm.config import TrainConfig
 from mtplm.errors import UserError
 from mtplm.train.checks import check_train_config
-from mtplm.train.data import BatchStream, load_samples, self_generate
+from mtplm.train.data import BatchStream, load_samples
 from mtplm.train.mix import Pool, Source, counts, packaged_rows, parse_mix
+from mtplm.train.sources import self_generate
 
 
 def _unique_rows(n: int, seed: int) -> list[dict]:

@@ -177,7 +177,7 @@ def load_mix(spec: str, tokenizer, hf_model, run_dir: Path, cfg, to_sample) -> l
     """Every sample of the mix `spec`, `self` last (see the module doc). `to_sample(row, number)` makes the
     Samples of one row (data.py)."""
     from mtplm.assets.contamination import eval_index
-    from mtplm.train.data import read_rows, self_generate
+    from mtplm.train.sources import read_rows, self_generate
 
     sources = ordered(parse_mix(spec))
     lone_file = len(sources) == 1 and sources[0].kind in FILES and not cfg.data_texts
