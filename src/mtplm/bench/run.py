@@ -18,13 +18,13 @@ from tqdm import tqdm
 from mtplm.bench import llama_server
 from mtplm.bench.cost import Assumptions, cost_markdown
 from mtplm.bench.machine import PeakMemory, machine
-from mtplm.bench.plots import bench_plot
 from mtplm.bench.predicted import markdown as predicted_markdown
 from mtplm.bench.predicted import predicted_rows
 from mtplm.bench.tasks import humaneval_problems, score_example
 from mtplm.config import DecodeConfig, mode_grammar, parse_mode
 from mtplm.errors import UserError
 from mtplm.options import add_backend_argument, add_dtype_argument
+from mtplm.plots import bench_plot
 from mtplm.registry import CONFIDENCE
 
 DEFAULT_MODES = ("ntp,static:2,static:4,confadapt:0.99,confadapt:0.95,confadapt:0.9,confadapt:0.8,"

@@ -272,7 +272,7 @@ def _train_heads(cfg: TrainConfig, progress: bool, form, clock: ComputeClock) ->
     import resource
 
     from mtplm.assets.models import cache_dir, model_identity, resolve_model
-    from mtplm.bench.plots import training_curves
+    from mtplm.plots import training_curves
     from mtplm.train.data import load_samples
 
     torch.manual_seed(cfg.seed)

@@ -19,7 +19,7 @@ only looks there), so no teacher forward is needed. Row r is the block whose slo
 
 The replay then steps through each answer exactly as the loop (decode/loop.py) and the strategies
 (verified.py, strategies.py) do, with the decoder's own window objects (WINDOWS), counting tokens, passes
-and the rows each pass feeds (the rows price a pass on a measured cost curve, bench/passcost.py).
+and the rows each pass feeds (the rows price a pass on a measured cost curve, decode/passcost.py).
 ConfAdapt is replayed on the greedy text: after a confident wrong token the real decoder diverges from it,
 which at the calibrated 99 % agreement is rare.
 """

@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from mtplm.bench.passcost import curve_for
-from mtplm.bench.plots import training_curves
 from mtplm.config import Thresholds, TrainConfig, as_dict
+from mtplm.decode.passcost import curve_for
 from mtplm.errors import UserError
 from mtplm.model import MTPModel
+from mtplm.plots import training_curves
 from mtplm.registry import HEAD_TRAINERS, OBJECTIVES, TRAINABLE
 from mtplm.train import checkpoint
 from mtplm.train.checks import check_train_config
@@ -298,7 +298,7 @@ def _split(cfg: TrainConfig, world: World, model: MTPModel,
 
 def _predictor(cfg: TrainConfig, world: World, model: MTPModel, val_samples: list) -> Predictor | None:
     """The decode predictor over the held-out samples (rank 0 of an unsharded run), with the pass-cost curve
-    that prices its modes (bench/passcost.py)."""
+    that prices its modes (decode/passcost.py)."""
     if not cfg.predict_texts or world.sharded or not world.main:
         return None
     cost = curve_for(cfg.pass_cost, model)
