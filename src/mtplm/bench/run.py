@@ -23,6 +23,7 @@ from mtplm.bench.predicted import predicted_rows
 from mtplm.bench.tasks import humaneval_problems, score_example
 from mtplm.config import DecodeConfig, mode_grammar, parse_mode
 from mtplm.errors import UserError
+from mtplm.llamacpp.server import BaselineOutput
 from mtplm.options import add_backend_argument, add_dtype_argument
 from mtplm.plots import bench_plot
 from mtplm.registry import CONFIDENCE
@@ -236,7 +237,7 @@ def _one_prompt(model, example, ids: list[int], modes: list, runners: dict, base
                                     scorer(example, out.tokens)))
     for name, (run, _) in baselines.items():
         with PeakMemory() as mem:
-            got = llama_server.BaselineOutput(*run(ids))
+            got = BaselineOutput(*run(ids))
         rss_mb = got.peak_rss_mb or mem.peak / 2**20  # an engine in its own process reports its own
         records[name].append(Record(source, got.tokens, got.seconds, [], got.ttft_s, rss_mb,
                                     scorer(example, got.tokens), got.passes))

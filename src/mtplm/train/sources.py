@@ -87,7 +87,7 @@ def _answerer(hf_model, tokenizer, cfg) -> Iterator:
     if cfg.self_gen_engine == "hf":
         yield (lambda chunk: _answer(hf_model, tokenizer, chunk, cfg)), cfg.self_gen_batch
         return
-    from mtplm.bench.llama_server import LlamaServer, f16_gguf
+    from mtplm.llamacpp.server import LlamaServer, f16_gguf
 
     base = Path(getattr(hf_model, "name_or_path", "") or ".")
     if not (base / "config.json").is_file():

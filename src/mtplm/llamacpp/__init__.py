@@ -1,6 +1,7 @@
 """The llama.cpp install that `scripts/install_llama_server.sh` puts in `$MTPLM_HOME/llama.cpp`: where its
 `llama-server` and its matching `convert_hf_to_gguf.py` are, and one way to run that converter (atomically, a
-failure reported with the converter's own last lines). Used by `mtplm bench --llama-server` (bench/) and by
+failure reported with the converter's own last lines); server.py runs the server. Used by `mtplm bench
+--llama-server` (bench/), by training's self-generation (train/sources.py) and by
 `mtplm export --format gguf-eagle3` (heads/); it imports neither.
 """
 
