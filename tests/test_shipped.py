@@ -8,6 +8,7 @@ import torch
 from mtplm.assets import models as assets
 from mtplm.config import DecodeConfig
 from mtplm.decode.loop import generate
+from mtplm.files import home
 from mtplm.model import load_model
 from mtplm.modelio import SHIPPED
 from mtplm.text import chat_prompt_ids
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.slow
 def shipped():
     if not (SHIPPED / "smollm2-135m-mtp" / "mtplm.json").is_file():
         pytest.skip("no shipped checkpoint in this checkout")
-    if not (assets.cache_dir() / "models" / assets.DEFAULT_MODEL / "config.json").is_file():
+    if not (home() / "models" / assets.DEFAULT_MODEL / "config.json").is_file():
         pytest.skip("default model not installed: run `mtplm setup`")
     return load_model("smollm2-135m-mtp", "fp32")
 

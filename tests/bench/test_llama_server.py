@@ -15,10 +15,11 @@ from mtplm.bench import llama_server
 from mtplm.bench.llama_server import Variant, parse_variants
 from mtplm.cli import main
 from mtplm.errors import UserError
+from mtplm.files import home
 from mtplm.llamacpp.server import LlamaServer, LlamaServerError, cut_at_stop, f16_gguf
 
 BINARY = llamacpp.install_dir() / "bin" / "llama-server"  # read before any test points MTPLM_HOME elsewhere
-BASE = assets.cache_dir() / "models" / assets.DEFAULT_MODEL
+BASE = home() / "models" / assets.DEFAULT_MODEL
 
 
 def test_variants_bring_their_plain_row_and_bad_ones_are_refused():

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from mtplm.config import TrainConfig, as_dict
-from mtplm.files import atomic_file
+from mtplm.files import atomic_file, home
 from mtplm.heads.forms import Heads, head_lr_scale, head_weights
 from mtplm.heads.resume import Loop, restore, save, saved_state
 from mtplm.model import MTPModel
@@ -271,7 +271,7 @@ def train_heads(cfg: TrainConfig, progress: bool = True, form=BlockTraining) -> 
 def _train_heads(cfg: TrainConfig, progress: bool, form, clock: ComputeClock) -> Path:
     import resource
 
-    from mtplm.assets.models import cache_dir, model_identity, resolve_model
+    from mtplm.assets.models import model_identity, resolve_model
     from mtplm.plots import training_curves
     from mtplm.train.data import load_samples
 
@@ -281,7 +281,7 @@ def _train_heads(cfg: TrainConfig, progress: bool, form, clock: ComputeClock) ->
     (run_dir / "config.json").write_text(json.dumps(as_dict(cfg), indent=2) + "\n")
     model = MTPModel.load(cfg.model, dtype=cfg.dtype)
     samples = load_samples(cfg.data, model.tokenizer, model.hf, run_dir, cfg)
-    rows = trunk_states(model, samples, cfg.seq_len, progress, cache_dir() / "trunk", form.layers(cfg, model))
+    rows = trunk_states(model, samples, cfg.seq_len, progress, home() / "trunk", form.layers(cfg, model))
     num_val = max(1, int(len(rows) * cfg.val_fraction))
     train_rows, val_rows = (rows[:-num_val] or rows), rows[-num_val:]
     val_batches = [HeadBatch.of(val_rows[i: i + cfg.batch_size]) for i in range(0, len(val_rows), cfg.batch_size)]

@@ -11,15 +11,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mtplm.assets.models import cache_dir
 from mtplm.errors import UserError
-from mtplm.files import atomic_file
+from mtplm.files import atomic_file, home
 
 INSTALL_HINT = "run scripts/install_llama_server.sh (builds it in about 6 min on 2 cores)"
 
 
 def install_dir() -> Path:
-    return cache_dir() / "llama.cpp"
+    return home() / "llama.cpp"
 
 
 def server_binary() -> Path:

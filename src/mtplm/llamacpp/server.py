@@ -21,8 +21,9 @@ from typing import NamedTuple, NoReturn
 
 import psutil
 
-from mtplm.assets.models import cache_dir, say
+from mtplm.assets.models import say
 from mtplm.errors import UserError
+from mtplm.files import home
 from mtplm.llamacpp import convert, converter, server_binary
 
 EAGLE3 = "eagle3"  # the benched checkpoint's own drafter, converted to a GGUF: --spec-type draft-eagle3
@@ -183,7 +184,7 @@ def cut_at_stop(tokens: list[int], stops: list[int]) -> list[int]:
 def f16_gguf(base: Path, progress: bool = True) -> Path:
     """An f16 GGUF of an HF model directory, converted once by the installed llama.cpp converter and cached as
     `$MTPLM_HOME/gguf/<directory name>-f16.gguf` (written atomically)."""
-    target = cache_dir() / "gguf" / f"{base.name}-f16.gguf"
+    target = home() / "gguf" / f"{base.name}-f16.gguf"
     if target.is_file():
         return target
     converter()  # not installed: say so before announcing a conversion
