@@ -57,6 +57,7 @@ def _fake_binary(tmp_path, body: str):
     return path
 
 
+@pytest.mark.process
 def test_a_server_that_exits_raises_with_its_log_tail(tmp_path):
     fake = _fake_binary(tmp_path, "echo 'error: failed to load model'; exit 1")
     server = LlamaServer(tmp_path / "model.gguf", threads=1, context=256, binary=fake)
@@ -66,6 +67,7 @@ def test_a_server_that_exits_raises_with_its_log_tail(tmp_path):
     server.log.unlink()
 
 
+@pytest.mark.process
 def test_a_server_that_never_answers_is_stopped_within_the_bounded_wait(tmp_path):
     fake = _fake_binary(tmp_path, "echo 'loading forever'; exec sleep 600")
     server = LlamaServer(tmp_path / "model.gguf", threads=1, context=256, binary=fake, startup_timeout_s=1.0)
@@ -77,6 +79,7 @@ def test_a_server_that_never_answers_is_stopped_within_the_bounded_wait(tmp_path
     server.log.unlink()
 
 
+@pytest.mark.process
 def test_sigterm_to_a_command_stops_its_server_and_exits_with_one_line(tmp_path):
     """A run stopped with SIGTERM (a scheduler, `kill`) while it holds a llama-server, e.g. during
     self-generation, stops that server on its way out instead of leaving it running."""
