@@ -10,8 +10,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import tomllib
-
+from mtplm.compat import tomllib
 from mtplm.errors import UserError
 from mtplm.registry import CONFIDENCE, HEAD_FORMS, OBJECTIVES, STRATEGIES, TRAINABLE, WINDOWS
 

@@ -33,8 +33,7 @@ import itertools
 import json
 from pathlib import Path
 
-import tomllib
-
+from mtplm.compat import tomllib
 from mtplm.config import TrainConfig, override
 from mtplm.errors import UserError
 from mtplm.train.checks import check_train_config
