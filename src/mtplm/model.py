@@ -14,6 +14,7 @@ import os
 import threading
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -41,7 +42,7 @@ class MTPModel:
         self.tokenizer = tokenizer
         self.meta = meta
         self.gate = gate
-        self.heads = None  # method "heads": heads.forms.Heads, or heads.eagle3.Eagle3Drafter
+        self.heads: Any = None  # method "heads": heads.forms.Heads, or heads.eagle3.Eagle3Drafter
         self._adapters_on = True
 
     # ---- construction -------------------------------------------------------------------------

@@ -247,7 +247,9 @@ class _Scorer:
     """Task metrics of a decoded output, computed once per distinct (prompt, output) and never timed."""
 
     def __init__(self, tokenizer, enabled: bool) -> None:
-        self.tokenizer, self.enabled, self.seen, self.problems = tokenizer, enabled, {}, None
+        self.tokenizer, self.enabled = tokenizer, enabled
+        self.seen: dict = {}
+        self.problems: dict | None = None
 
     def __call__(self, example, tokens: list[int]) -> dict[str, float]:
         if not self.enabled:

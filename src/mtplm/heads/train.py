@@ -220,7 +220,7 @@ class HeadTrainer:
         """Per-head top-1 agreement with the trunk's greedy token, and the verified-decoding estimate:
         1 + the leading run of heads 2..K that are right, per row (a linear-window pass's yield)."""
         k_max = self.heads.k
-        right = [[] for _ in range(k_max + 1)]
+        right: list[list[float]] = [[] for _ in range(k_max + 1)]
         runs, gaps = [], []
         for batch in batches:
             states = self.heads.states(batch.hidden, batch.tokens, self._embed)

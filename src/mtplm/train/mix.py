@@ -137,12 +137,13 @@ class Pool:
     """Collects the texts of a mix: deduplicated, eval-checked, counted per source."""
 
     def __init__(self, index) -> None:
-        self.index, self.seen, self.report = index, set(), []
+        self.index, self.seen, self.report = index, set[str](), list[str]()
 
     def take(self, source: Source, rows: Iterator[dict], wanted: int | None, to_sample) -> list:
         from mtplm.assets.contamination import normalized
 
-        samples, dropped_eval, duplicates, empty = [], 0, 0, 0
+        samples: list = []
+        dropped_eval, duplicates, empty = 0, 0, 0
         for number, row in enumerate(rows, 1):
             if wanted is not None and len(samples) >= wanted:
                 break
