@@ -73,6 +73,7 @@ class MTPModel:
 
     def attach_gated_lora(self, rank: int, alpha: float) -> None:
         self.attach_adapters(rank, alpha)
+        assert self.meta is not None, "add_mask_token first"
         self.meta.trainable, self.meta.lora_rank, self.meta.lora_alpha = "gated-lora", rank, alpha
 
     def attach_adapters(self, rank: int, alpha: float) -> None:
@@ -114,6 +115,7 @@ class MTPModel:
         """For inference: adapters in the base dtype, so the forward pass casts nothing."""
         for p in lora.adapter_parameters(self.hf):
             p.data = p.data.to(dtype)
+        assert self.gate is not None, "attach_adapters first"
         self.gate.dtype = dtype
 
     # ---- forward --------------------------------------------------------------------------------
@@ -201,7 +203,7 @@ class MTPModel:
             return
         self.gate.rows = None
         if self._adapters_on:
-            is_mask = input_ids == self.meta.mask_id  # [B, S]
+            is_mask = input_ids.eq(self.mask_id)  # [B, S]
             if bool(is_mask.any()):
                 self.gate.open(is_mask)
         try:
@@ -291,8 +293,8 @@ def _load_heads(model: MTPModel, path: Path, meta: MTPMeta) -> MTPModel:
 def _apply_delta(model: MTPModel, path: Path, meta: MTPMeta) -> MTPModel:
     delta = load_file(path / DELTA_FILE)
     model.add_mask_token(meta.k_max, meta.base_model)
-    if model.meta.mask_id != meta.mask_id:
-        raise UserError(f"{path}: mask id {meta.mask_id} does not match the base tokenizer ({model.meta.mask_id})")
+    if model.mask_id != meta.mask_id:
+        raise UserError(f"{path}: mask id {meta.mask_id} does not match the base tokenizer ({model.mask_id})")
     with torch.no_grad():
         model.hf.get_input_embeddings().weight[meta.mask_id] = delta.pop("mask_embedding")
         if "mask_head_row" in delta:

@@ -186,7 +186,7 @@ def start_servers(args, model, prompts: list[list[int]], stops: list[int]) -> Se
             if variant.drafter == EAGLE3:
                 server.draft_model, server.draft_max = drafter, model.heads.k - 1
                 server.draft_p_min = variant.p_min
-                server.draft_mb = round(drafter.stat().st_size / 2**20, 1)
+                server.draft_mb = round(drafter.stat().st_size / 2**20, 1) if drafter else None
             started.servers[variant] = server.start()
             server.complete(prompts[0], 8, stops)  # warm-up, excluded from the summary
     except BaseException:

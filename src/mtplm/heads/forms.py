@@ -16,6 +16,7 @@ Shapes: B batch, T tokens, D hidden, V vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -91,7 +92,7 @@ class Medusa(BlockForm):
         return ResidualBlock(dim)
 
     @staticmethod
-    def states(blocks: nn.ModuleList, h: torch.Tensor, tokens: torch.Tensor, embed: nn.Module) -> list[torch.Tensor]:
+    def states(blocks: nn.ModuleList, h: torch.Tensor, tokens: torch.Tensor, embed: Callable) -> list[torch.Tensor]:
         return [block(h) for block in blocks]
 
     @staticmethod
@@ -107,7 +108,7 @@ class Sequential(BlockForm):
         return Depth(dim, intermediate)
 
     @staticmethod
-    def states(blocks: nn.ModuleList, h: torch.Tensor, tokens: torch.Tensor, embed: nn.Module) -> list[torch.Tensor]:
+    def states(blocks: nn.ModuleList, h: torch.Tensor, tokens: torch.Tensor, embed: Callable) -> list[torch.Tensor]:
         out, x = [], h
         for d, block in enumerate(blocks, start=1):
             ahead = torch.cat([tokens[:, d:], tokens[:, -1:].expand(-1, d)], 1)  # [B, T]: token t+d
@@ -144,7 +145,7 @@ class Heads(nn.Module):
     def config(self) -> dict:
         return {"form": self.form, "k": self.k, "dim": self.dim, "intermediate": self.intermediate}
 
-    def states(self, h: torch.Tensor, tokens: torch.Tensor, embed: nn.Module) -> list[torch.Tensor]:
+    def states(self, h: torch.Tensor, tokens: torch.Tensor, embed: Callable) -> list[torch.Tensor]:
         """Training: [B, T, D] per head k = 2..K; row t of head k predicts token t+k.
 
         The sequential chain is teacher-forced: depth d at row t reads the true token t+d (rows whose

@@ -27,6 +27,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -172,7 +173,8 @@ class HeadTrainer:
         start = self.supervised(batch, progress)
         weights = head_weights(k_max, cfg.head_alpha, progress)
         states = self.heads.states(batch.hidden, batch.tokens, self._embed)
-        grads, stats = [], {"loss": 0.0, "agreement": [1.0], "consistency": 0.0, "supervised": []}
+        grads: list[torch.Tensor] = []
+        stats: dict[str, Any] = {"loss": 0.0, "agreement": [1.0], "consistency": 0.0, "supervised": []}
         previous = self._expected(self.logits(1, batch.hidden)).detach() if cfg.consistency_weight else None
         for k, x in enumerate(states, start=2):
             valid = batch.valid(k)
@@ -186,6 +188,7 @@ class HeadTrainer:
             if cfg.consistency_weight:
                 expected = torch.zeros_like(x)
                 expected[valid] = self._expected(logits)
+                assert previous is not None  # set above whenever consistency_weight is
                 nearer = torch.cat([previous[:, 1:], previous[:, -1:]], 1)  # E_{t+1}[head k-1]
                 gap = (expected - nearer).pow(2).mean(-1) / self.embed_scale
                 cons = (gap * train_rows).sum() / max(1, int(train_rows.sum()))
@@ -220,7 +223,7 @@ class HeadTrainer:
         """Per-head top-1 agreement with the trunk's greedy token, and the verified-decoding estimate:
         1 + the leading run of heads 2..K that are right, per row (a linear-window pass's yield)."""
         k_max = self.heads.k
-        right: list[list[float]] = [[] for _ in range(k_max + 1)]
+        right: list[list[torch.Tensor]] = [[] for _ in range(k_max + 1)]
         runs, gaps = [], []
         for batch in batches:
             states = self.heads.states(batch.hidden, batch.tokens, self._embed)
@@ -294,6 +297,7 @@ def _train_heads(cfg: TrainConfig, progress: bool, form, clock: ComputeClock) ->
                state)
     log.close()
     model.attach_heads(heads, model_identity(resolve_model(cfg.model)), spec=cfg.model)
+    assert model.meta is not None  # attach_heads sets it
     model.meta.training = {"config": as_dict(cfg), "steps": cfg.steps, "samples": len(samples),
                            "compute": clock.totals(), "final_val": val,
                            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}

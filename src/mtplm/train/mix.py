@@ -182,11 +182,12 @@ def load_mix(spec: str, tokenizer, hf_model, run_dir: Path, cfg, to_sample) -> l
 
     sources = ordered(parse_mix(spec))
     lone_file = len(sources) == 1 and sources[0].kind in FILES and not cfg.data_texts
-    wanted = [None] if lone_file else counts(sources, cfg.data_texts or cfg.self_gen_prompts)
+    wanted: list[int | None] = [None] if lone_file else list(counts(sources, cfg.data_texts or cfg.self_gen_prompts))
     pool = Pool(eval_index())
     samples = []
     for source, n in zip(sources, wanted, strict=True):
         if source.kind == "self":
+            assert n is not None  # a count is None only for a lone file
             cache = Path(cfg.self_gen_cache) if cfg.self_gen_cache else run_dir / "selfgen.jsonl"
             rows = iter(self_generate(hf_model, tokenizer, source.arg, n, cfg, cache, pool.index))
         elif source.kind in FILES:
