@@ -1,0 +1,174 @@
+"""Decoding records: a checkpoint's thresholds, one decoding mode's settings (DecodeConfig) and the mode
+string grammar (parse_mode), with their defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mtplm.errors import UserError
+from mtplm.registry import CONFIDENCE, STRATEGIES, WINDOWS
+
+DRAFTING = ("linear", "quadratic", "tree", "lookup")  # lookup: drafts copied from the text alone (decode/lookup.py)
+LOOKUP_TOKENS = 8  # copied drafts per pass when a mode asks for lookup without a number
+
+
+# CLI and server mode when not told: the fastest that keeps quality as measured (README: 1.54x plain alone);
+# server load policy: plain passes from 2 sequences on (batched, copied drafts measured 0.67-0.95x of plain)
+DEFAULT_MODE, DEFAULT_LOAD_POLICY = "verified:lookup", "2:1"
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """A checkpoint's decoding defaults (mtplm.json's `thresholds`, with the checkpoint's k_max), typed."""
+
+    tau: float = 0.9  # ConfAdapt threshold when neither the user nor calibration sets one
+    k_max: int = 8  # tokens per pass of ConfAdapt and verified (the checkpoint's one k_max)
+    confidence: str = "top1"  # the measure tau and tau_per_position apply to
+    tau_per_position: tuple[float, ...] | None = None  # calibrated, one per block position
+    calibration: dict | None = None  # what `mtplm calibrate` measured: target, calibration, held_out
+
+    @classmethod
+    def from_json(cls, raw: dict, k_max: int) -> Thresholds:
+        taus = raw.get("tau_per_position")
+        return cls(tau=float(raw.get("tau", cls.tau)), k_max=int(raw.get("k_max", k_max)),
+                   confidence=str(raw.get("confidence", cls.confidence)),
+                   tau_per_position=tuple(float(t) for t in taus) if taus else None,
+                   calibration=raw.get("calibration"))
+
+    def to_json(self) -> dict:
+        """The `thresholds` table of mtplm.json (k_max lives once, beside it)."""
+        out: dict = {"tau": self.tau, "confidence": self.confidence}
+        if self.tau_per_position is not None:
+            out["tau_per_position"] = list(self.tau_per_position)
+        if self.calibration is not None:
+            out["calibration"] = self.calibration
+        return out
+
+
+@dataclass
+class DecodeConfig:
+    # a STRATEGIES registry name: ntp | static | confadapt | verified (lossless); the CLI and server: DEFAULT_MODE
+    mode: str = "ntp"
+    k: int = 4  # static mode: tokens emitted per forward
+    k_max: int | None = None  # confadapt: block size; verified: most tokens per pass; None -> the checkpoint's
+    tau: float | None = None  # confadapt threshold; None -> the checkpoint's calibrated value
+    confidence: str = "top1"  # a CONFIDENCE registry name
+    backoff: bool = False  # lower k_max after repeated single-token steps, raise it when confidence returns
+    backoff_patience: int = 3  # consecutive single-token steps before halving k_max
+    backoff_floor: int = 2
+    # verified mode; defaults = the fastest wall-clock setting measured on this CPU (README, Benchmark).
+    # Where extra rows in a pass are nearly free (GPU), quadratic drafting accepts the most tokens per pass.
+    drafting: str = "linear"  # linear (one mask block, after the last draft) | quadratic (a block after every draft)
+    #                           | tree (candidates from the heads' or mask slots' top choices, verified at once)
+    tree_widths: str = "2,2"  # tree drafting: candidates per depth from the top choices; deeper depths 1
+    lookup: int = 0  # drafts copied from the text per pass (decode/lookup.py) beside mask drafts; 0: none
+    window: str = "adaptive"  # a WINDOWS registry name (decode/windows.py)
+    temperature: float = 0.0  # 0 = greedy; > 0 samples (verified: exactly the model's distribution)
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    seed: int = 0
+
+    def needs_conversion(self) -> bool:
+        """Whether the mode needs mask slots or heads (every mode but plain, and lookup drafting alone)."""
+        return self.mode != "ntp" and not (self.mode == "verified" and self.drafting == "lookup")
+
+    def lookup_tokens(self) -> int:
+        """Copied drafts per pass: `lookup`, or LOOKUP_TOKENS for drafting=lookup (alone: any model) left at 0."""
+        return self.lookup or (LOOKUP_TOKENS if self.drafting == "lookup" else 0)
+
+    def verifies_rest(self) -> bool:
+        """ConfAdapt that keeps its unconfident slots as drafts, verified next pass (strategies.ConfidentVerified)."""
+        return self.mode == "confadapt" and (self.drafting == "quadratic" or self.lookup > 0)
+
+    def _check_lookup(self) -> None:
+        if self.mode == "confadapt" and self.drafting not in ("linear", "quadratic"):
+            raise UserError(f"confadapt verifies its leftover slots with linear or quadratic drafting, not "
+                            f"{self.drafting!r}: use confadapt+quadratic, confadapt+lookup or confadapt")
+        if self.lookup < 0:
+            raise UserError(f"lookup must be >= 0 (copied drafts per pass; 0: none), got {self.lookup}")
+        if self.lookup and self.drafting == "tree":
+            raise UserError("lookup drafts join linear or quadratic drafting, not tree: use --drafting quadratic "
+                            "--lookup N, or drop --lookup")
+        if self.lookup and self.drafting != "lookup" and self.temperature > 0:
+            raise UserError("lookup beside mask drafts verifies greedy decoding only: send temperature 0, or "
+                            "sample with drafting lookup alone")
+
+    def validate(self) -> DecodeConfig:
+        STRATEGIES.check(self.mode)
+        if self.k < 1:
+            raise UserError(f"k must be >= 1, got {self.k}")
+        if self.k_max is not None and self.k_max < 2:
+            raise UserError("k_max must be >= 2 (it counts the next token plus at least one mask slot), "
+                            f"got {self.k_max}")
+        if self.tau is not None and not 0.0 < self.tau <= 1.0:
+            raise UserError(f"tau must lie in (0, 1], got {self.tau}")
+        CONFIDENCE.check(self.confidence)
+        if self.drafting not in DRAFTING:
+            raise UserError(f"unknown drafting {self.drafting!r}: choose one of {', '.join(DRAFTING)}")
+        if self.drafting == "tree":
+            try:
+                widths = [int(w) for w in self.tree_widths.split(",")]
+            except ValueError:
+                widths = [0]
+            if not widths or min(widths) < 1:
+                raise UserError(f"tree_widths must be positive integers like 2,2, got {self.tree_widths!r}")
+            if self.temperature > 0:
+                raise UserError("tree drafting verifies greedy decoding only: use --drafting linear or quadratic "
+                                "to sample with --temperature")
+        self._check_lookup()
+        WINDOWS.check(self.window)
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise UserError("temperature must be >= 0, top_p in (0, 1] and top_k >= 0")
+        if self.max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        return self
+
+
+def _drafting(spec: str, after_plus: bool = False) -> tuple[str, int]:  # (drafting, lookup) of quadratic+lookup
+    drafting, plus, extra = spec.partition("+")  # after a `+`, `lookup` alone means linear + copies
+    if after_plus and drafting == "lookup" and not plus:
+        return "linear", LOOKUP_TOKENS
+    if plus and (extra != "lookup" or drafting == "lookup"):
+        raise ValueError
+    return drafting, LOOKUP_TOKENS if plus else 0
+
+
+def mode_grammar() -> str:
+    """How a decoding mode is written as one string (CLI --modes, the server's `mode` field), from the registries."""
+    return (f"ntp, static:K, confadapt[+quadratic|+lookup|+quadratic+lookup][:TAU[:{'|'.join(CONFIDENCE.names())}]]"
+            f"[@K] or verified[:{'|'.join(DRAFTING)}[+lookup][:{'|'.join(WINDOWS.names())}]][@K]")
+
+
+BACKEND_ENV = "MTPLM_BACKEND"  # what --backend auto means when set (e.g. eager in a test run)
+
+
+def parse_mode(spec: str, window: str = "adaptive", k_max: int | None = None,
+               confidence: str = "top1") -> DecodeConfig:
+    """A decoding mode written as one string (mode_grammar()), e.g. `confadapt:0.9@8` or `verified:tree`.
+
+    Parts left out keep DecodeConfig's defaults (a confadapt tau or k_max left out: the checkpoint's
+    calibrated values); `window`, `k_max` and `confidence` are the caller's defaults for those parts.
+    """
+    body, at, k = spec.strip().partition("@")
+    kind, _, rest = body.partition(":")
+    kind, plus, drafts = kind.partition("+")  # confadapt+quadratic[+lookup]: its leftover slots verified
+    value, _, measure = rest.partition(":")
+    try:
+        k_max = int(k) if at else k_max
+        if kind in ("ntp", "plain") and not rest + plus:
+            cfg = DecodeConfig(mode="ntp")
+        elif kind == "static" and not measure + plus:
+            cfg = DecodeConfig(mode="static", k=int(value) if value else DecodeConfig.k)
+        elif kind == "confadapt" and drafts != "linear":
+            drafting, lookup = _drafting(drafts or "linear", bool(plus))
+            cfg = DecodeConfig(mode="confadapt", tau=float(value) if value else None, k_max=k_max,
+                               confidence=measure or confidence, drafting=drafting, lookup=lookup)
+        elif kind == "verified" and not plus:
+            drafting, lookup = _drafting(value or "linear")
+            cfg = DecodeConfig(mode="verified", k_max=k_max, drafting=drafting, window=measure or window, lookup=lookup)
+        else:
+            raise ValueError
+        return cfg.validate()
+    except (ValueError, UserError):
+        raise UserError(f"bad decoding mode {spec!r}: use {mode_grammar()}") from None
