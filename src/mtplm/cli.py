@@ -64,7 +64,7 @@ def _add_setup(sub) -> None:
 def _add_train(sub) -> None:
     train = sub.add_parser("train", help="convert a model into an MTP model: mask token (online self-distillation) "
                                          "or prediction heads (method=heads)",
-                           description="Settings are TrainConfig fields (see mtplm/config.py): give them as "
+                           description="Settings are TrainConfig fields (see mtplm/config/train.py): give them as "
                                        "key=value, or in a TOML file with --config; key=value wins.")
     train.add_argument("settings", nargs="*", metavar="key=value", help="e.g. model=smollm2-135m steps=600 k_max=8")
     train.add_argument("--config", type=Path, help="TOML file of TrainConfig settings")

@@ -1,7 +1,7 @@
 """One registry per extension point: the single source of names for config validation, CLI help and docs.
 
 Each registry knows the modules that fill it (`providers`) and imports them on first use, so this module
-imports nothing of mtplm's and anything may look a name up (config.py validates against it) without an
+imports nothing of mtplm's and anything may look a name up (config/ validates against it) without an
 import circle. An extension is one function or class plus one `register` line in its own module:
 
     @CONFIDENCE.register("margin", "top-1 minus top-2 probability")
