@@ -18,7 +18,7 @@ import json
 import math
 from pathlib import Path
 
-from mtplm.train.sweep_report import fit
+from mtplm.experiments.report import fit
 
 # confadapt: at the thresholds the replay calibrates to 99 % token agreement on its own records
 MODES = ("verified", "verified:quadratic", "confadapt")
@@ -55,9 +55,9 @@ def hours_to(target: float, trend: tuple[float, float]) -> float | None:
 
 
 def plot(points: dict, final: dict, trends: dict, title: str, path: Path) -> None:
-    from mtplm.bench.plots import _pyplot, _save
+    from mtplm.plots import pyplot, save
 
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(9, 4.5))
@@ -74,7 +74,7 @@ def plot(points: dict, final: dict, trends: dict, title: str, path: Path) -> Non
     ax.set(xscale="log", xlabel="training wall-clock hours on this machine (log)", ylabel="held-out tokens/pass",
            title=title)
     ax.legend(fontsize=7)
-    _save(plt, fig, path)
+    save(plt, fig, path)
 
 
 def main() -> None:

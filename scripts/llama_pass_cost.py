@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from mtplm.bench.llama_server import LlamaServer
+from mtplm.llamacpp.server import LlamaServer
 
 
 def request(url: str, ids: list[int]) -> dict:

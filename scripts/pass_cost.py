@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from mtplm.bench.passcost import PassCost
 from mtplm.decode.backends import make_backend
+from mtplm.decode.passcost import PassCost
 from mtplm.decode.protocol import Feed
 from mtplm.model import MTPModel, load_model, parse_dtype
 

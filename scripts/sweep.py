@@ -1,5 +1,5 @@
 """Train variants of a conversion recipe, score each by held-out decoding, write the table and the
-acceptance-vs-compute plot (mtplm/train/sweep.py documents the sweep file).
+acceptance-vs-compute plot (mtplm/experiments/sweep.py documents the sweep file).
 
     python scripts/sweep.py docs/sweeps/smollm2-quick.toml                # every variant, resumable
     python scripts/sweep.py SPEC.toml --only "base|k_max=4"               # some of them (| between names)
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
-    from mtplm.train.sweep import load_sweep, run_sweep
+    from mtplm.experiments.sweep import load_sweep, run_sweep
 
     if args.check:
         sweep = load_sweep(args.spec)

@@ -17,6 +17,15 @@ from mtplm.model import MTPModel
 os.environ.setdefault(BACKEND_ENV, "eager")
 
 VOCAB = 64
+# fixtures that train a checkpoint (minutes on 2 cores): a test that needs one, directly or through another
+# fixture, is marked `training` and left out of the default tier (pyproject addopts; scripts/test.sh runs all)
+TRAINING_FIXTURES = {"chain_checkpoint", "heads_checkpoint", "eagle3_checkpoint"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if TRAINING_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.training)
 
 
 def tiny_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:

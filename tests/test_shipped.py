@@ -8,6 +8,7 @@ import torch
 from mtplm.assets import models as assets
 from mtplm.config import DecodeConfig
 from mtplm.decode.loop import generate
+from mtplm.files import home
 from mtplm.model import load_model
 from mtplm.modelio import SHIPPED
 from mtplm.text import chat_prompt_ids
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.slow
 def shipped():
     if not (SHIPPED / "smollm2-135m-mtp" / "mtplm.json").is_file():
         pytest.skip("no shipped checkpoint in this checkout")
-    if not (assets.cache_dir() / "models" / assets.DEFAULT_MODEL / "config.json").is_file():
+    if not (home() / "models" / assets.DEFAULT_MODEL / "config.json").is_file():
         pytest.skip("default model not installed: run `mtplm setup`")
     return load_model("smollm2-135m-mtp", "fp32")
 
@@ -39,3 +40,12 @@ def test_shipped_checkpoint_emits_several_tokens_per_forward_at_a_low_threshold(
     out = generate(shipped, ids, DecodeConfig(mode="confadapt", tau=0.3, max_new_tokens=48))
     assert out.tokens_per_forward > 1.2
     assert shipped.meta.k_max >= 2 and 0 < shipped.meta.thresholds["tau"] <= 1
+
+
+def test_the_class_loader_reads_a_shipped_name_as_load_model_does(shipped):
+    """One loader: `MTPModel.load` is `load_model`, shipped names included (it once failed on them)."""
+    from mtplm.model import MTPModel
+
+    model = MTPModel.load("smollm2-135m-mtp")
+    assert model.meta == shipped.meta
+    assert torch.equal(model.hf.get_input_embeddings().weight, shipped.hf.get_input_embeddings().weight)

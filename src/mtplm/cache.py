@@ -22,7 +22,7 @@ def crop_to(cache: DynamicCache, length: int) -> None:
 
 def cache_layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (keys, values), each [B, H, S, d]."""
-    return [(layer.keys, layer.values) for layer in cache.layers]
+    return [(layer.keys, layer.values) for layer in cache.layers]  # type: ignore[union-attr,misc]  # attention layers
 
 
 def cache_from_layers(model, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:

@@ -81,6 +81,7 @@ def calibrate(model: MTPModel, calibration: list[list[int]], held: list[list[int
               per_position: bool, max_new_tokens: int, k: int | None = None, progress: bool = False,
               measure: str = "top1") -> dict:
     """Choose thresholds on `calibration` prompts, then measure them on `held` prompts (see module doc)."""
+    assert model.meta is not None, "calibration needs a converted model"
     k = k or model.meta.k_max
     answers = []
     for prompt in tqdm(calibration, desc="calibration answers", unit="prompt", disable=not progress):

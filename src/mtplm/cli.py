@@ -20,8 +20,9 @@ from mtplm.config import (
     load_train_config,
     parse_mode,
 )
+from mtplm.decode.constraint_args import constraint_spec
 from mtplm.errors import UserError, exit_code
-from mtplm.options import add_backend_argument, add_constraint_arguments, add_dtype_argument, constraint_spec
+from mtplm.options import add_backend_argument, add_constraint_arguments, add_dtype_argument
 from mtplm.registry import BACKENDS, CONFIDENCE, STRATEGIES, WINDOWS
 
 DEFAULT_CHECKPOINT = "smollm2-135m-mtp"  # the converted default model shipped inside the package
@@ -64,7 +65,7 @@ def _add_setup(sub) -> None:
 def _add_train(sub) -> None:
     train = sub.add_parser("train", help="convert a model into an MTP model: mask token (online self-distillation) "
                                          "or prediction heads (method=heads)",
-                           description="Settings are TrainConfig fields (see mtplm/config.py): give them as "
+                           description="Settings are TrainConfig fields (see mtplm/config/train.py): give them as "
                                        "key=value, or in a TOML file with --config; key=value wins.")
     train.add_argument("settings", nargs="*", metavar="key=value", help="e.g. model=smollm2-135m steps=600 k_max=8")
     train.add_argument("--config", type=Path, help="TOML file of TrainConfig settings")
@@ -239,10 +240,11 @@ def _setup(args) -> None:
 
 
 def _train(args) -> None:
+    from mtplm.train.checks import check_train_config
     from mtplm.train.trainer import train
 
     settings = args.settings + ([f"resume={args.resume}"] if args.resume else [])
-    cfg = load_train_config(args.config, settings).validate()
+    cfg = check_train_config(load_train_config(args.config, settings))
     checkpoint = train(cfg, progress=not args.quiet)
     if checkpoint is not None:  # None on the other ranks of a torchrun job: rank 0 writes the checkpoint
         print(f"checkpoint: {checkpoint}")

@@ -1,4 +1,5 @@
-"""Atomic writes: a reader (or a crash) never sees half a file or half a checkpoint folder."""
+"""Where mtplm keeps its files (`home()`), and atomic writes: a reader (or a crash) never sees half a file or
+half a checkpoint folder."""
 
 from __future__ import annotations
 
@@ -6,6 +7,11 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+
+
+def home() -> Path:
+    """`$MTPLM_HOME`, or `~/.cache/mtplm`: installed models and data sets, GGUFs, llama.cpp, compile caches."""
+    return Path(os.environ.get("MTPLM_HOME") or Path.home() / ".cache" / "mtplm").expanduser()
 
 
 def atomic_file(target: Path, write) -> Path:

@@ -111,6 +111,7 @@ def attach_peft_lora(hf: nn.Module, rank: int, alpha: float,
     """Plain (ungated) LoRA from peft on the target layers: (the peft model, its adapter parameters)."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0, bias="none")
+    config = LoraConfig(r=rank, lora_alpha=alpha,  # type: ignore[arg-type]  # peft's stub says int; it scales by any
+                        target_modules=list(targets), lora_dropout=0.0, bias="none")
     peft_model = get_peft_model(hf, config)
     return peft_model, [p for n, p in peft_model.named_parameters() if "lora_" in n]

@@ -1,7 +1,8 @@
 """MTPModel: an unmodified Hugging Face causal LM plus one `<mtp>` mask token, optional adapters, metadata.
 
-The model adds the mask token, attaches adapters or heads, and runs the forward pass; reading and
-writing checkpoints is modelio.py's (MTPModel.load / save delegate there).
+The model adds the mask token, attaches adapters or heads, and runs the forward pass; `load_model` (also
+`MTPModel.load`) builds one from a checkpoint. The checkpoint files' formats are modelio.py's, which sits below
+this module and never imports it.
 
 Shapes: B batch, S sequence (fed tokens), V vocabulary.
 """
@@ -10,41 +11,21 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
-from mtplm import lora
+from mtplm import lora, modelio
 from mtplm.config import Thresholds
 from mtplm.errors import UserError
+from mtplm.modelio import ADAPTER_FILE, DELTA_FILE, HEADS_FILE, MASK_TOKEN, META_FILE, MTPMeta, read_meta
 
-MASK_TOKEN = "<mtp>"
+_LOADING = threading.RLock()  # load: one at a time (reentrant: a delta loads its base inside)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class MTPMeta:
-    """What mtplm records beside a converted checkpoint."""
-
-    mask_id: int | None  # None for head-based checkpoints (no mask token)
-    method: str = "mask"  # mask | heads
-    mask_token: str = MASK_TOKEN
-    k_max: int = Thresholds.k_max  # the one k_max (thresholds below hold no second copy)
-    trainable: str = "gated-lora"
-    lora_rank: int = 0
-    lora_alpha: float = 0.0
-    thresholds: dict = field(default_factory=lambda: Thresholds().to_json())
-    base_model: dict = field(default_factory=dict)
-    training: dict = field(default_factory=dict)
-    delta: bool = False
-    heads: dict = field(default_factory=dict)  # method "heads": heads.Heads config (form, k, dim, intermediate)
-    format_version: int = 1
-
-    def decode_thresholds(self) -> Thresholds:
-        """The decoding defaults this checkpoint records, typed (config.Thresholds)."""
-        return Thresholds.from_json(self.thresholds, self.k_max)
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -61,16 +42,14 @@ class MTPModel:
         self.tokenizer = tokenizer
         self.meta = meta
         self.gate = gate
-        self.heads = None  # method "heads": heads.forms.Heads, or heads.eagle3.Eagle3Drafter
+        self.heads: Any = None  # method "heads": heads.forms.Heads, or heads.eagle3.Eagle3Drafter
         self._adapters_on = True
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def load(cls, spec: str | os.PathLike, dtype: str = "fp32") -> MTPModel:
-        """A converted checkpoint (full, delta or heads), or a base model (plain decoding only): modelio.load."""
-        from mtplm import modelio  # modelio builds MTPModels: imported here, not at the top
-
-        return modelio.load(spec, dtype)
+        """A shipped checkpoint name, a converted checkpoint (full, delta or heads) or a base model: load_model."""
+        return load_model(spec, dtype)
 
     def add_mask_token(self, k_max: int, base_identity: dict, seed: int = 0) -> None:
         """Add `<mtp>` with embedding (and untied LM-head) rows drawn from N(mean, cov) of the existing rows."""
@@ -94,6 +73,7 @@ class MTPModel:
 
     def attach_gated_lora(self, rank: int, alpha: float) -> None:
         self.attach_adapters(rank, alpha)
+        assert self.meta is not None, "add_mask_token first"
         self.meta.trainable, self.meta.lora_rank, self.meta.lora_alpha = "gated-lora", rank, alpha
 
     def attach_adapters(self, rank: int, alpha: float) -> None:
@@ -120,7 +100,6 @@ class MTPModel:
 
     def save_heads(self, out_dir: str | os.PathLike) -> Path:
         """A head-based checkpoint (modelio.save_heads)."""
-        from mtplm import modelio
 
         return modelio.save_heads(self, out_dir)
 
@@ -136,6 +115,7 @@ class MTPModel:
         """For inference: adapters in the base dtype, so the forward pass casts nothing."""
         for p in lora.adapter_parameters(self.hf):
             p.data = p.data.to(dtype)
+        assert self.gate is not None, "attach_adapters first"
         self.gate.dtype = dtype
 
     # ---- forward --------------------------------------------------------------------------------
@@ -223,7 +203,7 @@ class MTPModel:
             return
         self.gate.rows = None
         if self._adapters_on:
-            is_mask = input_ids == self.meta.mask_id  # [B, S]
+            is_mask = input_ids.eq(self.mask_id)  # [B, S]
             if bool(is_mask.any()):
                 self.gate.open(is_mask)
         try:
@@ -234,13 +214,11 @@ class MTPModel:
     # ---- saving (the formats live in modelio.py) --------------------------------------------------
     def save(self, out_dir: str | os.PathLike) -> Path:
         """A full checkpoint: HF weights (LoRA merged), tokenizer, adapters, metadata. Atomic."""
-        from mtplm import modelio
 
         return modelio.save(self, out_dir)
 
     def save_delta(self, out_dir: str | os.PathLike, base_spec: str) -> Path:
         """Only what conversion added (mask rows + gated adapters), naming the base model. Atomic."""
-        from mtplm import modelio
 
         return modelio.save_delta(self, out_dir, base_spec)
 
@@ -259,8 +237,80 @@ def _sample_like_rows(rows: torch.Tensor, generator: torch.Generator) -> torch.T
     return (mean + centered.std(0) * z).float()
 
 
-def load_model(spec: str, dtype: str = "fp32") -> MTPModel:
+def load_model(spec: str | os.PathLike, dtype: str = "fp32") -> MTPModel:
     """A shipped checkpoint name (see mtplm/checkpoints), a checkpoint directory, or any base model spec."""
-    from mtplm import modelio
+    return _load_locked(modelio.shipped(str(spec)) or spec, dtype)
 
-    return modelio.load_model(spec, dtype)
+
+def _load_locked(spec: str | os.PathLike, dtype: str = "fp32") -> MTPModel:
+    """A converted checkpoint (full, delta or heads), or a base model (plain decoding only).
+
+    One load at a time per process: Hugging Face model construction changes process-wide state
+    while it runs (torch's default dtype, patched torch functions), and two threads loading at once
+    (a server loading two models) can restore each other's changes in the wrong order. A test run
+    that did so left every model loaded afterwards with its weights on the meta device.
+    """
+    with _LOADING:
+        return _load(spec, dtype)
+
+
+def _load(spec: str | os.PathLike, dtype: str) -> MTPModel:
+    from mtplm.assets.models import resolve_model
+
+    path = Path(spec)
+    if not (path / META_FILE).is_file():
+        hf, tokenizer = _load_hf(resolve_model(str(spec)), dtype)
+        return MTPModel(hf, tokenizer, None)
+    meta = read_meta(path)
+    if meta.method == "heads":
+        return _load_heads(_load_locked(meta.base_model["spec"], dtype), path, meta)
+    if meta.delta:
+        return _apply_delta(_load_locked(meta.base_model["spec"], dtype), path, meta)
+    hf, tokenizer = _load_hf(path, dtype)
+    if meta.mask_id is not None and tokenizer.convert_tokens_to_ids(MASK_TOKEN) != meta.mask_id:
+        raise UserError(f"{path}: the tokenizer has no {MASK_TOKEN} token at id {meta.mask_id}, which "
+                        f"{META_FILE} expects: copy the tokenizer files that came with the checkpoint")
+    model = MTPModel(hf, tokenizer, meta)
+    if meta.trainable == "gated-lora":
+        model.attach_adapters(meta.lora_rank, meta.lora_alpha)
+        lora.load_adapter_state(hf, load_file(path / ADAPTER_FILE))
+        model.adapters_to(hf.dtype)
+    return model
+
+
+def _load_heads(model: MTPModel, path: Path, meta: MTPMeta) -> MTPModel:
+    from mtplm.registry import HEAD_FORMS
+
+    heads = HEAD_FORMS.get(meta.heads.get("form", "")).build(meta.heads)
+    try:
+        heads.load_state_dict(load_file(path / HEADS_FILE))
+    except (OSError, RuntimeError) as exc:
+        raise UserError(f"{path / HEADS_FILE} does not hold the heads {META_FILE} describes: {exc}") from None
+    model.heads, model.meta = heads.to(model.dtype).eval(), meta
+    return model
+
+
+def _apply_delta(model: MTPModel, path: Path, meta: MTPMeta) -> MTPModel:
+    delta = load_file(path / DELTA_FILE)
+    model.add_mask_token(meta.k_max, meta.base_model)
+    if model.mask_id != meta.mask_id:
+        raise UserError(f"{path}: mask id {meta.mask_id} does not match the base tokenizer ({model.mask_id})")
+    with torch.no_grad():
+        model.hf.get_input_embeddings().weight[meta.mask_id] = delta.pop("mask_embedding")
+        if "mask_head_row" in delta:
+            model.hf.get_output_embeddings().weight[meta.mask_id] = delta.pop("mask_head_row")
+    if meta.trainable == "gated-lora":
+        model.attach_adapters(meta.lora_rank, meta.lora_alpha)
+        lora.load_adapter_state(model.hf, delta)
+        model.adapters_to(model.dtype)
+    model.meta = meta
+    return model
+
+
+def _load_hf(path, dtype: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype))
+    hf.eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return hf, tokenizer

@@ -5,98 +5,58 @@ with `mtplm.json` beside it; gated-LoRA adapters, which plain HF cannot express,
 `gated_lora.safetensors`. A *delta* checkpoint stores only what conversion added (the mask token's
 rows and the adapters) and names its base model; it is what ships inside the package. A head-based
 checkpoint holds the heads' weights and names its base model.
+
+This module knows the files, not the model class: the writers take an MTPModel without importing it, and
+model.load_model (above) builds one from what these files hold.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import threading
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from mtplm import lora
+from mtplm.config import Thresholds
 from mtplm.errors import UserError
 from mtplm.files import atomic_dir
-from mtplm.model import MASK_TOKEN, MTPMeta, MTPModel, parse_dtype
 
+MASK_TOKEN = "<mtp>"
 META_FILE = "mtplm.json"
 ADAPTER_FILE = "gated_lora.safetensors"
 HEADS_FILE = "heads.safetensors"
 DELTA_FILE = "delta.safetensors"
 SHIPPED = Path(__file__).parent / "checkpoints"
-_LOADING = threading.RLock()  # load: one at a time (reentrant: a delta loads its base inside)
 
 
-def load(spec: str | os.PathLike, dtype: str = "fp32") -> MTPModel:
-    """A converted checkpoint (full, delta or heads), or a base model (plain decoding only).
+@dataclass
+class MTPMeta:
+    """What mtplm records beside a converted checkpoint."""
 
-    One load at a time per process: Hugging Face model construction changes process-wide state
-    while it runs (torch's default dtype, patched torch functions), and two threads loading at once
-    (a server loading two models) can restore each other's changes in the wrong order. A test run
-    that did so left every model loaded afterwards with its weights on the meta device.
-    """
-    with _LOADING:
-        return _load(spec, dtype)
+    mask_id: int | None  # None for head-based checkpoints (no mask token)
+    method: str = "mask"  # mask | heads
+    mask_token: str = MASK_TOKEN
+    k_max: int = Thresholds.k_max  # the one k_max (thresholds below hold no second copy)
+    trainable: str = "gated-lora"
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    thresholds: dict = field(default_factory=lambda: Thresholds().to_json())
+    base_model: dict = field(default_factory=dict)
+    training: dict = field(default_factory=dict)
+    delta: bool = False
+    heads: dict = field(default_factory=dict)  # method "heads": heads.Heads config (form, k, dim, intermediate)
+    format_version: int = 1
 
-
-def _load(spec: str | os.PathLike, dtype: str) -> MTPModel:
-    from mtplm.assets.models import resolve_model
-
-    path = Path(spec)
-    if not (path / META_FILE).is_file():
-        hf, tokenizer = _load_hf(resolve_model(str(spec)), dtype)
-        return MTPModel(hf, tokenizer, None)
-    meta = read_meta(path)
-    if meta.method == "heads":
-        return _load_heads(load(meta.base_model["spec"], dtype), path, meta)
-    if meta.delta:
-        return _apply_delta(load(meta.base_model["spec"], dtype), path, meta)
-    hf, tokenizer = _load_hf(path, dtype)
-    if meta.mask_id is not None and tokenizer.convert_tokens_to_ids(MASK_TOKEN) != meta.mask_id:
-        raise UserError(f"{path}: the tokenizer has no {MASK_TOKEN} token at id {meta.mask_id}, which "
-                        f"{META_FILE} expects: copy the tokenizer files that came with the checkpoint")
-    model = MTPModel(hf, tokenizer, meta)
-    if meta.trainable == "gated-lora":
-        model.attach_adapters(meta.lora_rank, meta.lora_alpha)
-        lora.load_adapter_state(hf, load_file(path / ADAPTER_FILE))
-        model.adapters_to(hf.dtype)
-    return model
+    def decode_thresholds(self) -> Thresholds:
+        """The decoding defaults this checkpoint records, typed (config.Thresholds)."""
+        return Thresholds.from_json(self.thresholds, self.k_max)
 
 
-def _load_heads(model: MTPModel, path: Path, meta: MTPMeta) -> MTPModel:
-    from mtplm.registry import HEAD_FORMS
-
-    heads = HEAD_FORMS.get(meta.heads.get("form", "")).build(meta.heads)
-    try:
-        heads.load_state_dict(load_file(path / HEADS_FILE))
-    except (OSError, RuntimeError) as exc:
-        raise UserError(f"{path / HEADS_FILE} does not hold the heads {META_FILE} describes: {exc}") from None
-    model.heads, model.meta = heads.to(model.dtype).eval(), meta
-    return model
-
-
-def _apply_delta(model: MTPModel, path: Path, meta: MTPMeta) -> MTPModel:
-    delta = load_file(path / DELTA_FILE)
-    model.add_mask_token(meta.k_max, meta.base_model)
-    if model.meta.mask_id != meta.mask_id:
-        raise UserError(f"{path}: mask id {meta.mask_id} does not match the base tokenizer ({model.meta.mask_id})")
-    with torch.no_grad():
-        model.hf.get_input_embeddings().weight[meta.mask_id] = delta.pop("mask_embedding")
-        if "mask_head_row" in delta:
-            model.hf.get_output_embeddings().weight[meta.mask_id] = delta.pop("mask_head_row")
-    if meta.trainable == "gated-lora":
-        model.attach_adapters(meta.lora_rank, meta.lora_alpha)
-        lora.load_adapter_state(model.hf, delta)
-        model.adapters_to(model.dtype)
-    model.meta = meta
-    return model
-
-
-def save_heads(model: MTPModel, out_dir: str | os.PathLike) -> Path:
+def save_heads(model, out_dir: str | os.PathLike) -> Path:
     """A head-based checkpoint: the heads' weights and metadata naming the base model. Atomic."""
     def write(tmp: Path) -> None:
         state = {k: v.float() if v.is_floating_point() else v for k, v in model.heads.state_dict().items()}
@@ -106,7 +66,7 @@ def save_heads(model: MTPModel, out_dir: str | os.PathLike) -> Path:
     return atomic_dir(Path(out_dir), write)
 
 
-def save(model: MTPModel, out_dir: str | os.PathLike) -> Path:
+def save(model, out_dir: str | os.PathLike) -> Path:
     """A full checkpoint: HF weights (LoRA merged), tokenizer, adapters, metadata. Atomic."""
     def write(tmp: Path) -> None:
         model.hf.save_pretrained(tmp, state_dict=_base_state(model.hf))
@@ -118,7 +78,7 @@ def save(model: MTPModel, out_dir: str | os.PathLike) -> Path:
     return atomic_dir(Path(out_dir), write)
 
 
-def save_delta(model: MTPModel, out_dir: str | os.PathLike, base_spec: str) -> Path:
+def save_delta(model, out_dir: str | os.PathLike, base_spec: str) -> Path:
     """Only what conversion added (mask rows + gated adapters), naming the base model. Atomic."""
     if model.meta.trainable != "gated-lora":
         raise UserError("a delta checkpoint holds adapters; use save() for full or merged-LoRA models")
@@ -137,15 +97,6 @@ def save_delta(model: MTPModel, out_dir: str | os.PathLike, base_spec: str) -> P
         write_meta(tmp, meta)
 
     return atomic_dir(Path(out_dir), write)
-
-
-def _load_hf(path, dtype: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype))
-    hf.eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return hf, tokenizer
 
 
 def _base_state(hf) -> dict[str, torch.Tensor]:
@@ -185,8 +136,3 @@ def checkpoint_dir(spec: str) -> Path:
     if not (path / META_FILE).is_file():
         raise UserError(f"{spec} is not a converted checkpoint (no {META_FILE}): convert it with `mtplm train`")
     return path
-
-
-def load_model(spec: str, dtype: str = "fp32") -> MTPModel:
-    """A shipped checkpoint name (see mtplm/checkpoints), a checkpoint directory, or any base model spec."""
-    return load(shipped(spec) or spec, dtype)

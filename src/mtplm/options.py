@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from mtplm.config import BACKEND_ENV, DTYPES
-from mtplm.errors import UserError
 from mtplm.registry import BACKENDS
 
 
@@ -30,22 +29,3 @@ def add_constraint_arguments(parser) -> None:
                        help="the answer matches this regular expression as a whole")
     group.add_argument("--grammar", type=Path, metavar="FILE",
                        help="the answer matches this Lark or GBNF grammar")
-
-
-def constraint_spec(args):
-    """The constraint the options ask for (a decode.constraint.Spec), or None; UserError for a bad one."""
-    from mtplm.decode.constraint import Spec, json_schema
-
-    if getattr(args, "regex", None) is not None:
-        return Spec("regex", args.regex, "--regex")
-    for option, path in (("--json-schema", getattr(args, "json_schema", None)),
-                         ("--grammar", getattr(args, "grammar", None))):
-        if path is None:
-            continue
-        try:
-            text = path.read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = getattr(exc, "strerror", None) or exc
-            raise UserError(f"{option}: cannot read {path}: {reason}") from None
-        return json_schema(text, option) if option == "--json-schema" else Spec("grammar", text, option)
-    return None

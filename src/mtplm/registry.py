@@ -1,7 +1,7 @@
 """One registry per extension point: the single source of names for config validation, CLI help and docs.
 
 Each registry knows the modules that fill it (`providers`) and imports them on first use, so this module
-imports nothing of mtplm's and anything may look a name up (config.py validates against it) without an
+imports nothing of mtplm's and anything may look a name up (config/ validates against it) without an
 import circle. An extension is one function or class plus one `register` line in its own module:
 
     @CONFIDENCE.register("margin", "top-1 minus top-2 probability")
@@ -82,4 +82,6 @@ BACKENDS: Registry = Registry("backend", "mtplm.decode.backends", "mtplm.decode.
 # training
 OBJECTIVES: Registry = Registry("objective", "mtplm.train.objectives")
 TRAINABLE: Registry = Registry("trainable variant", "mtplm.train.recipes")
-HEAD_FORMS: Registry = Registry("head form", "mtplm.heads.forms", "mtplm.heads.eagle3")
+HEAD_FORMS: Registry = Registry("head form", "mtplm.heads.forms", "mtplm.heads.eagle3")  # model builders
+# each head form's training function, under the form's name, registered beside the training code
+HEAD_TRAINERS: Registry = Registry("head-form trainer", "mtplm.heads.train", "mtplm.heads.eagle3_train")

@@ -11,10 +11,18 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from mtplm.assets import datasets
 from mtplm.assets import models as assets
-from mtplm.assets.models import AssetError, concat_verified, model_identity, resolve_model, sha256_file, verify_sha256
+from mtplm.assets.models import (
+    AssetError,
+    concat_verified,
+    model_identity,
+    resolve_model,
+    sha256_file,
+    verify_sha256,
+)
 from mtplm.errors import UserError
+from mtplm.files import home
 
-INSTALLED_CACHE = assets.cache_dir()  # read before the fixture below points MTPLM_HOME at a temp dir
+INSTALLED_CACHE = home()  # read before the fixture below points MTPLM_HOME at a temp dir
 
 
 @pytest.fixture(autouse=True)
@@ -24,8 +32,8 @@ def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return home
 
 
-def test_cache_dir_follows_env(private_cache: Path) -> None:
-    assert assets.cache_dir() == private_cache
+def test_home_follows_env(private_cache: Path) -> None:
+    assert home() == private_cache
 
 
 def test_missing_model_is_a_user_error_with_guidance(tmp_path: Path) -> None:

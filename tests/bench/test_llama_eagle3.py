@@ -13,14 +13,16 @@ from conftest import with_random_heads
 
 from mtplm import llamacpp
 from mtplm.assets import models as assets
-from mtplm.bench.llama_server import EAGLE3, LlamaServer, Variant, check, f16_gguf, parse_variants
+from mtplm.bench.llama_server import Variant, check, parse_variants
 from mtplm.cli import main
 from mtplm.errors import UserError
+from mtplm.files import home
 from mtplm.heads.eagle3 import for_target
+from mtplm.llamacpp.server import EAGLE3, LlamaServer, f16_gguf
 from mtplm.model import MTPModel
 
 INSTALL = llamacpp.install_dir()  # read before any test points MTPLM_HOME elsewhere
-BASE = assets.cache_dir() / "models" / assets.DEFAULT_MODEL
+BASE = home() / "models" / assets.DEFAULT_MODEL
 
 
 def eagle3_checkpoint(base: Path, out: Path, layers: list[int], draft_vocab: int) -> Path:

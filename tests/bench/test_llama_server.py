@@ -12,12 +12,14 @@ import pytest
 from mtplm import llamacpp
 from mtplm.assets import models as assets
 from mtplm.bench import llama_server
-from mtplm.bench.llama_server import LlamaServer, LlamaServerError, Variant, cut_at_stop, parse_variants
+from mtplm.bench.llama_server import Variant, parse_variants
 from mtplm.cli import main
 from mtplm.errors import UserError
+from mtplm.files import home
+from mtplm.llamacpp.server import LlamaServer, LlamaServerError, cut_at_stop, f16_gguf
 
 BINARY = llamacpp.install_dir() / "bin" / "llama-server"  # read before any test points MTPLM_HOME elsewhere
-BASE = assets.cache_dir() / "models" / assets.DEFAULT_MODEL
+BASE = home() / "models" / assets.DEFAULT_MODEL
 
 
 def test_variants_bring_their_plain_row_and_bad_ones_are_refused():
@@ -55,6 +57,7 @@ def _fake_binary(tmp_path, body: str):
     return path
 
 
+@pytest.mark.process
 def test_a_server_that_exits_raises_with_its_log_tail(tmp_path):
     fake = _fake_binary(tmp_path, "echo 'error: failed to load model'; exit 1")
     server = LlamaServer(tmp_path / "model.gguf", threads=1, context=256, binary=fake)
@@ -64,6 +67,7 @@ def test_a_server_that_exits_raises_with_its_log_tail(tmp_path):
     server.log.unlink()
 
 
+@pytest.mark.process
 def test_a_server_that_never_answers_is_stopped_within_the_bounded_wait(tmp_path):
     fake = _fake_binary(tmp_path, "echo 'loading forever'; exec sleep 600")
     server = LlamaServer(tmp_path / "model.gguf", threads=1, context=256, binary=fake, startup_timeout_s=1.0)
@@ -75,6 +79,7 @@ def test_a_server_that_never_answers_is_stopped_within_the_bounded_wait(tmp_path
     server.log.unlink()
 
 
+@pytest.mark.process
 def test_sigterm_to_a_command_stops_its_server_and_exits_with_one_line(tmp_path):
     """A run stopped with SIGTERM (a scheduler, `kill`) while it holds a llama-server, e.g. during
     self-generation, stops that server on its way out instead of leaving it running."""
@@ -88,7 +93,7 @@ def test_sigterm_to_a_command_stops_its_server_and_exits_with_one_line(tmp_path)
     pid_file = tmp_path / "server.pid"
     fake = _fake_binary(tmp_path, f"echo $$ > {pid_file}; exec sleep 600")
     script = ("import sys; from pathlib import Path; from mtplm.errors import exit_code; "
-              "from mtplm.bench.llama_server import LlamaServer; "
+              "from mtplm.llamacpp.server import LlamaServer; "
               f"server = LlamaServer(Path('m.gguf'), 1, 64, binary=Path({str(fake)!r}), startup_timeout_s=300); "
               "sys.exit(exit_code(server.start, 'mtplm train'))")
     run = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
@@ -141,7 +146,7 @@ def test_an_ngram_drafter_is_lossless_on_the_f16_gguf(prompts):
     """At temperature 0, drafting changes the number of passes, never the tokens. Checked on the f16 GGUF: on the
     Q4_1 GGUF a batched verification pass can break a near-tie differently from a 1-row pass (seen on 2 of 12
     prompts, after 90+ identical tokens), so there the drafter is not exactly lossless."""
-    gguf = llama_server.f16_gguf(BASE)
+    gguf = f16_gguf(BASE)
     with LlamaServer(gguf, threads=2, context=1024) as plain, \
             LlamaServer(gguf, threads=2, context=1024, drafter="ngram-simple") as drafted:
         expected = [plain.complete(ids, 64, [2]).tokens for ids in prompts]
@@ -175,7 +180,7 @@ def test_self_generation_on_llama_server_caches_exactly_what_the_server_decodes(
     from mtplm.assets.datasets import prompt_set
     from mtplm.config import TrainConfig
     from mtplm.text import chat_prompt_ids
-    from mtplm.train.data import self_generate
+    from mtplm.train.sources import self_generate
 
     tokenizer = AutoTokenizer.from_pretrained(BASE)
     cfg = TrainConfig(self_gen_engine="llama-server", self_gen_batch=1, self_gen_max_new_tokens=12, seq_len=256)
@@ -184,7 +189,7 @@ def test_self_generation_on_llama_server_caches_exactly_what_the_server_decodes(
     rows = self_generate(base_model, tokenizer, "structured", 3, cfg, cache)
     examples = prompt_set("structured", 3, 0, split="train")
     assert [row["id"] for row in rows] == [e.id for e in examples]
-    with LlamaServer(llama_server.f16_gguf(BASE), threads=2, context=1024) as server:
+    with LlamaServer(f16_gguf(BASE), threads=2, context=1024) as server:
         for row, example in zip(rows, examples, strict=True):
             tokens = server.complete(chat_prompt_ids(tokenizer, example.prompt), 12, [tokenizer.eos_token_id]).tokens
             assert row["response"] == tokenizer.decode(tokens, skip_special_tokens=True)

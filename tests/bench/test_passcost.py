@@ -7,7 +7,7 @@ import json
 import pytest
 from conftest import tiny_mtp
 
-from mtplm.bench.passcost import PassCost, measure
+from mtplm.decode.passcost import PassCost, measure
 from mtplm.errors import UserError
 from mtplm.train.predict import Tally
 

@@ -90,9 +90,10 @@ def test_training_and_the_held_out_score_replay_the_hybrid():
     with the records always confident it is static k, never confident it is verified decoding."""
     from mtplm.bench.heldout import ScoreSettings
     from mtplm.config import TrainConfig
+    from mtplm.train.checks import check_train_config
     from mtplm.train.predict import Answer, replay
 
-    TrainConfig(predict_modes="verified,confadapt+quadratic").validate()
+    check_train_config(TrainConfig(predict_modes="verified,confadapt+quadratic"))
     ScoreSettings(modes="verified,confadapt+lookup").validate()  # the sweep's held-out score replays too
     agree = torch.ones(12, 4, dtype=torch.bool)
     agree[4, 2] = False  # one wrong prediction: verification rejects it, a confident run emits it

@@ -199,6 +199,7 @@ def _fresh_parse(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
         return config, {name: handle.get_tensor(name) for name in handle.keys()}
 
 
+@pytest.mark.process
 def test_eagle3_export_round_trip(eagle3_checkpoint, deep_base_dir, tmp_path):
     from mtplm.heads.export import load_eagle3
 
@@ -232,7 +233,12 @@ def test_export_means_what_a_transformers_llama_layer_computes(eagle3_checkpoint
     """An EAGLE-3 first layer assembled from transformers' Llama modules (q/k/v widened to 2D, as speculators
     does) and loaded from the freshly parsed export gives our drafter's step-0 logits."""
     from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+    from transformers.models.llama.modeling_llama import (
+        LlamaAttention,
+        LlamaMLP,
+        LlamaRMSNorm,
+        LlamaRotaryEmbedding,
+    )
 
     from mtplm.heads.export import export_eagle3
 
@@ -271,6 +277,7 @@ def test_export_means_what_a_transformers_llama_layer_computes(eagle3_checkpoint
     assert torch.allclose(ours, reference, atol=1e-5)
 
 
+@pytest.mark.process
 def test_exporting_anything_but_an_eagle3_drafter_is_one_clear_line(deep_base_dir, tmp_path):
     medusa = with_random_heads(deep_base_dir, "medusa").save_heads(tmp_path / "medusa")
     for source, needle in ((medusa, "not an eagle3 drafter (medusa)"), (deep_base_dir, "not a converted checkpoint")):

@@ -189,6 +189,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
 """
 
 
+@pytest.mark.process
 def test_per_head_backward_keeps_one_heads_logits_alive():
     """Peak memory of a step grows by far less than one head's logits when heads are added."""
     peaks = {}

@@ -236,9 +236,9 @@ def test_utf8_is_never_split_across_stream_chunks(tmp_path):
     """A byte-level BPE model (SmolLM2's tokenizer, random weights) emits partial characters all the time."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from mtplm.assets.models import cache_dir
+    from mtplm.files import home
 
-    source = cache_dir() / "models" / "smollm2-135m"
+    source = home() / "models" / "smollm2-135m"
     if not (source / "tokenizer.json").is_file():
         pytest.skip("SmolLM2's tokenizer is not installed: run `mtplm setup`")
     tokenizer = AutoTokenizer.from_pretrained(source)

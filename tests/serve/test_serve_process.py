@@ -17,6 +17,8 @@ import openai
 import pytest
 from serving import LiveServer, free_port, write_manifest
 
+pytestmark = pytest.mark.process  # every test here launches processes
+
 
 def _start(repo: Path, port: int, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

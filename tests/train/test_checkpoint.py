@@ -84,6 +84,7 @@ def test_toml_round_trip_and_unknown_keys(tmp_path):
             load_train_config(path, [])
 
 
+@pytest.mark.process
 def test_cli_config_errors_are_one_clean_line(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("stepz = 3\n")

@@ -22,6 +22,8 @@ from synthetic import train_config
 
 from mtplm.train.trainer import train
 
+pytestmark = pytest.mark.process  # every test here launches processes
+
 # fp32 on one thread per process. 2 ranks split each batch's rows, so their matrix products run on other
 # shapes than one process's and round differently (measured: <= 2e-7 relative over 4 steps); 1e-4 leaves
 # room for that rounding and is still far below what one different sample or region would change (>1e-2).

@@ -17,8 +17,10 @@ from mtplm.assets.datasets import gsm8k, in_split, prompt_set
 from mtplm.cli import main
 from mtplm.config import TrainConfig
 from mtplm.errors import UserError
-from mtplm.train.data import BatchStream, load_samples, self_generate
+from mtplm.train.checks import check_train_config
+from mtplm.train.data import BatchStream, load_samples
 from mtplm.train.mix import Pool, Source, counts, packaged_rows, parse_mix
+from mtplm.train.sources import self_generate
 
 
 def _unique_rows(n: int, seed: int) -> list[dict]:
@@ -45,7 +47,7 @@ def test_bad_mixes_are_one_clear_error(spec, message):
     with pytest.raises(UserError, match=message):
         parse_mix(spec)
     with pytest.raises(UserError, match=message):
-        TrainConfig(data=spec).validate()
+        check_train_config(TrainConfig(data=spec))
 
 
 @pytest.mark.parametrize("spec", ["", "self:mixed=0", "wiki=1", "gsm8k:eval=1"])

@@ -62,6 +62,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "mtplm.cli", *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.process
 def test_cli_train_then_generate_round_trip(base_dir, data_file, tmp_path):
     run = tmp_path / "cli-run"
     done = _cli("train", f"model={base_dir}", f"out={run}", f"data=jsonl:{data_file}", "k_max=4", "steps=30",
@@ -112,6 +113,7 @@ def test_cli_train_then_generate_round_trip(base_dir, data_file, tmp_path):
     (("train", "stepz=3"), "unknown setting"),
     (("train", "data=jsonl:/no/such/file.jsonl", "model=/no/such/model"), "not found"),
 ])
+@pytest.mark.process
 def test_cli_bad_input_is_a_clear_error_without_traceback(args, message):
     done = _cli(*args)
     assert done.returncode == 2
@@ -119,6 +121,7 @@ def test_cli_bad_input_is_a_clear_error_without_traceback(args, message):
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.process
 def test_cli_unreadable_data_is_a_clear_error(base_dir, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{not json\n")

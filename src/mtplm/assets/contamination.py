@@ -75,9 +75,9 @@ class EvalIndex:
         for part in (prompt, response, f"{prompt}\n{response}"):
             if normalized(part) in self.short:
                 return self.short[normalized(part)]
-        for part in (words(prompt), words(response)):
+        for tokens in (words(prompt), words(response)):
             for size, table in [(NGRAM, self.grams), *self.contained.items()]:
-                for gram in _grams(part, size):
+                for gram in _grams(tokens, size):
                     if gram in table:
                         return table[gram]
         return None

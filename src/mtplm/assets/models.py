@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mtplm.errors import UserError
+from mtplm.files import home
 
 if TYPE_CHECKING:
     import torch
@@ -82,11 +83,6 @@ MODELS: dict[str, ModelEntry] = {
     )
 }
 DEFAULT_MODEL = "smollm2-135m"
-
-
-def cache_dir() -> Path:
-    """`$MTPLM_HOME`, or `~/.cache/mtplm`."""
-    return Path(os.environ.get("MTPLM_HOME") or Path.home() / ".cache" / "mtplm").expanduser()
 
 
 def say(message: str, progress: bool = True) -> None:
@@ -185,7 +181,7 @@ def locate_gguf(entry: ModelEntry, progress: bool = True) -> Path:
         say(f"checking sha256 of {parts[0].name}", progress)
         verify_sha256(parts[0], entry.sha256)
         return parts[0]
-    target = cache_dir() / "gguf" / f"{entry.name}.gguf"
+    target = home() / "gguf" / f"{entry.name}.gguf"
     if target.is_file() and target.stat().st_size == entry.size:
         verify_sha256(target, entry.sha256)
         return target
@@ -288,7 +284,7 @@ def install_model(name: str, progress: bool = True) -> Path:
     entry = MODELS.get(name)
     if entry is None:
         raise AssetError(f"unknown model {name!r}; known models: {', '.join(MODELS)}")
-    target = cache_dir() / "models" / name
+    target = home() / "models" / name
     if (target / SOURCE_FILE).is_file():
         return target
     gguf = locate_gguf(entry, progress)
@@ -315,7 +311,7 @@ def resolve_model(spec: str) -> Path:
                 raise AssetError(f"{spec!r} is named .gguf but is not a GGUF file (bad magic bytes)")
         digest = sha256_file(path)
         known = next((entry.name for entry in MODELS.values() if entry.sha256 == digest), None)
-        target = cache_dir() / "models" / (known or f"gguf-{digest[:16]}")
+        target = home() / "models" / (known or f"gguf-{digest[:16]}")
         if (target / SOURCE_FILE).is_file():
             return target
         source = {"name": known or path.stem, "sha256": digest, "gguf": str(path.resolve())}
@@ -348,7 +344,7 @@ def base_model_dir(identity: dict) -> Path | None:
     name, digest = identity.get("name"), identity.get("sha256")
     entry = MODELS.get(name or "")
     if entry is not None and digest == entry.sha256:
-        target = cache_dir() / "models" / entry.name
+        target = home() / "models" / entry.name
         try:
             if json.loads((target / SOURCE_FILE).read_text()).get("sha256") == digest:
                 return target

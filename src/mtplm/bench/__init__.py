@@ -1,2 +1,2 @@
-"""`mtplm bench` and what it reports: the run (run.py), task scoring (tasks.py), plots, cost table, machine facts,
+"""`mtplm bench` and what it reports: the run (run.py), task scoring (tasks.py), cost table, machine facts,
 and the demo."""

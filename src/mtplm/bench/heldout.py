@@ -18,6 +18,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mtplm.config import Thresholds
 from mtplm.errors import UserError
@@ -75,7 +76,7 @@ def _decode_modes(model, settings: ScoreSettings, prompts: list[list[int]], taus
 
     k_max = model.meta.k_max
     thresholds = Thresholds(k_max=k_max, tau_per_position=tuple(taus))
-    totals: dict[str, dict] = {name: {"tokens": 0, "passes": 0, "seconds": 0.0, "agreeing": 0}
+    totals: dict[str, Any] = {name: {"tokens": 0, "passes": 0, "seconds": 0.0, "agreeing": 0}
                                for name in ["ntp", *settings.mode_list()]}
     answers = []
     for ids in prompts:

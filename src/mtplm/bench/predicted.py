@@ -1,6 +1,6 @@
 """The bench's prediction of its own rows, checked in the same run: every mask-slot mode's tokens/pass and
 served speedup replayed over the plain answers (the strategies' own rules, decode/replay.py), priced on
-this machine's pass-cost curve (bench/passcost.py, timed on the bench's own backend), beside what the run
+this machine's pass-cost curve (decode/passcost.py, timed on the bench's own backend), beside what the run
 measured.
 
 This is what a training run's log predicts from its validation answers; here both sides come from the same
@@ -30,7 +30,7 @@ def predicted_rows(model, modes: list[tuple[str, DecodeConfig]], prompts: list[l
                    measured: dict[str, dict], backend, backend_name: str, max_new_tokens: int) -> dict:
     """{"curve": the pass-cost curve's description, "rows": [{mode, predicted/measured tokens/pass and
     speedup}]} for the replayable modes; {} for a model without mask slots or with nothing to replay."""
-    from mtplm.bench.passcost import measure
+    from mtplm.decode.passcost import measure
     from mtplm.train.predict import answer_records, replay
 
     chosen = [item for item, cfg in modes if cfg.mode != "ntp" and replayable(item, cfg)]

@@ -18,13 +18,14 @@ from tqdm import tqdm
 from mtplm.bench import llama_server
 from mtplm.bench.cost import Assumptions, cost_markdown
 from mtplm.bench.machine import PeakMemory, machine
-from mtplm.bench.plots import bench_plot
 from mtplm.bench.predicted import markdown as predicted_markdown
 from mtplm.bench.predicted import predicted_rows
-from mtplm.bench.tasks import humaneval_problems, score_example
+from mtplm.bench.tasks import Scorer
 from mtplm.config import DecodeConfig, mode_grammar, parse_mode
 from mtplm.errors import UserError
+from mtplm.llamacpp.server import BaselineOutput
 from mtplm.options import add_backend_argument, add_dtype_argument
+from mtplm.plots import bench_plot
 from mtplm.registry import CONFIDENCE
 
 DEFAULT_MODES = ("ntp,static:2,static:4,confadapt:0.99,confadapt:0.95,confadapt:0.9,confadapt:0.8,"
@@ -168,7 +169,7 @@ def run_bench(args) -> dict:
     baselines |= servers.runs() if servers else {}
     backend_name, backend, runners = _runners(args, model, modes)
     records: dict[str, list[Record]] = {name: [] for name, _ in modes} | {name: [] for name in baselines}
-    scorer = _Scorer(model.tokenizer, enabled=not args.no_score)
+    scorer = Scorer(model.tokenizer, enabled=not args.no_score)
 
     warm = time.perf_counter()
     for name, cfg in modes:  # warm-up; the compiled backend compiles its first buckets here (and prints each)
@@ -236,28 +237,10 @@ def _one_prompt(model, example, ids: list[int], modes: list, runners: dict, base
                                     scorer(example, out.tokens)))
     for name, (run, _) in baselines.items():
         with PeakMemory() as mem:
-            got = llama_server.BaselineOutput(*run(ids))
+            got = BaselineOutput(*run(ids))
         rss_mb = got.peak_rss_mb or mem.peak / 2**20  # an engine in its own process reports its own
         records[name].append(Record(source, got.tokens, got.seconds, [], got.ttft_s, rss_mb,
                                     scorer(example, got.tokens), got.passes))
-
-
-class _Scorer:
-    """Task metrics of a decoded output, computed once per distinct (prompt, output) and never timed."""
-
-    def __init__(self, tokenizer, enabled: bool) -> None:
-        self.tokenizer, self.enabled, self.seen, self.problems = tokenizer, enabled, {}, None
-
-    def __call__(self, example, tokens: list[int]) -> dict[str, float]:
-        if not self.enabled:
-            return {}
-        key = (example.id, tuple(tokens))
-        if key not in self.seen:
-            if self.problems is None and example.id.startswith("HumanEval"):
-                self.problems = humaneval_problems()
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            self.seen[key] = score_example(example, text, self.problems)
-        return self.seen[key]
 
 
 def _baselines(args, model, stops: list[int]) -> dict:

@@ -269,3 +269,23 @@ def score_example(example: Example, completion: str, problems: dict[str, dict] |
         check = json_valid if example.category == "json" else sql_valid
         return {example.category: float(check(completion))}
     return {}
+
+
+class Scorer:
+    """Task metrics of a decoded output, computed once per distinct (prompt, output) and never timed."""
+
+    def __init__(self, tokenizer, enabled: bool) -> None:
+        self.tokenizer, self.enabled = tokenizer, enabled
+        self.seen: dict = {}
+        self.problems: dict | None = None
+
+    def __call__(self, example, tokens: list[int]) -> dict[str, float]:
+        if not self.enabled:
+            return {}
+        key = (example.id, tuple(tokens))
+        if key not in self.seen:
+            if self.problems is None and example.id.startswith("HumanEval"):
+                self.problems = humaneval_problems()
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            self.seen[key] = score_example(example, text, self.problems)
+        return self.seen[key]

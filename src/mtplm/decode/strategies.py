@@ -19,7 +19,14 @@ import torch
 from mtplm.config import DecodeConfig, ModeDefaults, Thresholds
 from mtplm.decode.protocol import Outcome, PassLogits, Plan, Strategy, mode_entry, register_mode
 from mtplm.decode.sampling import leading_run, sample, warp
-from mtplm.decode.verified import Verified, build_verified, mode_parts, parse_drafting, parse_verified, verified_grammar
+from mtplm.decode.verified import (
+    Verified,
+    build_verified,
+    mode_parts,
+    parse_drafting,
+    parse_verified,
+    verified_grammar,
+)
 from mtplm.errors import UserError
 from mtplm.registry import CONFIDENCE
 

@@ -121,6 +121,9 @@ class Layer(nn.Module):
 class Eagle3Drafter(nn.Module):
     """fc -> one decoder layer -> norm -> LM head over the draft vocabulary (see the module docstring)."""
 
+    d2t: torch.Tensor  # buffers (registered in __init__)
+    t2d: torch.Tensor
+
     def __init__(self, k: int, dim: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
                  eps: float, rope_theta: float, layers: list[int], vocab: int, draft_vocab: int,
                  max_positions: int = 8192) -> None:
@@ -197,6 +200,7 @@ class Eagle3Drafter(nn.Module):
                 k0, v0 = k, v
             else:
                 own.append((k, v))
+            assert k0 is not None and v0 is not None
             g = self.layer.finish(g, attend(q, k0, v0, allowed, own))
             outs.append(g)
         return outs
@@ -319,9 +323,3 @@ class Eagle3Form:
     @staticmethod
     def build(config: dict) -> nn.Module:
         return Eagle3Drafter(**{key: value for key, value in config.items() if key != "form"})
-
-    @staticmethod
-    def train(cfg, progress: bool = True):
-        from mtplm.heads.eagle3_train import train_eagle3  # the trainer imports this module
-
-        return train_eagle3(cfg, progress)

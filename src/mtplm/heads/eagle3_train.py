@@ -26,6 +26,7 @@ from mtplm.heads.eagle3 import Eagle3Drafter, draft_vocabulary, for_target, reso
 from mtplm.heads.forms import head_weights
 from mtplm.heads.train import HeadBatch, TrunkRow, train_heads
 from mtplm.model import MTPModel
+from mtplm.registry import HEAD_TRAINERS
 
 
 class Eagle3Trainer:
@@ -120,6 +121,7 @@ class Eagle3Training:
         return drafter, Eagle3Trainer(cfg, model, drafter)
 
 
+@HEAD_TRAINERS.register("eagle3", "the shared head-training loop with EAGLE-3's hooks")
 def train_eagle3(cfg: TrainConfig, progress: bool = True):
     """`mtplm train method=heads head_form=eagle3`: the shared head-training loop with EAGLE-3's hooks."""
     return train_heads(cfg, progress, form=Eagle3Training)

@@ -55,7 +55,7 @@ def export_medusa(checkpoint: str, out: str | os.PathLike) -> Path:
         "vocab_size": int(lm.shape[0]), "truncated_vocab_size": int(lm.shape[0]),
         "num_heads": len(model.heads.blocks), "num_hidden_layers": 1, "max_paths": 64, "topk": 10,
         "medusa_fc_bias": True, "original_lm_head": True,
-        "base_model_name_or_path": model.meta.base_model.get("spec", ""),
+        "base_model_name_or_path": model.meta.base_model.get("spec", "") if model.meta else "",
     }
 
     def write(tmp: Path) -> None:

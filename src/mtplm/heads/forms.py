@@ -16,6 +16,7 @@ Shapes: B batch, T tokens, D hidden, V vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -73,19 +74,14 @@ class Depth(nn.Module):
 class BlockForm:
     """A form made of K-1 blocks on the trunk's final state (`Heads`), trained by heads.train.
 
-    Every HEAD_FORMS entry builds its module from a checkpoint's recorded config (`build`) and trains it
-    (`train`); the two block forms share both and differ in their blocks, training states and drafting.
+    Every HEAD_FORMS entry builds its module from a checkpoint's recorded config (`build`); its trainer is
+    registered under the same name in HEAD_TRAINERS, beside the training code. The two block forms share the
+    builder and differ in their blocks, training states and drafting.
     """
 
     @staticmethod
     def build(config: dict) -> nn.Module:
         return Heads(**config)
-
-    @staticmethod
-    def train(cfg, progress: bool = True):
-        from mtplm.heads.train import train_heads  # train.py imports this module
-
-        return train_heads(cfg, progress)
 
 
 class Medusa(BlockForm):
@@ -96,7 +92,7 @@ class Medusa(BlockForm):
         return ResidualBlock(dim)
 
     @staticmethod
-    def states(blocks: nn.ModuleList, h: torch.Tensor, tokens: torch.Tensor, embed: nn.Module) -> list[torch.Tensor]:
+    def states(blocks: nn.ModuleList, h: torch.Tensor, tokens: torch.Tensor, embed: Callable) -> list[torch.Tensor]:
         return [block(h) for block in blocks]
 
     @staticmethod
@@ -112,7 +108,7 @@ class Sequential(BlockForm):
         return Depth(dim, intermediate)
 
     @staticmethod
-    def states(blocks: nn.ModuleList, h: torch.Tensor, tokens: torch.Tensor, embed: nn.Module) -> list[torch.Tensor]:
+    def states(blocks: nn.ModuleList, h: torch.Tensor, tokens: torch.Tensor, embed: Callable) -> list[torch.Tensor]:
         out, x = [], h
         for d, block in enumerate(blocks, start=1):
             ahead = torch.cat([tokens[:, d:], tokens[:, -1:].expand(-1, d)], 1)  # [B, T]: token t+d
@@ -149,7 +145,7 @@ class Heads(nn.Module):
     def config(self) -> dict:
         return {"form": self.form, "k": self.k, "dim": self.dim, "intermediate": self.intermediate}
 
-    def states(self, h: torch.Tensor, tokens: torch.Tensor, embed: nn.Module) -> list[torch.Tensor]:
+    def states(self, h: torch.Tensor, tokens: torch.Tensor, embed: Callable) -> list[torch.Tensor]:
         """Training: [B, T, D] per head k = 2..K; row t of head k predicts token t+k.
 
         The sequential chain is teacher-forced: depth d at row t reads the true token t+d (rows whose

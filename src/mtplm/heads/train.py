@@ -27,16 +27,18 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
 from mtplm.config import TrainConfig, as_dict
-from mtplm.files import atomic_file
+from mtplm.files import atomic_file, home
 from mtplm.heads.forms import Heads, head_lr_scale, head_weights
 from mtplm.heads.resume import Loop, restore, save, saved_state
 from mtplm.model import MTPModel
+from mtplm.registry import HEAD_TRAINERS
 from mtplm.train.checkpoint import ComputeClock, MetricsLog
 from mtplm.train.data import Sample, row_ids
 
@@ -171,7 +173,8 @@ class HeadTrainer:
         start = self.supervised(batch, progress)
         weights = head_weights(k_max, cfg.head_alpha, progress)
         states = self.heads.states(batch.hidden, batch.tokens, self._embed)
-        grads, stats = [], {"loss": 0.0, "agreement": [1.0], "consistency": 0.0, "supervised": []}
+        grads: list[torch.Tensor] = []
+        stats: dict[str, Any] = {"loss": 0.0, "agreement": [1.0], "consistency": 0.0, "supervised": []}
         previous = self._expected(self.logits(1, batch.hidden)).detach() if cfg.consistency_weight else None
         for k, x in enumerate(states, start=2):
             valid = batch.valid(k)
@@ -185,6 +188,7 @@ class HeadTrainer:
             if cfg.consistency_weight:
                 expected = torch.zeros_like(x)
                 expected[valid] = self._expected(logits)
+                assert previous is not None  # set above whenever consistency_weight is
                 nearer = torch.cat([previous[:, 1:], previous[:, -1:]], 1)  # E_{t+1}[head k-1]
                 gap = (expected - nearer).pow(2).mean(-1) / self.embed_scale
                 cons = (gap * train_rows).sum() / max(1, int(train_rows.sum()))
@@ -219,7 +223,7 @@ class HeadTrainer:
         """Per-head top-1 agreement with the trunk's greedy token, and the verified-decoding estimate:
         1 + the leading run of heads 2..K that are right, per row (a linear-window pass's yield)."""
         k_max = self.heads.k
-        right = [[] for _ in range(k_max + 1)]
+        right: list[list[torch.Tensor]] = [[] for _ in range(k_max + 1)]
         runs, gaps = [], []
         for batch in batches:
             states = self.heads.states(batch.hidden, batch.tokens, self._embed)
@@ -270,8 +274,8 @@ def train_heads(cfg: TrainConfig, progress: bool = True, form=BlockTraining) -> 
 def _train_heads(cfg: TrainConfig, progress: bool, form, clock: ComputeClock) -> Path:
     import resource
 
-    from mtplm.assets.models import cache_dir, model_identity, resolve_model
-    from mtplm.bench.plots import training_curves
+    from mtplm.assets.models import model_identity, resolve_model
+    from mtplm.plots import training_curves
     from mtplm.train.data import load_samples
 
     torch.manual_seed(cfg.seed)
@@ -280,7 +284,7 @@ def _train_heads(cfg: TrainConfig, progress: bool, form, clock: ComputeClock) ->
     (run_dir / "config.json").write_text(json.dumps(as_dict(cfg), indent=2) + "\n")
     model = MTPModel.load(cfg.model, dtype=cfg.dtype)
     samples = load_samples(cfg.data, model.tokenizer, model.hf, run_dir, cfg)
-    rows = trunk_states(model, samples, cfg.seq_len, progress, cache_dir() / "trunk", form.layers(cfg, model))
+    rows = trunk_states(model, samples, cfg.seq_len, progress, home() / "trunk", form.layers(cfg, model))
     num_val = max(1, int(len(rows) * cfg.val_fraction))
     train_rows, val_rows = (rows[:-num_val] or rows), rows[-num_val:]
     val_batches = [HeadBatch.of(val_rows[i: i + cfg.batch_size]) for i in range(0, len(val_rows), cfg.batch_size)]
@@ -293,6 +297,7 @@ def _train_heads(cfg: TrainConfig, progress: bool, form, clock: ComputeClock) ->
                state)
     log.close()
     model.attach_heads(heads, model_identity(resolve_model(cfg.model)), spec=cfg.model)
+    assert model.meta is not None  # attach_heads sets it
     model.meta.training = {"config": as_dict(cfg), "steps": cfg.steps, "samples": len(samples),
                            "compute": clock.totals(), "final_val": val,
                            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
@@ -335,3 +340,7 @@ def _fit(cfg: TrainConfig, trainer, train_rows: list[TrunkRow], val_batches: lis
                            "continue with resume=auto")
                 raise KeyboardInterrupt
     return val
+
+
+for _form in ("medusa", "sequential"):
+    HEAD_TRAINERS.register(_form, "heads on the cached trunk states, one block per future token")(train_heads)

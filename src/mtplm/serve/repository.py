@@ -27,8 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import tomllib
-
+from mtplm.compat import tomllib
 from mtplm.config import DEFAULT_MODE
 from mtplm.decode.backends import make_backend
 from mtplm.decode.engine import Engine, PassStats

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -106,7 +107,8 @@ def gather_rows(tensors: list[torch.Tensor], world: World) -> list[torch.Tensor]
         return tensors
     parts: list[list[torch.Tensor] | None] = [None] * world.size
     dist.all_gather_object(parts, [t.cpu() for t in tensors])
-    return [torch.cat([p[i] for p in parts]).to(tensors[i].device) for i in range(len(tensors))]
+    gathered = cast(list[list[torch.Tensor]], parts)  # every rank's list is in now
+    return [torch.cat([p[i] for p in gathered]).to(tensors[i].device) for i in range(len(tensors))]
 
 
 def wrap(student: nn.Module, world: World) -> nn.Module:
@@ -133,7 +135,7 @@ def shard(hf: nn.Module, world: World) -> None:
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(world.device.type, (world.size,))
-    decoder = hf.get_decoder()
+    decoder: Any = hf.get_decoder()  # type: ignore[operator]  # an HF model, typed as a Module
     if not hasattr(decoder, "layers"):
         raise UserError(f"parallel=fsdp needs a decoder with .layers; {type(hf).__name__} has none: "
                         "use parallel=ddp")
@@ -142,8 +144,9 @@ def shard(hf: nn.Module, world: World) -> None:
     for name, child in decoder.named_children():
         if name != "layers" and any(True for _ in child.parameters()):
             fully_shard(child, mesh=mesh)
-    if hf.get_output_embeddings() is not None:
-        fully_shard(hf.get_output_embeddings(), mesh=mesh)
+    head = hf.get_output_embeddings()  # type: ignore[operator]
+    if head is not None:
+        fully_shard(head, mesh=mesh)
     fully_shard(hf, mesh=mesh)
 
 
@@ -179,4 +182,5 @@ def full_weights(hf: nn.Module, world: World) -> dict[str, torch.Tensor]:
     """FSDP: every weight gathered to rank 0's CPU (a collective: every rank calls it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(hf, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return cast(dict[str, torch.Tensor],
+                get_model_state_dict(hf, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))

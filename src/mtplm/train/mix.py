@@ -137,12 +137,13 @@ class Pool:
     """Collects the texts of a mix: deduplicated, eval-checked, counted per source."""
 
     def __init__(self, index) -> None:
-        self.index, self.seen, self.report = index, set(), []
+        self.index, self.seen, self.report = index, set[str](), list[str]()
 
     def take(self, source: Source, rows: Iterator[dict], wanted: int | None, to_sample) -> list:
         from mtplm.assets.contamination import normalized
 
-        samples, dropped_eval, duplicates, empty = [], 0, 0, 0
+        samples: list = []
+        dropped_eval, duplicates, empty = 0, 0, 0
         for number, row in enumerate(rows, 1):
             if wanted is not None and len(samples) >= wanted:
                 break
@@ -177,15 +178,16 @@ def load_mix(spec: str, tokenizer, hf_model, run_dir: Path, cfg, to_sample) -> l
     """Every sample of the mix `spec`, `self` last (see the module doc). `to_sample(row, number)` makes the
     Samples of one row (data.py)."""
     from mtplm.assets.contamination import eval_index
-    from mtplm.train.data import read_rows, self_generate
+    from mtplm.train.sources import read_rows, self_generate
 
     sources = ordered(parse_mix(spec))
     lone_file = len(sources) == 1 and sources[0].kind in FILES and not cfg.data_texts
-    wanted = [None] if lone_file else counts(sources, cfg.data_texts or cfg.self_gen_prompts)
+    wanted: list[int | None] = [None] if lone_file else list(counts(sources, cfg.data_texts or cfg.self_gen_prompts))
     pool = Pool(eval_index())
     samples = []
     for source, n in zip(sources, wanted, strict=True):
         if source.kind == "self":
+            assert n is not None  # a count is None only for a lone file
             cache = Path(cfg.self_gen_cache) if cfg.self_gen_cache else run_dir / "selfgen.jsonl"
             rows = iter(self_generate(hf_model, tokenizer, source.arg, n, cfg, cache, pool.index))
         elif source.kind in FILES:

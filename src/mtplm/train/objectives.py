@@ -48,6 +48,7 @@ class Supervised:
     @property
     def teacher_logits(self) -> torch.Tensor:
         """[N, V] (only when the objective uses the teacher)."""
+        assert self.out.teacher_logits is not None, "this objective ran no teacher"
         return self.pick(self.out.teacher_logits)
 
 

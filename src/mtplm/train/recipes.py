@@ -52,6 +52,13 @@ class Recipe:
         self.model: MTPModel | None = None
 
     @property
+    def bound(self) -> MTPModel:
+        """The model `attach` bound the recipe to."""
+        if self.model is None:
+            raise RuntimeError("attach the recipe to a model first")
+        return self.model
+
+    @property
     def compute_dtype(self) -> str:
         """The dtype the model loads in (fp32 | bf16)."""
         return self.cfg.dtype
@@ -69,7 +76,7 @@ class Recipe:
     @contextmanager
     def teacher(self) -> Iterator[MTPModel]:
         """The model that labels the student's slots: by default the base model, i.e. the adapters off."""
-        with self.model.adapters_disabled() as base:
+        with self.bound.adapters_disabled() as base:
             yield base
 
     def draw_regions(self, batch: TokenBatch, k: int, rng: random.Random, generator: torch.Generator,
@@ -119,7 +126,7 @@ class GatedLoRA(Recipe):
         cfg = self.cfg
         store, budget = GroundTruthStore(), cfg.ground_truth_cache_gb * 2**30
         for index, sample in enumerate(tqdm(samples, desc="cache ground truth", unit="text", disable=not progress)):
-            store.add(self.model, index, row_ids(sample, cfg.seq_len)[0])
+            store.add(self.bound, index, row_ids(sample, cfg.seq_len)[0])
             if index == 7:
                 per_token = store.nbytes() / sum(s.hidden.shape[0] for s in store.states.values())
                 needed = per_token * sum(len(row_ids(x, cfg.seq_len)[0]) for x in samples)
@@ -138,7 +145,7 @@ class GatedLoRA(Recipe):
 
     def slots(self, batch: TokenBatch, regions: Regions, use_teacher: bool) -> SlotOutputs:
         store = self.store if batch.indices is not None else None
-        return cached_slots(self.model, batch, regions, use_teacher, store)
+        return cached_slots(self.bound, batch, regions, use_teacher, store)
 
     def write(self, model: MTPModel, run_dir: Path, final: bool) -> Path:
         model.save_delta(run_dir / "delta", self.cfg.model)
@@ -159,7 +166,7 @@ class Packed(Recipe):
         return interleaved_regions(batch.starts, batch.lengths, k, cfg.region_width, offset, batch.ids.shape[1])
 
     def slots(self, batch: TokenBatch, regions: Regions, use_teacher: bool) -> SlotOutputs:
-        return packed_slots(self.model, self.teacher, batch, regions, use_teacher, self.cfg.ntp_weight > 0)
+        return packed_slots(self.bound, self.teacher, batch, regions, use_teacher, self.cfg.ntp_weight > 0)
 
 
 @TRAINABLE.register("lora", "PEFT LoRA on every position (packed layout); saved merged")
@@ -187,6 +194,13 @@ class Full(Packed):
     def compute_dtype(self) -> str:
         return "fp32"
 
+    @property
+    def teacher_model(self) -> MTPModel:
+        """The frozen copy `attach` made."""
+        if self.frozen is None:
+            raise RuntimeError("attach the recipe to a model first")
+        return self.frozen
+
     def attach(self, model: MTPModel) -> list[nn.Parameter]:
         self.model = model
         dtype = torch.bfloat16 if self.cfg.dtype == "bf16" else torch.float32
@@ -195,11 +209,11 @@ class Full(Packed):
         return list(model.hf.parameters())
 
     def shard(self, world: World) -> None:
-        shard(self.frozen.hf, world)
+        shard(self.teacher_model.hf, world)
 
     @contextmanager
     def teacher(self) -> Iterator[MTPModel]:
-        yield self.frozen
+        yield self.teacher_model
 
     def autocast(self, device_type: str) -> AbstractContextManager:
         if self.cfg.dtype == "bf16":

@@ -20,13 +20,14 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from mtplm.bench.passcost import curve_for
-from mtplm.bench.plots import training_curves
 from mtplm.config import Thresholds, TrainConfig, as_dict
+from mtplm.decode.passcost import curve_for
 from mtplm.errors import UserError
 from mtplm.model import MTPModel
-from mtplm.registry import HEAD_FORMS, OBJECTIVES, TRAINABLE
+from mtplm.plots import training_curves
+from mtplm.registry import HEAD_TRAINERS, OBJECTIVES, TRAINABLE
 from mtplm.train import checkpoint
+from mtplm.train.checks import check_train_config
 from mtplm.train.data import BatchStream, collate, load_samples
 from mtplm.train.distributed import (
     World,
@@ -60,6 +61,7 @@ class Trainer:
         self.rng = random.Random(cfg.seed)
         self.regions_gen = torch.Generator().manual_seed(cfg.seed)
         self.recipe: Recipe = TRAINABLE.get(cfg.trainable)(cfg)
+        assert model.meta is not None, "the trainer converts a model with its mask token added"
         model.meta.trainable = cfg.trainable
         params = self.recipe.attach(model)
         for p in model.hf.parameters():
@@ -110,6 +112,7 @@ class Trainer:
         loss = loss * self._share(student.shape[0])
         if cfg.ntp_weight:  # validate allows it only for recipes whose slots return the prefix logits
             real = torch.arange(batch.ids.shape[1] - 1) < (batch.lengths - 1).unsqueeze(1)  # [B, L-1]
+            assert out.prefix_logits is not None
             ntp = F.cross_entropy(out.prefix_logits[:, :-1][real], batch.ids[:, 1:][real])
             loss = loss + cfg.ntp_weight * ntp * self._share(int(real.sum()))
         return loss
@@ -135,7 +138,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         keep = out.valid.any(-1)  # [b, M] regions with at least one supervised prediction
         confidence, argmax = top1(out.student_logits.detach()[keep])  # [R, k] each
-        stats = run_statistics(*gather_rows([confidence, argmax, out.labels[keep], out.valid[keep]], world), cfg.tau)
+        confidence, argmax, labels, valid = gather_rows([confidence, argmax, out.labels[keep], out.valid[keep]], world)
+        stats = run_statistics(confidence, argmax, labels, valid, cfg.tau)
         return {"loss": float(all_sum(loss, world)), "k": k, "lr": self.scheduler.get_last_lr()[0], **stats}
 
     @torch.no_grad()
@@ -149,7 +153,9 @@ class Trainer:
         for batch in val_batches:  # every rank runs all of them (distributed.py)
             out, _ = self.forward(batch, self.cfg.k_max, "hard", offset=0)
             keep = out.valid.any(-1)  # [B, M]
-            logits.append(out.student_logits[keep]), labels.append(out.labels[keep]), valid.append(out.valid[keep])
+            logits.append(out.student_logits[keep])
+            labels.append(out.labels[keep])
+            valid.append(out.valid[keep])
         self.regions_gen.set_state(saved)
         stats = run_statistics(*top1(torch.cat(logits)), torch.cat(labels), torch.cat(valid), self.cfg.tau)
         if self.predictor is not None:
@@ -183,14 +189,14 @@ class StudentLoss(nn.Module):
 
 def train(cfg: TrainConfig, progress: bool = True) -> Path | None:
     """Train, save and check a converted model; its checkpoint (None on ranks other than 0 under torchrun)."""
-    cfg.validate()
+    check_train_config(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if cfg.method == "heads":
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise UserError("method=heads trains small heads on cached trunk states in one process: run it "
                             "without torchrun")
-        return HEAD_FORMS.get(cfg.head_form).train(cfg, progress)
+        return HEAD_TRAINERS.get(cfg.head_form)(cfg, progress)
     world = init_world(cfg.device, cfg.parallel, cfg.batch_size)
     try:
         with torch.device(world.device):  # every tensor the loop makes lives where the model does
@@ -235,7 +241,7 @@ def _run(cfg: TrainConfig, world: World, progress: bool, clock: checkpoint.Compu
             model = _unsharded(cfg, world, model, weights)
     if not world.main:
         return None
-
+    assert log is not None and model.meta is not None  # rank 0 logs; its model is converted
     model.meta.training = {"config": as_dict(cfg), "steps": cfg.steps, "samples": len(samples),
                            "world_size": world.size, "compute": clock.totals(), "final_val": val}
     trainer.recipe.save(model, run_dir, final=True)  # the trained weights are safe before anything else can fail
@@ -297,7 +303,7 @@ def _split(cfg: TrainConfig, world: World, model: MTPModel,
 
 def _predictor(cfg: TrainConfig, world: World, model: MTPModel, val_samples: list) -> Predictor | None:
     """The decode predictor over the held-out samples (rank 0 of an unsharded run), with the pass-cost curve
-    that prices its modes (bench/passcost.py)."""
+    that prices its modes (decode/passcost.py)."""
     if not cfg.predict_texts or world.sharded or not world.main:
         return None
     cost = curve_for(cfg.pass_cost, model)
@@ -338,6 +344,7 @@ def _add_mask_token(model: MTPModel, cfg: TrainConfig) -> None:
 
     identity = {**model_identity(resolve_model(cfg.model)), "spec": cfg.model}  # the base as the user named it
     model.add_mask_token(cfg.k_max, identity, seed=cfg.seed)
+    assert model.meta is not None
     model.meta.thresholds = Thresholds(tau=cfg.tau, k_max=cfg.k_max).to_json()  # k_max: once, in meta
 
 

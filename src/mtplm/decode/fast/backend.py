@@ -243,11 +243,11 @@ def _use_mtplm_compile_cache() -> None:
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     from torch._inductor.utils import clear_caches
 
-    from mtplm.assets.models import cache_dir
+    from mtplm.files import home
 
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(home() / "inductor")
         clear_caches()
 
 

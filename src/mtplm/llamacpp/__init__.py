@@ -1,6 +1,7 @@
 """The llama.cpp install that `scripts/install_llama_server.sh` puts in `$MTPLM_HOME/llama.cpp`: where its
 `llama-server` and its matching `convert_hf_to_gguf.py` are, and one way to run that converter (atomically, a
-failure reported with the converter's own last lines). Used by `mtplm bench --llama-server` (bench/) and by
+failure reported with the converter's own last lines); server.py runs the server. Used by `mtplm bench
+--llama-server` (bench/), by training's self-generation (train/sources.py) and by
 `mtplm export --format gguf-eagle3` (heads/); it imports neither.
 """
 
@@ -10,15 +11,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mtplm.assets.models import cache_dir
 from mtplm.errors import UserError
-from mtplm.files import atomic_file
+from mtplm.files import atomic_file, home
 
 INSTALL_HINT = "run scripts/install_llama_server.sh (builds it in about 6 min on 2 cores)"
 
 
 def install_dir() -> Path:
-    return cache_dir() / "llama.cpp"
+    return home() / "llama.cpp"
 
 
 def server_binary() -> Path:

@@ -28,16 +28,15 @@ self-generation included; a session stopped by SIGTERM / Ctrl-C keeps its time.
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import itertools
 import json
 from pathlib import Path
 
-import tomllib
-
+from mtplm.compat import tomllib
 from mtplm.config import TrainConfig, override
 from mtplm.errors import UserError
+from mtplm.train.checks import check_train_config
 
 ALIASES = {"texts": "data_texts", "rank": "lora_rank", "projections": "lora_targets", "teacher": "objective"}
 NOT_KNOBS = ("out", "resume", "model", "method", "device", "parallel", "threads")  # the sweep or the machine sets these
@@ -127,7 +126,7 @@ def config(sweep: Sweep, variant: Variant) -> TrainConfig:
     pairs = [f"{k}={v}" for k, v in {**sweep.base, **variant.settings}.items()]
     pairs += [f"out={out}", "resume=auto", f"self_gen_cache={sweep.runs / 'selfgen.jsonl'}"]
     try:
-        return override(TrainConfig(), pairs).validate()
+        return check_train_config(override(TrainConfig(), pairs))
     except UserError as exc:
         raise UserError(f"variant {variant.name}: {exc}") from None
 
@@ -158,7 +157,7 @@ def run_variant(sweep: Sweep, variant: Variant, progress: bool = True) -> dict:
 
 def run_sweep(path: Path, results: Path | None = None, progress: bool = True, only: list[str] | None = None) -> Path:
     """Every variant of the sweep file (or those named in `only`), then the table and plot; the results folder."""
-    from mtplm.train.sweep_report import write_results
+    from mtplm.experiments.report import write_results
 
     sweep = load_sweep(path)
     chosen = [v for v in sweep.variants if not only or v.name in only]
@@ -168,11 +167,3 @@ def run_sweep(path: Path, results: Path | None = None, progress: bool = True, on
         raise UserError(f"no variant named {', '.join(missing)} in {path}: it has {names}")
     rows = [run_variant(sweep, variant, progress) for variant in chosen]
     return write_results(sweep.name, rows, results or Path("docs/results") / sweep.name, path)
-
-
-def write_csv(rows: list[dict], path: Path, columns: list[str]) -> Path:
-    with open(path, "w", newline="") as stream:
-        writer = csv.DictWriter(stream, fieldnames=columns, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-    return path

@@ -1,4 +1,5 @@
-"""PNG plots of training curves and benchmark results (matplotlib is the `plot` extra)."""
+"""PNG plots of training curves and benchmark results (matplotlib is the `plot` extra). Below train, bench and
+the experiments, which all draw with `pyplot()` and `save()`."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 from pathlib import Path
 
 
-def _pyplot():
+def pyplot():
     try:
         import matplotlib
 
@@ -20,7 +21,7 @@ def _pyplot():
 
 def training_curves(run_dir: Path) -> Path | None:
     """metrics.jsonl -> curves.png: loss, validation agreement per slot, estimated tokens/forward."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return None
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -40,13 +41,13 @@ def training_curves(run_dir: Path) -> Path | None:
                 label="verified (agreeing run)")
     ax_tpf.set(title="estimated tokens/forward (held out)", xlabel="step")
     ax_tpf.legend()
-    return _save(plt, fig, run_dir / "curves.png")
+    return save(plt, fig, run_dir / "curves.png")
 
 
 def bench_plot(report: dict, out: Path) -> Path | None:
     """Speed vs quality per mode, as agreement with plain greedy and (where tasks were scored) as task
     accuracy: static k and ConfAdapt thresholds are joined into curves; plus tokens/forward histograms."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return None
     rows = [r for r in report["rows"] if r["mode"] != "hf-generate"]
@@ -64,7 +65,7 @@ def bench_plot(report: dict, out: Path) -> Path | None:
     hist_ax.set(xlabel="tokens emitted per forward pass", ylabel="share of steps", title="tokens/forward histogram")
     if hist_ax.get_legend_handles_labels()[0]:
         hist_ax.legend(fontsize=8)
-    return _save(plt, fig, out / "bench.png")
+    return save(plt, fig, out / "bench.png")
 
 
 def _speed_vs(ax, rows: list[dict], key: str) -> None:
@@ -83,7 +84,7 @@ def _speed_vs(ax, rows: list[dict], key: str) -> None:
     ax.legend(fontsize=8)
 
 
-def _save(plt, fig, path: Path) -> Path:
+def save(plt, fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

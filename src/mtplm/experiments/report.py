@@ -4,6 +4,7 @@ tokens/pass = a + b * log10(CPU-hours) per mode; extrapolating it is an estimate
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 from pathlib import Path
@@ -56,9 +57,9 @@ def table_markdown(flat_rows: list[dict], modes: list[str]) -> str:
 
 def plot(rows: list[dict], modes: list[str], path: Path) -> Path | None:
     """Held-out tokens/pass per mode against training CPU-hours (log x), each with its fitted trend."""
-    from mtplm.bench.plots import _pyplot, _save
+    from mtplm.plots import pyplot, save
 
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(10, 4.5))
@@ -78,13 +79,12 @@ def plot(rows: list[dict], modes: list[str], path: Path) -> Path | None:
     ax.set(xscale="log", xlabel="training CPU-hours (log)", ylabel="held-out tokens/pass",
            title="acceptance vs compute")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return _save(plt, fig, path)
+    return save(plt, fig, path)
 
 
 def write_results(name: str, rows: list[dict], out: Path, spec: Path) -> Path:
     """sweep.csv, README.md (tables, fits) and acceptance_vs_compute.png in `out`."""
     from mtplm.bench.machine import machine
-    from mtplm.train.sweep import write_csv
 
     out.mkdir(parents=True, exist_ok=True)
     modes = modes_of(rows)
@@ -121,3 +121,11 @@ def write_results(name: str, rows: list[dict], out: Path, spec: Path) -> Path:
     (out / "README.md").write_text("\n".join(text) + "\n")
     plot(rows, modes, out / "acceptance_vs_compute.png")
     return out
+
+
+def write_csv(rows: list[dict], path: Path, columns: list[str]) -> Path:
+    with open(path, "w", newline="") as stream:
+        writer = csv.DictWriter(stream, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    return path

@@ -1,0 +1,44 @@
+"""Every default of mtplm, as dataclasses, and the one way to override them (key=value strings).
+
+The records live in decode.py, train.py and serve.py, the override machinery in overrides.py; this
+package re-exports their public names, so `from mtplm.config import ...` is unchanged.
+"""
+
+from dataclasses import field
+
+from mtplm.config.decode import (
+    BACKEND_ENV,
+    DEFAULT_LOAD_POLICY,
+    DEFAULT_MODE,
+    DRAFTING,
+    LOOKUP_TOKENS,
+    DecodeConfig,
+    ModeDefaults,
+    Thresholds,
+    mode_grammar,
+    parse_mode,
+)
+from mtplm.config.overrides import (
+    as_dict,
+    load_train_config,
+    override,
+    to_toml,
+)
+from mtplm.config.serve import (
+    Limits,
+)
+from mtplm.config.train import (
+    DEFAULT_TARGETS,
+    DTYPES,
+    LORA_GROUPS,
+    METHODS,
+    SCHEDULES,
+    SELF_GEN_ENGINES,
+    TrainConfig,
+    lora_targets,
+)
+
+__all__ = ["BACKEND_ENV", "DEFAULT_LOAD_POLICY", "DEFAULT_MODE", "DRAFTING", "DecodeConfig",
+           "LOOKUP_TOKENS", "ModeDefaults", "Thresholds", "mode_grammar", "parse_mode", "Limits", "DEFAULT_TARGETS",
+           "DTYPES", "LORA_GROUPS", "METHODS", "SCHEDULES", "SELF_GEN_ENGINES", "TrainConfig",
+           "lora_targets", "as_dict", "load_train_config", "override", "to_toml", "field"]

@@ -1,0 +1,169 @@
+"""Decoding records: a checkpoint's thresholds, one decoding mode's settings (DecodeConfig) and the mode
+string grammar (parse_mode), with their defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mtplm.errors import UserError
+from mtplm.registry import CONFIDENCE, STRATEGIES, WINDOWS
+
+DRAFTING = ("linear", "quadratic", "tree", "lookup")  # lookup: drafts copied from the text alone (decode/lookup.py)
+LOOKUP_TOKENS = 8  # copied drafts per pass when a mode asks for lookup without a number
+
+
+# CLI and server mode when not told: the fastest that keeps quality as measured (README: 1.54x plain alone);
+# server load policy: plain passes from 2 sequences on (batched, copied drafts measured 0.67-0.95x of plain)
+DEFAULT_MODE, DEFAULT_LOAD_POLICY = "verified:lookup", "2:1"
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """A checkpoint's decoding defaults (mtplm.json's `thresholds`, with the checkpoint's k_max), typed."""
+
+    tau: float = 0.9  # ConfAdapt threshold when neither the user nor calibration sets one
+    k_max: int = 8  # tokens per pass of ConfAdapt and verified (the checkpoint's one k_max)
+    confidence: str = "top1"  # the measure tau and tau_per_position apply to
+    tau_per_position: tuple[float, ...] | None = None  # calibrated, one per block position
+    calibration: dict | None = None  # what `mtplm calibrate` measured: target, calibration, held_out
+
+    @classmethod
+    def from_json(cls, raw: dict, k_max: int) -> Thresholds:
+        taus = raw.get("tau_per_position")
+        return cls(tau=float(raw.get("tau", cls.tau)), k_max=int(raw.get("k_max", k_max)),
+                   confidence=str(raw.get("confidence", cls.confidence)),
+                   tau_per_position=tuple(float(t) for t in taus) if taus else None,
+                   calibration=raw.get("calibration"))
+
+    def to_json(self) -> dict:
+        """The `thresholds` table of mtplm.json (k_max lives once, beside it)."""
+        out: dict = {"tau": self.tau, "confidence": self.confidence}
+        if self.tau_per_position is not None:
+            out["tau_per_position"] = list(self.tau_per_position)
+        if self.calibration is not None:
+            out["calibration"] = self.calibration
+        return out
+
+
+@dataclass
+class DecodeConfig:
+    # a STRATEGIES registry name: ntp | static | confadapt | verified (lossless); the CLI and server: DEFAULT_MODE
+    mode: str = "ntp"
+    k: int = 4  # static mode: tokens emitted per forward
+    k_max: int | None = None  # confadapt: block size; verified: most tokens per pass; None -> the checkpoint's
+    tau: float | None = None  # confadapt threshold; None -> the checkpoint's calibrated value
+    confidence: str = "top1"  # a CONFIDENCE registry name
+    backoff: bool = False  # lower k_max after repeated single-token steps, raise it when confidence returns
+    backoff_patience: int = 3  # consecutive single-token steps before halving k_max
+    backoff_floor: int = 2
+    # verified mode; defaults = the fastest wall-clock setting measured on this CPU (README, Benchmark).
+    # Where extra rows in a pass are nearly free (GPU), quadratic drafting accepts the most tokens per pass.
+    drafting: str = "linear"  # linear (one mask block, after the last draft) | quadratic (a block after every draft)
+    #                           | tree (candidates from the heads' or mask slots' top choices, verified at once)
+    tree_widths: str = "2,2"  # tree drafting: candidates per depth from the top choices; deeper depths 1
+    lookup: int = 0  # drafts copied from the text per pass (decode/lookup.py) beside mask drafts; 0: none
+    window: str = "adaptive"  # a WINDOWS registry name (decode/windows.py)
+    temperature: float = 0.0  # 0 = greedy; > 0 samples (verified: exactly the model's distribution)
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    seed: int = 0
+
+    def needs_conversion(self) -> bool:
+        """Whether the mode needs mask slots or heads (every mode but plain, and lookup drafting alone)."""
+        return self.mode != "ntp" and not (self.mode == "verified" and self.drafting == "lookup")
+
+    def lookup_tokens(self) -> int:
+        """Copied drafts per pass: `lookup`, or LOOKUP_TOKENS for drafting=lookup (alone: any model) left at 0."""
+        return self.lookup or (LOOKUP_TOKENS if self.drafting == "lookup" else 0)
+
+    def verifies_rest(self) -> bool:
+        """ConfAdapt that keeps its unconfident slots as drafts, verified next pass (strategies.ConfidentVerified)."""
+        return self.mode == "confadapt" and (self.drafting == "quadratic" or self.lookup > 0)
+
+    def _check_lookup(self) -> None:
+        if self.mode == "confadapt" and self.drafting not in ("linear", "quadratic"):
+            raise UserError(f"confadapt verifies its leftover slots with linear or quadratic drafting, not "
+                            f"{self.drafting!r}: use confadapt+quadratic, confadapt+lookup or confadapt")
+        if self.lookup < 0:
+            raise UserError(f"lookup must be >= 0 (copied drafts per pass; 0: none), got {self.lookup}")
+        if self.lookup and self.drafting == "tree":
+            raise UserError("lookup drafts join linear or quadratic drafting, not tree: use --drafting quadratic "
+                            "--lookup N, or drop --lookup")
+        if self.lookup and self.drafting != "lookup" and self.temperature > 0:
+            raise UserError("lookup beside mask drafts verifies greedy decoding only: send temperature 0, or "
+                            "sample with drafting lookup alone")
+
+    def validate(self) -> DecodeConfig:
+        STRATEGIES.check(self.mode)
+        if self.k < 1:
+            raise UserError(f"k must be >= 1, got {self.k}")
+        if self.k_max is not None and self.k_max < 2:
+            raise UserError("k_max must be >= 2 (it counts the next token plus at least one mask slot), "
+                            f"got {self.k_max}")
+        if self.tau is not None and not 0.0 < self.tau <= 1.0:
+            raise UserError(f"tau must lie in (0, 1], got {self.tau}")
+        CONFIDENCE.check(self.confidence)
+        if self.drafting not in DRAFTING:
+            raise UserError(f"unknown drafting {self.drafting!r}: choose one of {', '.join(DRAFTING)}")
+        if self.drafting == "tree":
+            try:
+                widths = [int(w) for w in self.tree_widths.split(",")]
+            except ValueError:
+                widths = [0]
+            if not widths or min(widths) < 1:
+                raise UserError(f"tree_widths must be positive integers like 2,2, got {self.tree_widths!r}")
+            if self.temperature > 0:
+                raise UserError("tree drafting verifies greedy decoding only: use --drafting linear or quadratic "
+                                "to sample with --temperature")
+        self._check_lookup()
+        WINDOWS.check(self.window)
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise UserError("temperature must be >= 0, top_p in (0, 1] and top_k >= 0")
+        if self.max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        return self
+
+
+def mode_grammar() -> str:
+    """How a decoding mode is written as one string (CLI --modes, the server's `mode` field): each registered
+    strategy's own fragment (protocol.ModeEntry.grammar), in registry order."""
+    parts = []
+    for name in STRATEGIES.names():
+        grammar = getattr(STRATEGIES.get(name), "grammar", None)
+        parts.append(grammar() if grammar is not None else name)
+    return ", ".join(parts[:-1]) + " or " + parts[-1] if len(parts) > 1 else "".join(parts)
+
+
+BACKEND_ENV = "MTPLM_BACKEND"  # what --backend auto means when set (e.g. eager in a test run)
+
+
+@dataclass(frozen=True)
+class ModeDefaults:
+    """The caller's defaults for the parts a mode string leaves out (a strategy's parser reads them)."""
+
+    window: str = "adaptive"
+    k_max: int | None = None  # the string's @K when it has one
+    confidence: str = "top1"
+
+
+def parse_mode(spec: str, window: str = "adaptive", k_max: int | None = None,
+               confidence: str = "top1") -> DecodeConfig:
+    """A decoding mode written as one string (mode_grammar()), e.g. `confadapt:0.9@8` or `verified:tree`.
+
+    The name (up to the first `:` or `+`) picks the registered strategy, whose own parser reads the rest
+    (protocol.ModeEntry.parse). Parts left out keep DecodeConfig's defaults (a confadapt tau or k_max left
+    out: the checkpoint's calibrated values); `window`, `k_max` and `confidence` are the caller's defaults.
+    """
+    body, at, k = spec.strip().partition("@")
+    name = body.split(":", 1)[0].split("+", 1)[0]
+    try:
+        defaults = ModeDefaults(window, int(k) if at else k_max, confidence)
+        entry = next(e for e in STRATEGIES.names() if name in (e, *getattr(STRATEGIES.get(e), "aliases", ())))
+        parse = getattr(STRATEGIES.get(entry), "parse", None)
+        if parse is None and body != name:
+            raise ValueError
+        cfg = parse(body[len(name):], defaults) if parse is not None else DecodeConfig(mode=entry)
+        return cfg.validate()
+    except (ValueError, UserError, StopIteration):  # StopIteration: no strategy of that name or alias
+        raise UserError(f"bad decoding mode {spec!r}: use {mode_grammar()}") from None
