@@ -13,8 +13,9 @@ and on whether any fed row holds `<mtp>` (known from the token lists, so no host
 one run a graph without the gated adapters, which would add exactly zero there.
 
 Attending over the whole capacity instead of T would read C / T times more KV per pass. Feeds longer
-than 32 rows (prompts) run the same functions uncompiled at their exact size: one pass over a long
-prompt is compute-bound, where compilation buys little, and its size varies too much to bucket.
+than 32 rows (prompts) run in chunks of `prefill_chunk` rows (prefill.py): uncompiled wide passes with
+fused attention, or the compiled 32-row buckets where the chunk is that small; either way a prompt's cost
+grows like the model's own forward, never with the square of its length in memory.
 
 Inductor's compile cache lives under `$MTPLM_HOME/inductor` (unless TORCHINDUCTOR_CACHE_DIR is set),
 so a second process reuses the generated kernels instead of recompiling them; inductor writes its
@@ -36,6 +37,7 @@ import torch
 from mtplm.decode.backends import SlotKV, require_compiler
 from mtplm.decode.fast import kernels
 from mtplm.decode.fast.forward import decode_pass, layer
+from mtplm.decode.fast.prefill import PREFILL_CHUNK, run_chunked, wide_pass
 from mtplm.decode.fast.weights import FastWeights, check_supported, sliding_window
 from mtplm.errors import UserError
 from mtplm.model import MTPModel
@@ -56,8 +58,9 @@ class StaticBackend:
 
     def __init__(self, model: MTPModel, slots: int, capacity: int = 256, compile: bool = True,
                  fuse: bool = True, key_buckets: bool = True, regional: bool = True,
-                 prepack: bool | None = None, quantize: bool = False) -> None:
+                 prepack: bool | None = None, quantize: bool = False, prefill_chunk: int = PREFILL_CHUNK) -> None:
         self.model, self.slots, self.compile = model, slots, compile
+        self.prefill_chunk = prefill_chunk
         self.key_buckets = key_buckets
         self.weights = FastWeights(model, fuse, prepack, quantize)
         lm_head = model.hf.get_output_embeddings().weight  # [V, D]
@@ -85,20 +88,49 @@ class StaticBackend:
         lengths[i] positions. Hidden states [b, Q, D] (final norm applied); sequence i's rows are
         [i, :len(feeds[i].tokens)]; the fed rows' KV sits at lengths[i] .. of its slot afterwards."""
         width = max(len(feed.tokens) for feed in feeds)
-        compiled = self.compile and width <= ROW_BUCKETS[-1]
+        if width > ROW_BUCKETS[-1]:
+            return self._wide(start, feeds, lengths, width)
+        compiled = self.compile
         batch = _bucket(len(feeds)) if compiled else len(feeds)
         rows = _bucket(width) if compiled else width
         self._fit(max(lengths) + rows)
         keys = self._key_length(max(lengths) + rows) if compiled else max(lengths) + rows
         inputs = self._inputs(start, feeds, lengths, batch, rows)
-        mask_id = self.weights.shape.mask_id
-        adapters = self.weights.shape.gated and any(mask_id in feed.tokens for feed in feeds)  # host data: no sync
+        adapters = self._adapters(feeds)
         with torch.inference_mode():
             if not compiled:
                 hidden = decode_pass(self.weights, self.keys, self.values, *inputs, keys, adapters)
             else:
                 hidden = self._compiled(inputs, (batch, rows, keys, adapters))
         return hidden[: len(feeds), :width]
+
+    def _adapters(self, feeds: list) -> bool:
+        mask_id = self.weights.shape.mask_id
+        return self.weights.shape.gated and any(mask_id in feed.tokens for feed in feeds)  # host data: no sync
+
+    def _wide(self, start: int, feeds: list, lengths: list[int], width: int) -> torch.Tensor:
+        """A pass with a feed wider than the row buckets (a prompt): each sequence on its own, chunk by
+        chunk (prefill.run_chunked) -> hidden states [b, width, D], padding rows zero."""
+        self._fit(max(lengths) + width + ROW_BUCKETS[-1])  # the store grows once, not once per chunk
+        out = None
+        for i, (feed, past) in enumerate(zip(feeds, lengths, strict=False)):
+            hidden = run_chunked(feed, past, self.prefill_chunk, partial(self._chunk, start + i))
+            if out is None:
+                out = hidden.new_zeros(len(feeds), width, hidden.shape[-1])
+            out[i, : hidden.shape[0]] = hidden
+        assert out is not None
+        return out
+
+    def _chunk(self, slot: int, feed, past: int) -> torch.Tensor:
+        """One chunk of a wide pass -> [rows, D]: a compiled bucket where it fits, else a wide pass."""
+        rows = len(feed.tokens)
+        if rows <= ROW_BUCKETS[-1]:
+            return self.run(slot, [feed], [past])[0]
+        self._fit(past + rows)
+        inputs = self._inputs(slot, [feed], [past], 1, rows)
+        with torch.inference_mode():
+            hidden = wide_pass(self.weights, self.keys, self.values, *inputs, past + rows, self._adapters([feed]))
+        return hidden[0]
 
     def _compiled(self, inputs: tuple, bucket: tuple[int, int, int, bool]) -> torch.Tensor:
         first = bucket not in self.compiled_buckets
