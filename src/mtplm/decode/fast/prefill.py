@@ -27,7 +27,7 @@ from mtplm.decode.fast.forward import project, rms_norm, rope_tables, rotate
 from mtplm.decode.fast.weights import FastWeights, Shape
 from mtplm.decode.protocol import Feed
 
-PREFILL_CHUNK = 256  # rows per wide pass; measured with scripts/prompt_sweep.py (module doc of that script)
+PREFILL_CHUNK = 512  # rows per wide pass: measured best of 32 (compiled buckets), 256, 512 (scripts/prompt_sweep.py)
 
 
 def split_feed(feed: Feed, chunk: int) -> tuple[list[list[int]], Feed]:
