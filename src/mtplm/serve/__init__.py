@@ -72,6 +72,7 @@ def serve(repository: Repository, host: str, port: int, settings: Settings, shut
     import uvicorn
 
     _check_exposure(host, settings)
+    repository.warm(settings.limits.context)  # nothing is served (/health included) before every bucket compiled
     app = create_app(repository, settings)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=int(shutdown_grace_s) + 5, lifespan="off")

@@ -71,6 +71,7 @@ class StaticBackend:
         self.values: list[torch.Tensor] = []
         self._grow(capacity)
         self.compiled_buckets: dict[tuple, float] = {}  # (b, Q, T, adapters) -> compile seconds
+        self._quiet = False  # warm() reports its compiles as one line
         self._step: Callable[..., torch.Tensor] = decode_pass
         if compile:
             _use_mtplm_compile_cache()
@@ -132,6 +133,32 @@ class StaticBackend:
             hidden = wide_pass(self.weights, self.keys, self.values, *inputs, past + rows, self._adapters([feed]))
         return hidden[0]
 
+    # ---- warming up --------------------------------------------------------------------------------
+    def warm(self, buckets: list[tuple[int, int, int, bool]], capacity: int) -> tuple[int, float]:
+        """Compile every (b, Q, T, adapters) bucket of `buckets` not compiled yet, by a pass over the
+        scratch slot only, after growing the store to `capacity` positions (buckets compiled for a smaller
+        store would compile again when it grows). (buckets compiled, seconds); a backend that does not
+        compile returns (0, 0.0)."""
+        self._fit(capacity)
+        if not self.compile:
+            return 0, 0.0
+        began, todo = time.perf_counter(), [b for b in dict.fromkeys(buckets) if b not in self.compiled_buckets]
+        self._quiet = True
+        try:
+            with torch.inference_mode():
+                for batch, rows, keys, adapters in todo:
+                    self._compiled(self._inputs(0, [], [], batch, rows), (batch, rows, min(keys, self.capacity),
+                                                                           adapters))
+        finally:
+            self._quiet = False
+        return len(todo), time.perf_counter() - began
+
+    def key_lengths(self, low: int, high: int) -> list[int]:
+        """The key-length buckets a pass needing between `low` and `high` key positions meets."""
+        self._fit(high)
+        return sorted({self._key_length(n) for n in range(max(1, low), high + 1)
+                       if n in (low, high) or n & (n - 1) == 0})
+
     def _compiled(self, inputs: tuple, bucket: tuple[int, int, int, bool]) -> torch.Tensor:
         first = bucket not in self.compiled_buckets
         began = time.perf_counter()
@@ -147,8 +174,10 @@ class StaticBackend:
                                 f"(CXX, g++) or run with --backend eager") from exc
         if first:
             self.compiled_buckets[bucket] = seconds = time.perf_counter() - began
-            print(f"mtplm: compiled the decode pass for {bucket[0]} sequences x {bucket[1]} rows x {bucket[2]} "
-                  f"keys{' with <mtp> rows' if bucket[3] else ''} in {seconds:.1f} s", file=sys.stderr, flush=True)
+            if not self._quiet:
+                print(f"mtplm: compiled the decode pass for {bucket[0]} sequences x {bucket[1]} rows x "
+                      f"{bucket[2]} keys{' with <mtp> rows' if bucket[3] else ''} in {seconds:.1f} s",
+                      file=sys.stderr, flush=True)
         return hidden
 
     def _inputs(self, start: int, feeds: list, lengths: list[int], batch: int,
