@@ -6,9 +6,9 @@ import pytest
 import torch
 from conftest import tiny_mtp
 
+from mtplm.decode.chunked import split_feed
 from mtplm.decode.fast import StaticBackend
 from mtplm.decode.fast.forward import decode_pass
-from mtplm.decode.fast.prefill import split_feed
 from mtplm.decode.protocol import Feed
 from mtplm.decode.ragged import RaggedCache, ragged_pass
 
@@ -69,3 +69,19 @@ def test_split_keeps_a_pending_token_and_every_mask_row():
     assert (rest.tokens, rest.pending, rest.slots) == ([8, 9, 99, 99], 2, 2)
     runs, rest = split_feed(Feed(list(range(8)), 8, 0, 0, False, None), 4)
     assert runs == [[0, 1, 2, 3]] and rest.tokens == [4, 5, 6, 7]
+
+
+def test_the_eager_backend_chunks_a_prompt_like_one_pass():
+    from mtplm.decode.backends import EagerBackend
+
+    model = tiny_mtp(gated=True)
+    feed = Feed(_prompt(90) + [model.mask_id] * 2, 90, 0, 2, False, None)
+    whole, chunked = EagerBackend(model), EagerBackend(model)
+    chunked.prefill_chunk = 16
+    with torch.inference_mode():
+        want = whole.run(0, [feed], [0])
+        got = chunked.run(0, [feed], [0])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    for mine, theirs in zip(chunked.cache.keys + chunked.cache.values, whole.cache.keys + whole.cache.values,
+                            strict=True):
+        torch.testing.assert_close(mine[0, :, :90], theirs[0, :, :90], atol=1e-5, rtol=1e-4)

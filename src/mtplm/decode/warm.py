@@ -27,8 +27,8 @@ from typing import TypeVar
 
 from mtplm.config import BACKEND_ENV, DecodeConfig
 from mtplm.decode.backends import Backend, resolve_backend
+from mtplm.decode.chunked import PREFILL_CHUNK
 from mtplm.decode.fast.backend import ROW_BUCKETS
-from mtplm.decode.fast.prefill import PREFILL_CHUNK
 from mtplm.decode.loop import generate
 from mtplm.model import MTPModel
 

@@ -13,9 +13,9 @@ and on whether any fed row holds `<mtp>` (known from the token lists, so no host
 one run a graph without the gated adapters, which would add exactly zero there.
 
 Attending over the whole capacity instead of T would read C / T times more KV per pass. Feeds longer
-than 32 rows (prompts) run in chunks of `prefill_chunk` rows (prefill.py): uncompiled wide passes with
-fused attention, or the compiled 32-row buckets where the chunk is that small; either way a prompt's cost
-grows like the model's own forward, never with the square of its length in memory.
+than 32 rows (prompts) run in chunks of `prefill_chunk` rows (decode/chunked.py): uncompiled wide passes
+with fused attention (fast/prefill.py), or the compiled 32-row buckets where a chunk is that small;
+either way a prompt's cost grows like the model's own forward, never with the square of its length.
 
 Inductor's compile cache lives under `$MTPLM_HOME/inductor` (unless TORCHINDUCTOR_CACHE_DIR is set),
 so a second process reuses the generated kernels instead of recompiling them; inductor writes its
@@ -35,9 +35,10 @@ from functools import partial
 import torch
 
 from mtplm.decode.backends import SlotKV, require_compiler
+from mtplm.decode.chunked import PREFILL_CHUNK, run_chunked
 from mtplm.decode.fast import kernels
 from mtplm.decode.fast.forward import decode_pass, layer
-from mtplm.decode.fast.prefill import PREFILL_CHUNK, run_chunked, wide_pass
+from mtplm.decode.fast.prefill import wide_pass
 from mtplm.decode.fast.weights import FastWeights, check_supported, sliding_window
 from mtplm.errors import UserError
 from mtplm.model import MTPModel
@@ -111,7 +112,7 @@ class StaticBackend:
 
     def _wide(self, start: int, feeds: list, lengths: list[int], width: int) -> torch.Tensor:
         """A pass with a feed wider than the row buckets (a prompt): each sequence on its own, chunk by
-        chunk (prefill.run_chunked) -> hidden states [b, width, D], padding rows zero."""
+        chunk (decode/chunked.py) -> hidden states [b, width, D], padding rows zero."""
         self._fit(max(lengths) + width + ROW_BUCKETS[-1])  # the store grows once, not once per chunk
         out = None
         for i, (feed, past) in enumerate(zip(feeds, lengths, strict=False)):

@@ -7,9 +7,7 @@ is PyTorch's fused scaled_dot_product_attention over the store's keys (a boolean
 float32 score matrix); the projections, norms and RoPE are forward.py's own functions, so a wide pass and
 a compiled decode pass compute the same thing.
 
-Splitting a feed: only its pending (committed) tokens are split; the last chunk keeps at least one
-pending token and every draft and mask block (their layout is relative to the feed's first row, so the
-shorter feed behind a longer cache lays them out at the same positions).
+Splitting a feed into chunks: decode/chunked.py.
 
 Shapes: b sequences, Q fed rows, T attended key positions, D hidden, H query heads, KVH key/value heads,
 d head dim.
@@ -17,38 +15,11 @@ d head dim.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import replace
-
 import torch
 import torch.nn.functional as F
 
 from mtplm.decode.fast.forward import project, rms_norm, rope_tables, rotate
 from mtplm.decode.fast.weights import FastWeights, Shape
-from mtplm.decode.protocol import Feed
-
-PREFILL_CHUNK = 512  # rows per wide pass: measured best of 32 (compiled buckets), 256, 512 (scripts/prompt_sweep.py)
-
-
-def split_feed(feed: Feed, chunk: int) -> tuple[list[list[int]], Feed]:
-    """A feed -> its leading pending tokens in runs of at most `chunk`, and the rest as one shorter feed
-    (at least one pending token, then every draft and mask block)."""
-    keep = (feed.pending - 1) % chunk + 1
-    head = feed.tokens[: feed.pending - keep]
-    runs = [head[i: i + chunk] for i in range(0, len(head), chunk)]
-    return runs, replace(feed, tokens=feed.tokens[feed.pending - keep:], pending=keep)
-
-
-def run_chunked(feed: Feed, past: int, chunk: int, run: Callable[[Feed, int], torch.Tensor]) -> torch.Tensor:
-    """One feed behind `past` cached positions, chunk by chunk through `run(feed, past) -> [Q, D]`;
-    the hidden states of every fed row [len(feed.tokens), D], as one pass would give them."""
-    runs, rest = split_feed(feed, chunk)
-    outs = []
-    for tokens in runs:
-        outs.append(run(Feed(tokens, len(tokens), 0, 0, False, None), past))
-        past += len(tokens)
-    outs.append(run(rest, past))
-    return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
 def wide_pass(weights: FastWeights, keys: list[torch.Tensor], values: list[torch.Tensor], ids: torch.Tensor,
