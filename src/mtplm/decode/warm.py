@@ -73,6 +73,10 @@ def warm_up(backend: Backend, model: MTPModel, cfgs: Sequence[DecodeConfig], pro
     if warm is None:
         return 0.0
     todo, capacity = buckets(backend, model, cfgs, prompt_lengths, max_new_tokens, max_batch)
+    fresh = len(set(todo) - set(getattr(backend, "compiled_buckets", {})))
+    if fresh > 8:  # long enough to wonder about
+        print(f"mtplm: compiling {fresh} decode buckets{' for ' + what if what else ''} (reused from the compile "
+              f"cache where it has them)...", file=sys.stderr, flush=True)
     count, seconds = warm(todo, capacity)
     if count:
         print(f"mtplm: compiled {count} decode buckets{' for ' + what if what else ''} in {seconds:.1f} s "
