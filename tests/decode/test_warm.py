@@ -46,7 +46,7 @@ def test_the_bench_times_no_compile(tmp_path, capfd):
 
 
 def test_a_request_after_ready_compiles_nothing(tmp_path):
-    checkpoint = tiny_mtp(seed=0).save(tmp_path / "ckpt")
+    checkpoint = tiny_mtp(seed=0, gated=True).save(tmp_path / "ckpt")  # (an ungated save does not load back)
     repository = build_repository([], write_manifest(tmp_path / "repo", {"tiny": (checkpoint, None)}), "fp32", 2,
                                   0.0, None, "off", backend="compiled")
     repository.warm(64)
