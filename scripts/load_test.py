@@ -7,6 +7,10 @@ and a PNG. Modes run in rounds, in alternating order, so slow drift on a shared 
 
     python scripts/load_test.py --start --clients 8 --modes ntp,static:4,confadapt,verified
     python scripts/load_test.py --url http://127.0.0.1:8000 --model smollm2-135m-mtp
+    python scripts/load_test.py --start --engine --clients 1 --modes ntp,verified:lookup   # beside the engine alone
+
+--engine first runs the same workload on the batch engine in this process (scripts/load_engine.py), then
+the HTTP test, and reports each mode's server throughput over the engine's.
 """
 
 from __future__ import annotations
@@ -41,12 +45,16 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=2, help="requests per client per mode and round")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--context", type=int, default=2048,
+                   help="passed to `mtplm serve` with --start (it compiles its buckets up to this many positions)")
     p.add_argument("--prompt-set", default="mixed")
     p.add_argument("--time-limit", type=float, default=1800, help="stop starting requests after this many seconds")
     p.add_argument("--out", type=Path, default=Path("docs/results/serve-load"))
+    p.add_argument("--engine", action="store_true", help="also run the workload on the engine alone (first)")
     args = p.parse_args()
     if not (args.url or args.start):
         p.error("give --url of a running server, or --start")
+    engine = _engine_rows(args) if args.engine else None
     server = _start(args) if args.start else None
     try:
         url = args.url or server[1]
@@ -55,7 +63,26 @@ def main() -> None:
         if server:
             server[0].terminate()
             server[0].wait(timeout=60)
+    if engine is not None:
+        by_mode = {row["mode"]: row for row in engine}
+        report["engine_rows"] = engine
+        for row in report["rows"]:
+            row["vs_engine"] = row["tokens_per_s"] / max(by_mode[row["mode"]]["tokens_per_s"], 1e-9)
+            print(f"{row['mode']:>22}: server {row['tokens_per_s']:.1f} tok/s, engine alone "
+                  f"{by_mode[row['mode']]['tokens_per_s']:.1f} ({row['vs_engine']:.2f}x)", flush=True)
     _write(report, args.out)
+
+
+def _engine_rows(args) -> list[dict]:
+    sys.path.insert(0, str(Path(__file__).parent))
+    import gc
+
+    from load_engine import run_engine
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    rows = run_engine(args, _prompts(args.prompt_set, args.clients * args.requests), modes, _summary)
+    gc.collect()
+    return rows
 
 
 def _start(args) -> tuple[subprocess.Popen, str]:
@@ -63,12 +90,12 @@ def _start(args) -> tuple[subprocess.Popen, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     command = [sys.executable, "-m", "mtplm.cli", "serve", "--model", args.model, "--port", str(port),
-               "--dtype", args.dtype, "--max-batch", str(args.max_batch)]
+               "--dtype", args.dtype, "--max-batch", str(args.max_batch), "--context", str(args.context)]
     command += ["--k-by-batch", args.k_by_batch] if args.k_by_batch else []
     command += ["--backend", args.backend]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=None)  # its warm-up lines show
     url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
+    for _ in range(6000):  # it compiles every bucket before /health answers
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return process, url

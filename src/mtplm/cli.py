@@ -254,6 +254,7 @@ def _generate(args) -> None:
     from mtplm.decode.backends import make_backend
     from mtplm.decode.constraint import compile as compile_constraint
     from mtplm.decode.loop import generate, stop_ids
+    from mtplm.decode.warm import one_shot_backend, warm_up
     from mtplm.model import load_model
     from mtplm.text import StreamDecoder, chat_prompt_ids
 
@@ -271,7 +272,8 @@ def _generate(args) -> None:
     model = load_model(args.model, args.dtype)
     ids = model.tokenizer(prompt)["input_ids"] if args.raw else chat_prompt_ids(model.tokenizer, prompt)
     constraint = compile_constraint(spec, model.tokenizer, stop_ids(model)).start() if spec else None
-    backend = make_backend(args.backend, model, slots=1)
+    backend = make_backend(one_shot_backend(args.backend, model, cfg), model, slots=1)
+    warm_up(backend, model, [cfg], (len(ids), len(ids)), cfg.max_new_tokens)  # compiles before the answer
     if args.no_stream:
         out = generate(model, ids, cfg, backend=backend, constraint=constraint)
         print(model.tokenizer.decode(out.tokens, skip_special_tokens=True))

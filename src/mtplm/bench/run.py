@@ -10,6 +10,7 @@ import json
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -149,7 +150,8 @@ def _on_backend(item: str) -> tuple[str, str | None]:
 
 def run_bench(args) -> dict:
     from mtplm.assets.datasets import prompt_set
-    from mtplm.decode.loop import generate, stop_ids
+    from mtplm.decode.loop import stop_ids
+    from mtplm.decode.warm import warm_runners
     from mtplm.model import load_model
     from mtplm.text import eval_prompt_ids
 
@@ -171,10 +173,7 @@ def run_bench(args) -> dict:
     records: dict[str, list[Record]] = {name: [] for name, _ in modes} | {name: [] for name in baselines}
     scorer = Scorer(model.tokenizer, enabled=not args.no_score)
 
-    warm = time.perf_counter()
-    for name, cfg in modes:  # warm-up; the compiled backend compiles its first buckets here (and prints each)
-        generate(model, prompts[0], DecodeConfig(**{**asdict(cfg), "max_new_tokens": 8}), backend=runners[name])
-    warm_up_s = time.perf_counter() - warm
+    warm_up_s = warm_runners(model, modes, runners, prompts, args.max_new_tokens, "the bench")
     with servers or nullcontext():  # the servers stop however the loop ends
         for example, ids in tqdm(list(zip(examples, prompts, strict=False)), desc="bench", unit="prompt"):
             _one_prompt(model, example, ids, modes, runners, baselines, records, scorer, args.max_new_tokens)
@@ -226,13 +225,14 @@ def _one_prompt(model, example, ids: list[int], modes: list, runners: dict, base
                 scorer, max_new_tokens: int) -> None:
     """One prompt in every mode (each on its backend), then in every outside baseline; records grow."""
     from mtplm.decode.loop import generate
+    from mtplm.decode.warm import untimed_compiles
 
     source = example.id.split("/")[0]
     for name, cfg in modes:
         baseline = model.pristine() if cfg.mode == "ntp" else nullcontext()
         with baseline, PeakMemory() as mem:
-            out = generate(model, ids, DecodeConfig(**{**asdict(cfg), "max_new_tokens": max_new_tokens}),
-                           backend=runners[name])
+            full = DecodeConfig(**{**asdict(cfg), "max_new_tokens": max_new_tokens})
+            out = untimed_compiles(partial(generate, model, ids, full, backend=runners[name]), runners[name])
         records[name].append(Record(source, out.tokens, out.elapsed_s, out.accepted, out.ttft_s, mem.peak / 2**20,
                                     scorer(example, out.tokens)))
     for name, (run, _) in baselines.items():

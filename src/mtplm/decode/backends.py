@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from mtplm.config import BACKEND_ENV
+from mtplm.decode.chunked import PREFILL_CHUNK, run_chunked
 from mtplm.decode.protocol import DecodeModel, Feed
 from mtplm.decode.ragged import RaggedCache, ragged_pass
 from mtplm.errors import UserError
@@ -86,12 +87,26 @@ class Backend(Protocol):
 class EagerBackend:
     """The model's unmodified Hugging Face forward, one ragged pass over a RaggedCache (ragged.py)."""
 
+    prefill_chunk = PREFILL_CHUNK  # a wider feed (a prompt) runs in chunks of this many rows (decode/chunked.py)
+
     def __init__(self, model: MTPModel, slots: int = 1) -> None:
         self.model, self.slots = model, slots
         self.cache = RaggedCache(slots)
 
     def run(self, start: int, feeds: Sequence[Feed], lengths: Sequence[int]) -> torch.Tensor:
-        return ragged_pass(self.model, self.cache, start, list(feeds), list(lengths))
+        width = max(len(feed.tokens) for feed in feeds)
+        if width <= self.prefill_chunk:
+            return ragged_pass(self.model, self.cache, start, list(feeds), list(lengths))
+        out = None  # each sequence on its own, chunk by chunk; padding rows zero
+        for i, (feed, past) in enumerate(zip(feeds, lengths, strict=False)):
+            hidden = run_chunked(feed, past, self.prefill_chunk, partial(self._one, start + i))
+            out = hidden.new_zeros(len(feeds), width, hidden.shape[-1]) if out is None else out
+            out[i, : hidden.shape[0]] = hidden
+        assert out is not None
+        return out
+
+    def _one(self, slot: int, feed: Feed, past: int) -> torch.Tensor:
+        return ragged_pass(self.model, self.cache, slot, [feed], [past])[0]
 
     def kv(self, slot: int) -> SlotKV:
         return SlotKV(self.cache, slot)

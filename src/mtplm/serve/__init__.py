@@ -77,6 +77,7 @@ def serve(repository: Repository, host: str, port: int, settings: Settings, shut
 
     _check_exposure(host, settings)
     listener = bind(host, port)  # a port in use is one line and exit 2, before anything says "serving"
+    repository.warm(settings.limits.context)  # nothing is served (/health included) before every bucket compiled
     app = create_app(repository, settings)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=int(shutdown_grace_s) + 5, lifespan="off")

@@ -6,36 +6,26 @@ connection stays usable."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from mtplm.config import Limits
 from mtplm.serve import checks, responses
 from mtplm.serve.metrics import Metrics
 from mtplm.serve.protocol import APIError, ChatRequest, CompletionRequest, message_text, new_id, now
 from mtplm.serve.repository import Loaded, Repository
 from mtplm.serve.run import Options, Piece, Run
+from mtplm.serve.status import Settings, authorize, status_routes
 from mtplm.serve.structured import chat_message, request_grammar, stream_delta
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 IGNORED_HEADER = "X-Mtplm-Ignored-Fields"
 log = logging.getLogger("mtplm.serve")
-
-
-@dataclass
-class Settings:
-    api_key: str | None = None
-    max_body_bytes: int = 1 << 20
-    limits: Limits = field(default_factory=Limits)
-    disconnect_poll_s: float = 0.25  # how often a non-streaming request checks that its client is still there
 
 
 def create_app(repository: Repository, settings: Settings, metrics: Metrics | None = None) -> FastAPI:
@@ -45,7 +35,7 @@ def create_app(repository: Repository, settings: Settings, metrics: Metrics | No
     app.state.repository, app.state.metrics, app.state.settings = repository, metrics, settings
     _error_handlers(app)
     app.add_middleware(Guard, metrics=metrics)
-    _status_routes(app, repository, settings, metrics)
+    status_routes(app, repository, settings, metrics)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -83,36 +73,6 @@ def create_app(repository: Repository, settings: Settings, metrics: Metrics | No
                                   view=responses.Rendering(req))
 
     return app
-
-
-def _status_routes(app: FastAPI, repository: Repository, settings: Settings, metrics: Metrics) -> None:
-    """/health, /metrics and /v1/models."""
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        if repository.closing:
-            return JSONResponse({"status": "shutting down"}, status_code=503)
-        if repository.failed:  # a model this server offers cannot load: not ready to serve it
-            return JSONResponse({"status": "model load failed", "failed": repository.failed}, status_code=503)
-        return JSONResponse({"status": "ok", "models": sorted(repository.entries),
-                             "loaded": sorted(repository.loaded)})
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.render(repository), media_type="text/plain; version=0.0.4")
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        _authorize(request, settings)
-        cards = [_model_card(e, repository) for e in repository.entries.values()]
-        return JSONResponse({"object": "list", "data": cards})
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str, request: Request) -> JSONResponse:
-        _authorize(request, settings)
-        if model_id not in repository.entries:
-            raise APIError(404, f"the model {model_id!r} does not exist", "model", "model_not_found")
-        return JSONResponse(_model_card(repository.entries[model_id], repository))
 
 
 def _grammar(req, loaded: Loaded) -> dict:
@@ -186,18 +146,8 @@ class Guard:
 
 
 # ---- request side --------------------------------------------------------------------------------
-def _authorize(request: Request, settings: Settings) -> None:
-    if settings.api_key is None:
-        return
-    given = request.headers.get("authorization", "")
-    scheme, _, token = given.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
-        raise APIError(401, "missing or incorrect API key: send it as 'Authorization: Bearer <key>'", None,
-                       "invalid_api_key")
-
-
 async def _parse(request: Request, schema: type[BaseModel], settings: Settings, repository: Repository):
-    _authorize(request, settings)
+    authorize(request, settings)
     if repository.closing:
         raise APIError(503, "the server is shutting down: retry on another replica", None, "shutting_down",
                        "server_error")
@@ -276,13 +226,6 @@ def _chat_prompt(req: ChatRequest, loaded: Loaded) -> list[int]:
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     checks.prompt_ids([ids], loaded.engine.spec, len(tokenizer), "messages")
     return ids
-
-
-def _model_card(entry, repository: Repository) -> dict:
-    loaded = repository.loaded.get(entry.id)
-    return {"id": entry.id, "object": "model", "created": 0, "owned_by": "mtplm", "description": entry.description,
-            "loaded": loaded is not None, "default_mode": loaded.default_mode if loaded else entry.mode,
-            "load_error": repository.failed.get(entry.id)}
 
 
 # ---- response side -------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import asyncio
 import gc
 import logging
 import math
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -28,9 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mtplm.compat import tomllib
-from mtplm.config import DEFAULT_MODE
+from mtplm.config import DEFAULT_MODE, DecodeConfig
 from mtplm.decode.backends import make_backend
 from mtplm.decode.engine import Engine, PassStats
+from mtplm.decode.warm import warm_up
 from mtplm.errors import UserError
 from mtplm.model import MTPModel, load_model
 from mtplm.modelio import META_FILE, read_meta, shipped
@@ -144,6 +146,22 @@ class Repository:
         self.closing = False
         self.in_flight = 0  # requests between their first decoded block and their last byte (event loop only)
         self.failed: dict[str, str] = {}  # model id -> why its last load failed (health reports it)
+        self.context: int | None = None  # set by warm(): each model loaded compiles its buckets up to it
+
+    def warm(self, context: int) -> None:
+        """Before the server answers anything: load every model the memory budget holds and compile every
+        decode bucket its engine can meet with prompt + new tokens <= `context` (decode/warm.py; one line
+        on stderr per model). A model loaded later (after an unload) warms as it loads."""
+        self.context = context
+        for entry in self.entries.values():
+            if self.budget and sum(m.nbytes for m in self.loaded.values()) + _estimate(entry) > self.budget:
+                continue  # loads (and warms) on its first request
+            began = time.perf_counter()
+            try:
+                self._load(entry)
+            except APIError:  # logged, and /health reports it (503) instead of ok
+                continue
+            print(f"mtplm: {entry.id} ready in {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
 
     async def get(self, model_id: str) -> Loaded:
         if model_id not in self.entries:
@@ -175,8 +193,11 @@ class Repository:
         mode = entry.mode or self.default_mode or DEFAULT_MODE
         on_pass = self.on_pass
         callback = (lambda stats: on_pass(entry.id, stats)) if on_pass is not None else None
-        engine = Engine(model, self.max_batch, on_pass=callback, k_by_batch=self.k_by_batch,
-                        backend=make_backend(self.backend, model, self.max_batch))
+        backend = make_backend(self.backend, model, self.max_batch)
+        if self.context is not None:  # every mode a request may ask: plain rows and <mtp> rows
+            warm_up(backend, model, [DecodeConfig(mode="ntp"), DecodeConfig(mode="verified")], (1, self.context),
+                    0, self.max_batch, what=entry.id)
+        engine = Engine(model, self.max_batch, on_pass=callback, k_by_batch=self.k_by_batch, backend=backend)
         nbytes = sum(p.numel() * p.element_size() for p in model.hf.parameters())
         loaded = Loaded(entry, model, engine, mode, nbytes)
         with self._guard:

@@ -13,8 +13,9 @@ and on whether any fed row holds `<mtp>` (known from the token lists, so no host
 one run a graph without the gated adapters, which would add exactly zero there.
 
 Attending over the whole capacity instead of T would read C / T times more KV per pass. Feeds longer
-than 32 rows (prompts) run the same functions uncompiled at their exact size: one pass over a long
-prompt is compute-bound, where compilation buys little, and its size varies too much to bucket.
+than 32 rows (prompts) run in chunks of `prefill_chunk` rows (decode/chunked.py): uncompiled wide passes
+with fused attention (fast/prefill.py), or the compiled 32-row buckets where a chunk is that small;
+either way a prompt's cost grows like the model's own forward, never with the square of its length.
 
 Inductor's compile cache lives under `$MTPLM_HOME/inductor` (unless TORCHINDUCTOR_CACHE_DIR is set),
 so a second process reuses the generated kernels instead of recompiling them; inductor writes its
@@ -34,8 +35,10 @@ from functools import partial
 import torch
 
 from mtplm.decode.backends import SlotKV, require_compiler
+from mtplm.decode.chunked import PREFILL_CHUNK, run_chunked
 from mtplm.decode.fast import kernels
 from mtplm.decode.fast.forward import decode_pass, layer
+from mtplm.decode.fast.prefill import wide_pass
 from mtplm.decode.fast.weights import FastWeights, check_supported, sliding_window
 from mtplm.errors import UserError
 from mtplm.model import MTPModel
@@ -56,8 +59,10 @@ class StaticBackend:
 
     def __init__(self, model: MTPModel, slots: int, capacity: int = 256, compile: bool = True,
                  fuse: bool = True, key_buckets: bool = True, regional: bool = True,
-                 prepack: bool | None = None, quantize: bool | str = False) -> None:
+                 prepack: bool | None = None, quantize: bool | str = False,
+                 prefill_chunk: int = PREFILL_CHUNK) -> None:
         self.model, self.slots, self.compile = model, slots, compile
+        self.prefill_chunk = prefill_chunk
         self.key_buckets = key_buckets
         self.weights = FastWeights(model, fuse, prepack, quantize)
         lm_head = model.hf.get_output_embeddings().weight  # [V, D]
@@ -68,6 +73,7 @@ class StaticBackend:
         self.values: list[torch.Tensor] = []
         self._grow(capacity)
         self.compiled_buckets: dict[tuple, float] = {}  # (b, Q, T, adapters) -> compile seconds
+        self._quiet = False  # warm() reports its compiles as one line
         self._step: Callable[..., torch.Tensor] = decode_pass
         if compile:
             _use_mtplm_compile_cache()
@@ -85,20 +91,75 @@ class StaticBackend:
         lengths[i] positions. Hidden states [b, Q, D] (final norm applied); sequence i's rows are
         [i, :len(feeds[i].tokens)]; the fed rows' KV sits at lengths[i] .. of its slot afterwards."""
         width = max(len(feed.tokens) for feed in feeds)
-        compiled = self.compile and width <= ROW_BUCKETS[-1]
+        if width > ROW_BUCKETS[-1]:
+            return self._wide(start, feeds, lengths, width)
+        compiled = self.compile
         batch = _bucket(len(feeds)) if compiled else len(feeds)
         rows = _bucket(width) if compiled else width
         self._fit(max(lengths) + rows)
         keys = self._key_length(max(lengths) + rows) if compiled else max(lengths) + rows
         inputs = self._inputs(start, feeds, lengths, batch, rows)
-        mask_id = self.weights.shape.mask_id
-        adapters = self.weights.shape.gated and any(mask_id in feed.tokens for feed in feeds)  # host data: no sync
+        adapters = self._adapters(feeds)
         with torch.inference_mode():
             if not compiled:
                 hidden = decode_pass(self.weights, self.keys, self.values, *inputs, keys, adapters)
             else:
                 hidden = self._compiled(inputs, (batch, rows, keys, adapters))
         return hidden[: len(feeds), :width]
+
+    def _adapters(self, feeds: list) -> bool:
+        mask_id = self.weights.shape.mask_id
+        return self.weights.shape.gated and any(mask_id in feed.tokens for feed in feeds)  # host data: no sync
+
+    def _wide(self, start: int, feeds: list, lengths: list[int], width: int) -> torch.Tensor:
+        """A pass with a feed wider than the row buckets (a prompt): each sequence on its own, chunk by
+        chunk (decode/chunked.py) -> hidden states [b, width, D], padding rows zero."""
+        self._fit(max(lengths) + width + ROW_BUCKETS[-1])  # the store grows once, not once per chunk
+        out = None
+        for i, (feed, past) in enumerate(zip(feeds, lengths, strict=False)):
+            hidden = run_chunked(feed, past, self.prefill_chunk, partial(self._chunk, start + i))
+            if out is None:
+                out = hidden.new_zeros(len(feeds), width, hidden.shape[-1])
+            out[i, : hidden.shape[0]] = hidden
+        assert out is not None
+        return out
+
+    def _chunk(self, slot: int, feed, past: int) -> torch.Tensor:
+        """One chunk of a wide pass -> [rows, D]: a compiled bucket where it fits, else a wide pass."""
+        rows = len(feed.tokens)
+        if rows <= ROW_BUCKETS[-1]:
+            return self.run(slot, [feed], [past])[0]
+        self._fit(past + rows)
+        inputs = self._inputs(slot, [feed], [past], 1, rows)
+        with torch.inference_mode():
+            hidden = wide_pass(self.weights, self.keys, self.values, *inputs, past + rows, self._adapters([feed]))
+        return hidden[0]
+
+    # ---- warming up --------------------------------------------------------------------------------
+    def warm(self, buckets: list[tuple[int, int, int, bool]], capacity: int) -> tuple[int, float]:
+        """Compile every (b, Q, T, adapters) bucket of `buckets` not compiled yet, by a pass over the
+        scratch slot only, after growing the store to `capacity` positions (buckets compiled for a smaller
+        store would compile again when it grows). (buckets compiled, seconds); a backend that does not
+        compile returns (0, 0.0)."""
+        self._fit(capacity)
+        if not self.compile:
+            return 0, 0.0
+        began, todo = time.perf_counter(), [b for b in dict.fromkeys(buckets) if b not in self.compiled_buckets]
+        self._quiet = True
+        try:
+            with torch.inference_mode():
+                for batch, rows, keys, adapters in todo:
+                    self._compiled(self._inputs(0, [], [], batch, rows), (batch, rows, min(keys, self.capacity),
+                                                                           adapters))
+        finally:
+            self._quiet = False
+        return len(todo), time.perf_counter() - began
+
+    def key_lengths(self, low: int, high: int) -> list[int]:
+        """The key-length buckets a pass needing between `low` and `high` key positions meets."""
+        self._fit(high)
+        return sorted({self._key_length(n) for n in range(max(1, low), high + 1)
+                       if n in (low, high) or n & (n - 1) == 0})
 
     def _compiled(self, inputs: tuple, bucket: tuple[int, int, int, bool]) -> torch.Tensor:
         first = bucket not in self.compiled_buckets
@@ -115,8 +176,10 @@ class StaticBackend:
                                 f"(CXX, g++) or run with --backend eager") from exc
         if first:
             self.compiled_buckets[bucket] = seconds = time.perf_counter() - began
-            print(f"mtplm: compiled the decode pass for {bucket[0]} sequences x {bucket[1]} rows x {bucket[2]} "
-                  f"keys{' with <mtp> rows' if bucket[3] else ''} in {seconds:.1f} s", file=sys.stderr, flush=True)
+            if not self._quiet:
+                print(f"mtplm: compiled the decode pass for {bucket[0]} sequences x {bucket[1]} rows x "
+                      f"{bucket[2]} keys{' with <mtp> rows' if bucket[3] else ''} in {seconds:.1f} s",
+                      file=sys.stderr, flush=True)
         return hidden
 
     def _inputs(self, start: int, feeds: list, lengths: list[int], batch: int,

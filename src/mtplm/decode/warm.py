@@ -1,0 +1,128 @@
+"""Compiling before anything is timed or served: which buckets a workload meets, and a check that none
+compiled inside a timed region.
+
+A compiled backend (decode/fast/backend.py) compiles one graph per pass bucket (sequences b, fed rows Q,
+key length T, <mtp> rows or not) the first time a pass needs it. `warm_up` compiles every bucket a
+workload can meet, given its decoding modes, the range of its prompt lengths, its new tokens and its
+batch size, and says in one line on stderr how many and how long: one-sequence passes take every row
+bucket (a prompt's last chunk and a newcomer's first pass can be any width up to 32), batched passes
+one row for plain decoding and every row bucket otherwise; passes with `<mtp>` rows only for modes that
+feed mask slots, on a model with gated adapters. `Compiles` counts compiles inside a block, so a
+timed row that compiled anyway can be run again instead of reported.
+
+A backend that does not compile (eager) has no `warm`: warm_up does nothing for it.
+
+A one-shot generation (`mtplm generate`) pays its compiles in its own wall time: `one_shot_backend` runs
+it eagerly under `auto` unless it asks for enough tokens to win them back (ONE_SHOT_COMPILED_TOKENS).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from mtplm.config import BACKEND_ENV, DecodeConfig
+from mtplm.decode.backends import Backend, resolve_backend
+from mtplm.decode.chunked import PREFILL_CHUNK
+from mtplm.decode.fast.backend import ROW_BUCKETS
+from mtplm.decode.loop import generate
+from mtplm.model import MTPModel
+
+T = TypeVar("T")
+MARGIN = 64  # key positions past prompt + new tokens a pass may still feed (drafts, mask blocks)
+ONE_SHOT_COMPILED_TOKENS = 512  # `auto` compiles a one-shot generation from this many new tokens on
+
+
+def buckets(backend, model: MTPModel, cfgs: Sequence[DecodeConfig], prompt_lengths: tuple[int, int],
+            max_new_tokens: int, max_batch: int = 1) -> tuple[list[tuple[int, int, int, bool]], int]:
+    """(every bucket the workload can meet, the store capacity it needs)."""
+    shortest, longest = prompt_lengths
+    capacity = longest + max_new_tokens + MARGIN
+    keys = backend.key_lengths(shortest, capacity)
+    gated = model.gate is not None and model.meta is not None and model.meta.mask_id is not None
+    masks = [False] + ([True] if gated and any(cfg.needs_conversion() for cfg in cfgs) else [])
+    plain_only = all(cfg.mode == "ntp" for cfg in cfgs)
+    one_row: tuple[int, ...] = (1,)
+    if plain_only and shortest == longest:  # one known prompt, decoded plainly: its first pass, then 1 row
+        first = (shortest - 1) % PREFILL_CHUNK + 1 if shortest > ROW_BUCKETS[-1] else shortest
+        one_row = (1, 1 << (first - 1).bit_length()) if first <= ROW_BUCKETS[-1] else (1,)
+    found = []
+    for batch in sorted({1 << (n - 1).bit_length() for n in range(1, max_batch + 1)}):
+        rows = one_row if plain_only and (batch > 1 or shortest == longest) else ROW_BUCKETS
+        found += [(batch, q, t, m) for q in rows for t in keys for m in masks]
+    return found, capacity
+
+
+def one_shot_backend(name: str, model: MTPModel, cfg: DecodeConfig) -> str:
+    """The backend for one generation: `auto` -> eager where the compiled pass would be chosen but the
+    generation is too short to win its compiles back; any other choice as it is."""
+    resolved = resolve_backend(name, model)
+    if name == "auto" and not os.environ.get(BACKEND_ENV) and resolved != "eager":
+        return resolved if cfg.max_new_tokens >= ONE_SHOT_COMPILED_TOKENS else "eager"
+    return resolved
+
+
+def warm_up(backend: Backend, model: MTPModel, cfgs: Sequence[DecodeConfig], prompt_lengths: tuple[int, int],
+            max_new_tokens: int, max_batch: int = 1, what: str = "") -> float:
+    """Compile every bucket the workload can meet (`buckets`), one line on stderr; seconds it took."""
+    warm = getattr(backend, "warm", None)
+    if warm is None:
+        return 0.0
+    todo, capacity = buckets(backend, model, cfgs, prompt_lengths, max_new_tokens, max_batch)
+    fresh = len(set(todo) - set(getattr(backend, "compiled_buckets", {})))
+    if fresh > 8:  # long enough to wonder about
+        print(f"mtplm: compiling {fresh} decode buckets{' for ' + what if what else ''} (reused from the compile "
+              f"cache where it has them)...", file=sys.stderr, flush=True)
+    count, seconds = warm(todo, capacity)
+    if count:
+        print(f"mtplm: compiled {count} decode buckets{' for ' + what if what else ''} in {seconds:.1f} s "
+              f"(up to {max_batch} sequences x {ROW_BUCKETS[-1]} rows x {capacity} keys; cached for next time)",
+              file=sys.stderr, flush=True)
+    return seconds
+
+
+def warm_runners(model: MTPModel, modes: Sequence[tuple[str, DecodeConfig]], runners: dict, prompts: list[list[int]],
+                 max_new_tokens: int, what: str) -> float:
+    """warm_up for each distinct backend of `runners` (mode name -> backend) with the modes it runs, then
+    a short untimed generation per mode (first-call costs outside the compiled buckets); seconds taken."""
+    began = time.perf_counter()
+    lengths = (min(len(ids) for ids in prompts), max(len(ids) for ids in prompts))
+    for backend in {id(b): b for b in runners.values()}.values():
+        cfgs = [cfg for name, cfg in modes if runners[name] is backend]
+        warm_up(backend, model, cfgs, lengths, max_new_tokens, what=what)
+    for name, cfg in modes:
+        generate(model, prompts[0], dataclasses.replace(cfg, max_new_tokens=8), backend=runners[name])
+    return time.perf_counter() - began
+
+
+class Compiles:
+    """`with Compiles(backend) as seen: ...` then `seen.count`: buckets compiled inside the block."""
+
+    def __init__(self, backend: object) -> None:
+        self.backend, self.count = backend, 0
+
+    def _compiled(self) -> int:
+        return len(getattr(self.backend, "compiled_buckets", ()))
+
+    def __enter__(self) -> Compiles:
+        self.count, self._before = 0, self._compiled()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.count = self._compiled() - self._before
+
+
+def untimed_compiles(run: Callable[[], T], backend: object) -> T:
+    """`run()`, run again if it compiled a bucket (the warm-up missed one): what it returns never includes
+    a compile. Says so on stderr when it happens."""
+    with Compiles(backend) as seen:
+        result = run()
+    if not seen.count:
+        return result
+    print(f"mtplm: {seen.count} decode bucket(s) compiled inside a timed run: timing it again", file=sys.stderr,
+          flush=True)
+    return run()

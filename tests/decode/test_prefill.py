@@ -1,0 +1,87 @@
+"""Chunked prompt passes (decode/fast/prefill.py): the same KV and hidden states as one pass, in fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_mtp
+
+from mtplm.decode.chunked import split_feed
+from mtplm.decode.fast import StaticBackend
+from mtplm.decode.fast.forward import decode_pass
+from mtplm.decode.protocol import Feed
+from mtplm.decode.ragged import RaggedCache, ragged_pass
+
+
+def _prompt(length: int, offset: int = 3) -> list[int]:
+    return [(offset + 7 * i) % 60 for i in range(length)]
+
+
+def _one_pass(backend: StaticBackend, feed: Feed, past: int) -> torch.Tensor:
+    """The pass before chunking: forward.decode_pass at the feed's exact size (materialized attention)."""
+    rows = len(feed.tokens)
+    backend._fit(past + rows)
+    inputs = backend._inputs(0, [feed], [past], 1, rows)
+    with torch.inference_mode():
+        return decode_pass(backend.weights, backend.keys, backend.values, *inputs, past + rows,
+                           backend._adapters([feed]))
+
+
+def _kv(backend: StaticBackend, length: int) -> list[torch.Tensor]:
+    return [store[0, :, :length] for store in backend.keys + backend.values]
+
+
+@pytest.mark.parametrize("chunk", [8, 32, 45])  # 8 and 32: compiled-size chunks (run uncompiled here); 45: wide
+@pytest.mark.parametrize("masks", [False, True])
+def test_a_chunked_prompt_gives_one_pass_kv_and_hidden_states(chunk, masks):
+    model = tiny_mtp(gated=True)
+    tokens = _prompt(100) + ([model.mask_id] * 3 if masks else [])
+    feed = Feed(tokens, 100, 0, 3 if masks else 0, False, None)
+    reference = StaticBackend(model, 1, capacity=32, compile=False)
+    past = 5
+    reference.run(0, [Feed(_prompt(past, 11), past, 0, 0, False, None)], [0])
+    expected = _one_pass(reference, feed, past)[0]
+    chunked = StaticBackend(model, 1, capacity=32, compile=False, prefill_chunk=chunk)
+    chunked.run(0, [Feed(_prompt(past, 11), past, 0, 0, False, None)], [0])
+    with torch.inference_mode():
+        got = chunked.run(0, [feed], [past])[0]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    for mine, theirs in zip(_kv(chunked, past + 100), _kv(reference, past + 100), strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-4)
+
+
+def test_a_chunked_batch_matches_the_eager_pass():
+    model = tiny_mtp()
+    prompts = [_prompt(70), _prompt(40, 5), _prompt(3, 9)]
+    feeds = [Feed(p, len(p), 0, 0, False, None) for p in prompts]
+    backend = StaticBackend(model, 3, capacity=32, compile=False, prefill_chunk=16)
+    with torch.inference_mode():
+        got = backend.run(0, feeds, [0, 0, 0])
+        want = ragged_pass(model, RaggedCache(3), 0, feeds, [0, 0, 0])
+    for i, p in enumerate(prompts):
+        torch.testing.assert_close(got[i, : len(p)], want[i, : len(p)], atol=1e-5, rtol=1e-4)
+
+
+def test_split_keeps_a_pending_token_and_every_mask_row():
+    feed = Feed(list(range(10)) + [99, 99], 10, 0, 2, False, None)
+    runs, rest = split_feed(feed, 4)
+    assert runs == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert (rest.tokens, rest.pending, rest.slots) == ([8, 9, 99, 99], 2, 2)
+    runs, rest = split_feed(Feed(list(range(8)), 8, 0, 0, False, None), 4)
+    assert runs == [[0, 1, 2, 3]] and rest.tokens == [4, 5, 6, 7]
+
+
+def test_the_eager_backend_chunks_a_prompt_like_one_pass():
+    from mtplm.decode.backends import EagerBackend
+
+    model = tiny_mtp(gated=True)
+    feed = Feed(_prompt(90) + [model.mask_id] * 2, 90, 0, 2, False, None)
+    whole, chunked = EagerBackend(model), EagerBackend(model)
+    chunked.prefill_chunk = 16
+    with torch.inference_mode():
+        want = whole.run(0, [feed], [0])
+        got = chunked.run(0, [feed], [0])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    for mine, theirs in zip(chunked.cache.keys + chunked.cache.values, whole.cache.keys + whole.cache.values,
+                            strict=True):
+        torch.testing.assert_close(mine[0, :, :90], theirs[0, :, :90], atol=1e-5, rtol=1e-4)

@@ -1,0 +1,81 @@
+"""Compiles happen before anything is timed or served (decode/warm.py), on the compiled backend and a tiny model.
+
+These compile real buckets (tens of seconds on two cores): the demo, the bench and a served request each
+check that nothing compiled where it would have been timed or waited for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from conftest import tiny_mtp
+from fastapi.testclient import TestClient
+from serving import write_manifest
+
+from mtplm.config import DecodeConfig
+from mtplm.decode.fast import StaticBackend
+from mtplm.decode.warm import Compiles, buckets, one_shot_backend
+from mtplm.serve import Settings, build_repository, create_app
+from mtplm.serve.protocol import Limits
+
+
+def test_the_demo_times_no_compile(tmp_path, capfd):
+    from mtplm.bench.demo import run_demo
+
+    checkpoint = tiny_mtp(seed=0, gated=True).save(tmp_path / "ckpt")
+    run_demo(str(checkpoint), "fp32", 12, None, "compiled")
+    err = capfd.readouterr().err
+    assert "compiled inside a timed run" not in err
+    assert "decode buckets for the demo" in err
+
+
+def test_the_bench_times_no_compile(tmp_path, capfd):
+    from mtplm.bench.run import add_arguments, run_bench
+
+    checkpoint = tiny_mtp(seed=0, gated=True).save(tmp_path / "ckpt")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    run_bench(parser.parse_args(["--model", str(checkpoint), "--prompts", "3", "--prompt-set", "gsm8k",
+                                 "--max-new-tokens", "10", "--dtype", "fp32", "--backend", "compiled",
+                                 "--modes", "ntp,verified:quadratic,confadapt:0.5", "--no-score", "--no-predict",
+                                 "--no-eager-baseline", "--out", str(tmp_path / "bench")]))
+    err = capfd.readouterr().err
+    assert "compiled inside a timed run" not in err
+    assert json.loads((tmp_path / "bench" / "report.json").read_text())["compiled_buckets"]
+
+
+def test_a_request_after_ready_compiles_nothing(tmp_path):
+    checkpoint = tiny_mtp(seed=0, gated=True).save(tmp_path / "ckpt")  # (an ungated save does not load back)
+    repository = build_repository([], write_manifest(tmp_path / "repo", {"tiny": (checkpoint, None)}), "fp32", 2,
+                                  0.0, None, "off", backend="compiled")
+    repository.warm(64)
+    backend = repository.loaded["tiny"].engine.backend
+    ready = dict(backend.compiled_buckets)
+    assert {b for b, *_ in ready} == {1, 2}
+    settings = Settings(api_key=None, limits=Limits(max_tokens=32, default_max_tokens=16, context=64))
+    with TestClient(create_app(repository, settings)) as client, Compiles(backend) as seen:
+        for prompt, n in ((" ".join(f"t{i}" for i in range(40)), 1), ("t1 t2 t3", 2)):  # chunked; batch of 2
+            got = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 16, "n": n,
+                                                       "mode": "verified"})
+            assert got.status_code == 200, got.text
+    repository.close(0)
+    assert seen.count == 0 and backend.compiled_buckets == ready
+
+
+def test_plain_one_prompt_warms_its_first_pass_and_one_row():
+    model = tiny_mtp()
+    backend = StaticBackend(model, 1, capacity=32, compile=False)
+    found, capacity = buckets(backend, model, [DecodeConfig(mode="ntp")], (5, 5), 100)
+    assert capacity == 5 + 100 + 64
+    assert {(q, t) for _, q, t, _ in found} == {(1, 128), (8, 128), (1, 169), (8, 169)}  # T: up to the store
+    found, _ = buckets(backend, model, [DecodeConfig(mode="verified")], (5, 40), 10)
+    assert {q for _, q, _, _ in found} == {1, 2, 4, 8, 16, 32}
+
+
+def test_auto_runs_a_short_one_shot_generation_eagerly(monkeypatch):
+    monkeypatch.delenv("MTPLM_BACKEND", raising=False)
+    model = tiny_mtp()
+    assert one_shot_backend("auto", model, DecodeConfig(max_new_tokens=128)) == "eager"
+    assert one_shot_backend("auto", model, DecodeConfig(max_new_tokens=4096)) == "compiled"
+    assert one_shot_backend("compiled", model, DecodeConfig(max_new_tokens=8)) == "compiled"
