@@ -62,17 +62,35 @@ def plot(points: dict, final: dict, trends: dict, title: str, path: Path) -> Non
         return
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for (mode, pts), marker in zip(points.items(), "os^", strict=False):
-        line = ax.plot([x for x, _ in pts], [y for _, y in pts], marker=marker, label=f"{mode}: replay during training")
+        line = ax.plot(
+            [x for x, _ in pts], [y for _, y in pts], marker=marker, label=f"{mode}: replay during training"
+        )
         if mode in final:
-            ax.plot([pts[-1][0]], [final[mode]], marker="*", markersize=14, linestyle="none",
-                    color=line[0].get_color(), label=f"{mode}: measured decode, final checkpoint")
+            ax.plot(
+                [pts[-1][0]],
+                [final[mode]],
+                marker="*",
+                markersize=14,
+                linestyle="none",
+                color=line[0].get_color(),
+                label=f"{mode}: measured decode, final checkpoint",
+            )
         if trends.get(mode):
             a, b = trends[mode]
             xs = [pts[0][0], pts[-1][0] * 30]
-            ax.plot(xs, [a + b * math.log10(x) for x in xs], linestyle="--", color=line[0].get_color(),
-                    label=f"{mode} fit {a:.2f} + {b:.2f} log10(h) (beyond the points: estimate)")
-    ax.set(xscale="log", xlabel="training wall-clock hours on this machine (log)", ylabel="held-out tokens/pass",
-           title=title)
+            ax.plot(
+                xs,
+                [a + b * math.log10(x) for x in xs],
+                linestyle="--",
+                color=line[0].get_color(),
+                label=f"{mode} fit {a:.2f} + {b:.2f} log10(h) (beyond the points: estimate)",
+            )
+    ax.set(
+        xscale="log",
+        xlabel="training wall-clock hours on this machine (log)",
+        ylabel="held-out tokens/pass",
+        title=title,
+    )
     ax.legend(fontsize=7)
     save(plt, fig, path)
 
@@ -82,22 +100,36 @@ def main() -> None:
     p.add_argument("run", type=Path, help="a training run folder (its metrics.jsonl)")
     p.add_argument("--bench", type=Path, help="mtplm bench report.json of the run's final checkpoint")
     p.add_argument("--out", type=Path, required=True, help="writes OUT.png and OUT.md")
-    p.add_argument("--extra-hours", type=float, default=0.0, help="compute of sessions the log does not cover")
+    p.add_argument(
+        "--extra-hours", type=float, default=0.0, help="compute of sessions the log does not cover"
+    )
     p.add_argument("--target", type=float, default=2.5, help="tokens/pass to extrapolate to")
     args = p.parse_args()
     points = replay_points(args.run, args.extra_hours)
     final = measured(args.bench) if args.bench else {}
     trends = {mode: fit(pts) for mode, pts in points.items()}
     plot(points, final, trends, f"acceptance vs compute: {args.run.name}", args.out.with_suffix(".png"))
-    lines = [f"# Acceptance vs compute: `{args.run}`", "", "| mode | hours | replay tokens/pass |", "|---|---|---|"]
+    lines = [
+        f"# Acceptance vs compute: `{args.run}`",
+        "",
+        "| mode | hours | replay tokens/pass |",
+        "|---|---|---|",
+    ]
     lines += [f"| {mode} | {x:.2f} | {y:.3f} |" for mode, pts in points.items() for x, y in pts]
-    lines += ["", "| mode | measured on the final checkpoint | fit | hours to reach the target (estimate) |",
-              "|---|---|---|---|"]
+    lines += [
+        "",
+        "| mode | measured on the final checkpoint | fit | hours to reach the target (estimate) |",
+        "|---|---|---|---|",
+    ]
     for mode, trend in trends.items():
         needed = hours_to(args.target, trend) if trend else None
-        lines.append(f"| {mode} | {final.get(mode, float('nan')):.3f} | "
-                     + (f"{trend[0]:.3f} + {trend[1]:.3f} log10(h)" if trend else "–") + " | "
-                     + (f"{needed:.0f} h for {args.target}" if needed else "–") + " |")
+        lines.append(
+            f"| {mode} | {final.get(mode, float('nan')):.3f} | "
+            + (f"{trend[0]:.3f} + {trend[1]:.3f} log10(h)" if trend else "–")
+            + " | "
+            + (f"{needed:.0f} h for {args.target}" if needed else "–")
+            + " |"
+        )
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -39,20 +39,40 @@ def snapshot(prompts: int, max_new_tokens: int) -> dict:
     bench_run._one_prompt = keep
     with tempfile.TemporaryDirectory() as out:
         args = build_parser().parse_args(
-            ["bench", "--prompts", str(prompts), "--dtype", "fp32", "--backend", "eager", "--no-hf",
-             "--no-score",
-             "--lookup-tokens", "0", "--max-new-tokens", str(max_new_tokens),
-             "--modes", f"{bench_run.DEFAULT_MODES},{EXTRA_MODES}", "--out", out])
+            [
+                "bench",
+                "--prompts",
+                str(prompts),
+                "--dtype",
+                "fp32",
+                "--backend",
+                "eager",
+                "--no-hf",
+                "--no-score",
+                "--lookup-tokens",
+                "0",
+                "--max-new-tokens",
+                str(max_new_tokens),
+                "--modes",
+                f"{bench_run.DEFAULT_MODES},{EXTRA_MODES}",
+                "--out",
+                out,
+            ]
+        )
         args.argv = []
         report = bench_run.run_bench(args)
     bench_run._one_prompt = original
     records = captured["records"]
     return {
-        "modes": {name: [{"tokens": r.tokens, "accepted": r.accepted} for r in recs]
-                  for name, recs in records.items()},
+        "modes": {
+            name: [{"tokens": r.tokens, "accepted": r.accepted} for r in recs]
+            for name, recs in records.items()
+        },
         "rows": [{key: row[key] for key in DETERMINISTIC} for row in report["rows"]],
-        "predicted": [{"mode": row["mode"], "predicted_tokens_per_pass": row["predicted_tokens_per_pass"]}
-                      for row in report.get("predicted", {}).get("rows", [])],
+        "predicted": [
+            {"mode": row["mode"], "predicted_tokens_per_pass": row["predicted_tokens_per_pass"]}
+            for row in report.get("predicted", {}).get("rows", [])
+        ],
         "sampled": sampled(captured["model"], captured["prompts"][:3], max_new_tokens),
     }
 
@@ -66,8 +86,11 @@ def sampled(model, prompts: list[list[int]], max_new_tokens: int) -> dict:
         cfg = parse_mode(mode, "fixed", None)
         runs = []
         for seed, ids in enumerate(prompts):
-            got = generate(model, ids, dataclasses.replace(cfg, temperature=0.8, seed=seed,
-                                                           max_new_tokens=max_new_tokens))
+            got = generate(
+                model,
+                ids,
+                dataclasses.replace(cfg, temperature=0.8, seed=seed, max_new_tokens=max_new_tokens),
+            )
             runs.append({"tokens": got.tokens, "accepted": got.accepted})
         out[mode] = runs
     return out

@@ -35,7 +35,9 @@ def main() -> int:
     bad = offenders(Path(__file__).resolve().parents[1] / "src" / "mtplm")
     for line in bad:
         print(line)
-    print(f"size check: {len(bad)} over budget (modules <= {MODULE_LINES} lines, functions <= {FUNCTION_LINES})")
+    print(
+        f"size check: {len(bad)} over budget (modules <= {MODULE_LINES} lines, functions <= {FUNCTION_LINES})"
+    )
     return 1 if bad else 0
 
 

@@ -40,8 +40,9 @@ class Chain(nn.Module):
     def __init__(self, shapes: list[tuple[int, int]], layers: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.shapes = shapes * layers  # (M out, K in)
-        self.weights = nn.ParameterList(nn.Parameter(torch.randn(m, k, dtype=dtype) / k**0.5, requires_grad=False)
-                                        for m, k in self.shapes)
+        self.weights = nn.ParameterList(
+            nn.Parameter(torch.randn(m, k, dtype=dtype) / k**0.5, requires_grad=False) for m, k in self.shapes
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return chain(x, list(self.weights), F.linear)
@@ -102,8 +103,11 @@ def _timed(run) -> float:
 def probe(name: str, plain: Chain, paths: list[str], rows: list[int], repeats: int, rate: float) -> None:
     nbytes = sum(w.numel() * w.element_size() for w in plain.weights)
     k0 = plain.shapes[0][1]
-    print(f"{name}: {len(plain.shapes)} products, {nbytes / 1e6:.0f} MB of weights, floor "
-          f"{1e3 * nbytes / rate:.2f} ms at numpy's read bandwidth", flush=True)
+    print(
+        f"{name}: {len(plain.shapes)} products, {nbytes / 1e6:.0f} MB of weights, floor "
+        f"{1e3 * nbytes / rate:.2f} ms at numpy's read bandwidth",
+        flush=True,
+    )
     for n in rows:
         x = torch.randn(n, k0, dtype=plain.weights[0].dtype)
         reference = plain(x).float()
@@ -121,8 +125,10 @@ def probe(name: str, plain: Chain, paths: list[str], rows: list[int], repeats: i
             seconds = time.perf_counter() - began
             error = ((got - reference).abs().max() / reference.abs().max()).item()
             ms = best_ms(run, x, repeats)
-            cells.append(f"{path} {ms:6.2f} ms ({nbytes / ms / 1e6:4.1f} GB/s, err {error:.1e}, first call "
-                         f"{seconds:.1f} s)")
+            cells.append(
+                f"{path} {ms:6.2f} ms ({nbytes / ms / 1e6:4.1f} GB/s, err {error:.1e}, first call "
+                f"{seconds:.1f} s)"
+            )
             torch._dynamo.reset()
         print(f"  {n:2d} rows: " + " | ".join(cells), flush=True)
 
@@ -145,8 +151,11 @@ def main() -> None:
     d, i = args.hidden, args.intermediate
     rows, paths = [int(r) for r in args.rows.split(",")], args.paths.split(",")
     rate = read_bandwidth()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16; numpy read bandwidth "
-          f"{rate / 1e9:.1f} GB/s; best of {args.repeats}", flush=True)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16; numpy read bandwidth "
+        f"{rate / 1e9:.1f} GB/s; best of {args.repeats}",
+        flush=True,
+    )
     with torch.inference_mode():
         layers = Chain([(args.qkv, d), (d, d), (2 * i, d), (d, i)], args.layers, torch.bfloat16)
         probe("decoder layers", layers, paths, rows, args.repeats, rate)

@@ -43,21 +43,41 @@ def main() -> int:
     for name, change in VARIANTS.items():
         print(f"== {name}", flush=True)
         run = args.out / "runs" / str(len(results))
-        cfg = TrainConfig(model=args.model, data=args.data, out=str(run), method="heads", head_form=args.form,
-                          k_max=args.k, steps=args.steps, lr=args.lr, val_every=args.steps, **change)
+        cfg = TrainConfig(
+            model=args.model,
+            data=args.data,
+            out=str(run),
+            method="heads",
+            head_form=args.form,
+            k_max=args.k,
+            steps=args.steps,
+            lr=args.lr,
+            val_every=args.steps,
+            **change,
+        )
         checkpoint = train(cfg, progress=True)
         meta = json.loads((checkpoint / "mtplm.json").read_text())["training"]
-        results.append({"variant": name, "settings": change, "cpu_s": meta["compute"]["cpu_s"], **meta["final_val"]})
+        results.append(
+            {"variant": name, "settings": change, "cpu_s": meta["compute"]["cpu_s"], **meta["final_val"]}
+        )
     (args.out / "ablation.json").write_text(json.dumps(results, indent=2) + "\n")
     heads = range(2, args.k + 1)
-    lines = [f"# Head-based MTP ablation: {args.model}, {args.form} heads, K = {args.k}, {args.steps} steps each", "",
-             f"`python scripts/heads_ablation.py {' '.join(sys.argv[1:])}`", "",
-             "| variant | " + " | ".join(f"head {k} agreement" for k in heads) +
-             " | verified tokens/pass (est.) | consistency MSE | CPU s |",
-             "|---|" + "---|" * (len(heads) + 3)]
+    lines = [
+        f"# Head-based MTP ablation: {args.model}, {args.form} heads, K = {args.k}, {args.steps} steps each",
+        "",
+        f"`python scripts/heads_ablation.py {' '.join(sys.argv[1:])}`",
+        "",
+        "| variant | "
+        + " | ".join(f"head {k} agreement" for k in heads)
+        + " | verified tokens/pass (est.) | consistency MSE | CPU s |",
+        "|---|" + "---|" * (len(heads) + 3),
+    ]
     for r in results:
-        lines.append(f"| {r['variant']} | " + " | ".join(f"{100 * r['agreement'][k - 1]:.1f} %" for k in heads) +
-                     f" | {r['est_verified_per_forward']:.3f} | {r['consistency_mse']:.3f} | {r['cpu_s']:.0f} |")
+        lines.append(
+            f"| {r['variant']} | "
+            + " | ".join(f"{100 * r['agreement'][k - 1]:.1f} %" for k in heads)
+            + f" | {r['est_verified_per_forward']:.3f} | {r['consistency_mse']:.3f} | {r['cpu_s']:.0f} |"
+        )
     (args.out / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

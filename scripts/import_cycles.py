@@ -57,9 +57,12 @@ def graph(src: Path, package: str) -> dict[str, set[str]]:
                     target = _resolve(name, known)
                     if target and target != module:
                         targets.add(target)
-        edges[module] = {t for t in targets
-                         if not (is_package and t.startswith(module + "."))  # __init__ -> its submodule
-                         and not (known[t].name == "__init__.py" and module.startswith(t + "."))}  # -> its package
+        edges[module] = {
+            t
+            for t in targets
+            if not (is_package and t.startswith(module + "."))  # __init__ -> its submodule
+            and not (known[t].name == "__init__.py" and module.startswith(t + "."))
+        }  # -> its package
     return edges
 
 

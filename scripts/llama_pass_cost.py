@@ -20,10 +20,17 @@ from mtplm.llamacpp.server import LlamaServer
 
 
 def request(url: str, ids: list[int]) -> dict:
-    body = {"prompt": ids, "n_predict": 1, "temperature": 0.0, "cache_prompt": True, "samplers": ["top_k"],
-            "top_k": 1}
-    sent = urllib.request.Request(f"{url}/completion", data=json.dumps(body).encode(),
-                                  headers={"Content-Type": "application/json"})
+    body = {
+        "prompt": ids,
+        "n_predict": 1,
+        "temperature": 0.0,
+        "cache_prompt": True,
+        "samplers": ["top_k"],
+        "top_k": 1,
+    }
+    sent = urllib.request.Request(
+        f"{url}/completion", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(sent, timeout=120) as reply:
         return json.loads(reply.read())["timings"]
 
@@ -45,8 +52,10 @@ def main() -> None:
                 timings = request(server.url, context + [2000 + i for i in range(n)])
                 if timings.get("prompt_n") == n:
                     best[n] = min(best[n], timings["prompt_ms"])
-    print(f"{args.gguf.name}, {torch.get_num_threads()} threads, context {args.context}, best of {args.repeats}: "
-          "ms per pass of n new rows (ratio to 1 row)")
+    print(
+        f"{args.gguf.name}, {torch.get_num_threads()} threads, context {args.context}, best of {args.repeats}: "
+        "ms per pass of n new rows (ratio to 1 row)"
+    )
     print("  ".join(f"{n} rows {best[n]:.1f} ({best[n] / best[rows[0]]:.2f}x)" for n in rows))
 
 

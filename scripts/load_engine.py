@@ -29,8 +29,15 @@ def run_engine(args, prompts: list[str], modes: list[str], summary) -> list[dict
     cfgs = {mode: parse_mode(mode) for mode in modes}
     for cfg in cfgs.values():
         cfg.max_new_tokens, cfg.temperature = args.max_tokens, 0.0
-    warm_up(backend, model, list(cfgs.values()), (min(map(len, ids)), max(map(len, ids))), args.max_tokens,
-            args.max_batch, what="the engine")
+    warm_up(
+        backend,
+        model,
+        list(cfgs.values()),
+        (min(map(len, ids)), max(map(len, ids))),
+        args.max_tokens,
+        args.max_batch,
+        what="the engine",
+    )
     k_by_batch = parse_k_by_batch(args.k_by_batch) if args.k_by_batch else parse_k_by_batch("2:1")
     engine = Engine(model, args.max_batch, k_by_batch=k_by_batch, backend=backend)
     try:
@@ -39,7 +46,7 @@ def run_engine(args, prompts: list[str], modes: list[str], summary) -> list[dict
         records = {mode: [] for mode in modes}
         walls = {mode: 0.0 for mode in modes}
         for round_ in range(args.rounds):
-            for mode in (modes if round_ % 2 == 0 else modes[::-1]):
+            for mode in modes if round_ % 2 == 0 else modes[::-1]:
                 began = time.perf_counter()
                 records[mode] += _round(engine, cfgs[mode], ids, args.clients, args.requests)
                 walls[mode] += time.perf_counter() - began
@@ -50,8 +57,10 @@ def run_engine(args, prompts: list[str], modes: list[str], summary) -> list[dict
 
 def _round(engine: Engine, cfg, ids: list[list[int]], clients: int, per_client: int) -> list[dict]:
     out: list[dict] = []
-    threads = [threading.Thread(target=_client, args=(engine, cfg, ids[c * per_client:(c + 1) * per_client], out))
-               for c in range(clients)]
+    threads = [
+        threading.Thread(target=_client, args=(engine, cfg, ids[c * per_client : (c + 1) * per_client], out))
+        for c in range(clients)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -38,17 +38,25 @@ def main() -> None:
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--k-by-batch", default=None, help="passed to `mtplm serve` with --start")
-    p.add_argument("--backend", default="auto", help="passed to `mtplm serve` with --start (default: %(default)s)")
+    p.add_argument(
+        "--backend", default="auto", help="passed to `mtplm serve` with --start (default: %(default)s)"
+    )
     p.add_argument("--api-key", default=os.environ.get("MTPLM_API_KEY", "unused"))
     p.add_argument("--modes", default="ntp,static:2,static:4,confadapt,verified")
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--requests", type=int, default=2, help="requests per client per mode and round")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--context", type=int, default=2048,
-                   help="passed to `mtplm serve` with --start (it compiles its buckets up to this many positions)")
+    p.add_argument(
+        "--context",
+        type=int,
+        default=2048,
+        help="passed to `mtplm serve` with --start (it compiles its buckets up to this many positions)",
+    )
     p.add_argument("--prompt-set", default="mixed")
-    p.add_argument("--time-limit", type=float, default=1800, help="stop starting requests after this many seconds")
+    p.add_argument(
+        "--time-limit", type=float, default=1800, help="stop starting requests after this many seconds"
+    )
     p.add_argument("--out", type=Path, default=Path("docs/results/serve-load"))
     p.add_argument("--engine", action="store_true", help="also run the workload on the engine alone (first)")
     args = p.parse_args()
@@ -68,8 +76,11 @@ def main() -> None:
         report["engine_rows"] = engine
         for row in report["rows"]:
             row["vs_engine"] = row["tokens_per_s"] / max(by_mode[row["mode"]]["tokens_per_s"], 1e-9)
-            print(f"{row['mode']:>22}: server {row['tokens_per_s']:.1f} tok/s, engine alone "
-                  f"{by_mode[row['mode']]['tokens_per_s']:.1f} ({row['vs_engine']:.2f}x)", flush=True)
+            print(
+                f"{row['mode']:>22}: server {row['tokens_per_s']:.1f} tok/s, engine alone "
+                f"{by_mode[row['mode']]['tokens_per_s']:.1f} ({row['vs_engine']:.2f}x)",
+                flush=True,
+            )
     _write(report, args.out)
 
 
@@ -89,8 +100,22 @@ def _start(args) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [sys.executable, "-m", "mtplm.cli", "serve", "--model", args.model, "--port", str(port),
-               "--dtype", args.dtype, "--max-batch", str(args.max_batch), "--context", str(args.context)]
+    command = [
+        sys.executable,
+        "-m",
+        "mtplm.cli",
+        "serve",
+        "--model",
+        args.model,
+        "--port",
+        str(port),
+        "--dtype",
+        args.dtype,
+        "--max-batch",
+        str(args.max_batch),
+        "--context",
+        str(args.context),
+    ]
     command += ["--k-by-batch", args.k_by_batch] if args.k_by_batch else []
     command += ["--backend", args.backend]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=None)  # its warm-up lines show
@@ -117,37 +142,65 @@ async def _run(args, url: str) -> dict:
     model = name if sep else Path(args.model).name  # the id `mtplm serve --model [ID=]SPEC` gives it
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     prompts = _prompts(args.prompt_set, args.clients * args.requests)
-    warm = time.perf_counter()  # load the model; let every mode meet its batch sizes (a compiled backend compiles)
+    warm = (
+        time.perf_counter()
+    )  # load the model; let every mode meet its batch sizes (a compiled backend compiles)
     for mode in modes:
-        await asyncio.gather(*(_one(client, model, mode, prompts[i % len(prompts)], 16) for i in range(args.clients)))
+        await asyncio.gather(
+            *(_one(client, model, mode, prompts[i % len(prompts)], 16) for i in range(args.clients))
+        )
     print(f"warm-up: {time.perf_counter() - warm:.0f} s", flush=True)
     records: dict[str, list[dict]] = {m: [] for m in modes}
     walls: dict[str, float] = {m: 0.0 for m in modes}
     deadline = time.monotonic() + args.time_limit
     for round_ in range(args.rounds):
-        for mode in (modes if round_ % 2 == 0 else modes[::-1]):
+        for mode in modes if round_ % 2 == 0 else modes[::-1]:
             if time.monotonic() > deadline:
                 break
             began = time.perf_counter()
-            batches = await asyncio.gather(*(
-                _client(client, model, mode, prompts[c * args.requests:(c + 1) * args.requests], args.max_tokens,
-                        deadline) for c in range(args.clients)))
+            batches = await asyncio.gather(
+                *(
+                    _client(
+                        client,
+                        model,
+                        mode,
+                        prompts[c * args.requests : (c + 1) * args.requests],
+                        args.max_tokens,
+                        deadline,
+                    )
+                    for c in range(args.clients)
+                )
+            )
             walls[mode] += time.perf_counter() - began
             records[mode] += [r for batch in batches for r in batch]
             done = [r for r in records[mode] if not r["error"]]
-            print(f"round {round_ + 1}/{args.rounds} {mode:>22}: {sum(r['tokens'] for r in done) / walls[mode]:6.1f} "
-                  f"tok/s so far, {len(records[mode]) - len(done)} errors", file=sys.stderr, flush=True)
+            print(
+                f"round {round_ + 1}/{args.rounds} {mode:>22}: {sum(r['tokens'] for r in done) / walls[mode]:6.1f} "
+                f"tok/s so far, {len(records[mode]) - len(done)} errors",
+                file=sys.stderr,
+                flush=True,
+            )
     rows = [_summary(mode, records[mode], walls[mode]) for mode in modes]
     plain = next((r for r in rows if r["mode"] == "ntp"), rows[0])
     for row in rows:
         row["throughput_vs_plain"] = row["tokens_per_s"] / max(plain["tokens_per_s"], 1e-9)
     from mtplm.bench.machine import machine
 
-    return {"command": " ".join(sys.argv), "url": url, "model": model, "backend": args.backend, "clients": args.clients,
-            "max_tokens": args.max_tokens, "machine": machine(), "rows": rows}
+    return {
+        "command": " ".join(sys.argv),
+        "url": url,
+        "model": model,
+        "backend": args.backend,
+        "clients": args.clients,
+        "max_tokens": args.max_tokens,
+        "machine": machine(),
+        "rows": rows,
+    }
 
 
-async def _client(client, model: str, mode: str, prompts: list[str], max_tokens: int, deadline: float) -> list[dict]:
+async def _client(
+    client, model: str, mode: str, prompts: list[str], max_tokens: int, deadline: float
+) -> list[dict]:
     out = []
     for prompt in prompts:
         if time.monotonic() > deadline:
@@ -161,8 +214,14 @@ async def _one(client, model: str, mode: str, prompt: str, max_tokens: int) -> d
     first, usage = None, None
     try:
         stream = await client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
-            stream=True, stream_options={"include_usage": True}, extra_body={"mode": mode})
+            model=model,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"mode": mode},
+        )
         async for chunk in stream:
             if first is None and chunk.choices and chunk.choices[0].delta.content:
                 first = time.perf_counter() - began
@@ -170,8 +229,13 @@ async def _one(client, model: str, mode: str, prompt: str, max_tokens: int) -> d
                 usage = chunk.usage.model_dump()
     except openai.APIError as exc:
         return {"error": str(exc), "tokens": 0, "latency": time.perf_counter() - began}
-    return {"error": None, "latency": time.perf_counter() - began, "ttft": first or 0.0,
-            "tokens": usage["completion_tokens"], "passes": usage["forward_passes"]}
+    return {
+        "error": None,
+        "latency": time.perf_counter() - began,
+        "ttft": first or 0.0,
+        "tokens": usage["completion_tokens"],
+        "passes": usage["forward_passes"],
+    }
 
 
 def _summary(mode: str, records: list[dict], wall: float) -> dict:
@@ -179,12 +243,20 @@ def _summary(mode: str, records: list[dict], wall: float) -> dict:
     latency = sorted(r["latency"] for r in done) or [0.0]
     ttft = sorted(r["ttft"] for r in done) or [0.0]
     tokens = sum(r["tokens"] for r in done)
-    return {"mode": mode, "requests": len(records), "errors": len(records) - len(done), "tokens": tokens,
-            "wall_s": wall, "tokens_per_s": tokens / max(wall, 1e-9),
-            "tokens_per_forward": tokens / max(1, sum(r["passes"] for r in done)),
-            "latency_p50_s": _quantile(latency, 0.5), "latency_p99_s": _quantile(latency, 0.99),
-            "ttft_p50_s": _quantile(ttft, 0.5), "ttft_p99_s": _quantile(ttft, 0.99),
-            "latency_mean_s": statistics.fmean(latency)}
+    return {
+        "mode": mode,
+        "requests": len(records),
+        "errors": len(records) - len(done),
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / max(wall, 1e-9),
+        "tokens_per_forward": tokens / max(1, sum(r["passes"] for r in done)),
+        "latency_p50_s": _quantile(latency, 0.5),
+        "latency_p99_s": _quantile(latency, 0.99),
+        "ttft_p50_s": _quantile(ttft, 0.5),
+        "ttft_p99_s": _quantile(ttft, 0.99),
+        "latency_mean_s": statistics.fmean(latency),
+    }
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:
@@ -194,17 +266,25 @@ def _quantile(sorted_values: list[float], q: float) -> float:
 def _write(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "load.json").write_text(json.dumps(report, indent=2))
-    lines = [f"# mtplm serve under load: {report['clients']} concurrent streaming clients", "",
-             f"Model `{report['model']}`, greedy, max_tokens {report['max_tokens']}. Machine: "
-             + ", ".join(f"{k} {v}" for k, v in report["machine"].items()) + ".", "",
-             f"Command: `{report['command']}`", "",
-             "| mode | requests | errors | tokens/s | vs plain | tokens/forward | latency p50 / p99 (s) "
-             "| TTFT p50 / p99 (s) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# mtplm serve under load: {report['clients']} concurrent streaming clients",
+        "",
+        f"Model `{report['model']}`, greedy, max_tokens {report['max_tokens']}. Machine: "
+        + ", ".join(f"{k} {v}" for k, v in report["machine"].items())
+        + ".",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        "| mode | requests | errors | tokens/s | vs plain | tokens/forward | latency p50 / p99 (s) "
+        "| TTFT p50 / p99 (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in report["rows"]:
-        lines.append(f"| {r['mode']} | {r['requests']} | {r['errors']} | {r['tokens_per_s']:.1f} | "
-                     f"{r['throughput_vs_plain']:.2f}x | {r['tokens_per_forward']:.2f} | {r['latency_p50_s']:.2f} / "
-                     f"{r['latency_p99_s']:.2f} | {r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} |")
+        lines.append(
+            f"| {r['mode']} | {r['requests']} | {r['errors']} | {r['tokens_per_s']:.1f} | "
+            f"{r['throughput_vs_plain']:.2f}x | {r['tokens_per_forward']:.2f} | {r['latency_p50_s']:.2f} / "
+            f"{r['latency_p99_s']:.2f} | {r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} |"
+        )
     (out / "load.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:
@@ -220,8 +300,13 @@ def _write(report: dict, out: Path) -> None:
     left.set_ylabel("throughput (completion tokens/s)")
     left.set_title(f"{report['clients']} concurrent clients")
     right.bar(names, [r["latency_p50_s"] for r in report["rows"]], label="p50")
-    right.bar(names, [r["latency_p99_s"] - r["latency_p50_s"] for r in report["rows"]],
-              bottom=[r["latency_p50_s"] for r in report["rows"]], alpha=0.5, label="p99")
+    right.bar(
+        names,
+        [r["latency_p99_s"] - r["latency_p50_s"] for r in report["rows"]],
+        bottom=[r["latency_p50_s"] for r in report["rows"]],
+        alpha=0.5,
+        label="p99",
+    )
     right.set_ylabel("request latency (s)")
     right.legend()
     for axis in (left, right):

@@ -61,8 +61,9 @@ def random_model(config_file: Path, dtype: str) -> MTPModel:
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_file), dtype=parse_dtype(dtype))
     words = {"<unk>": 0, "<eos>": 1}
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(words, unk_token="<unk>")),
-                                        eos_token="<eos>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(words, unk_token="<unk>")), eos_token="<eos>"
+    )
     model = MTPModel(hf.eval(), tokenizer, None)
     model.add_mask_token(k_max=8, base_identity={"random_like": str(config_file)})
     model.attach_gated_lora(32, 64.0)
@@ -92,6 +93,7 @@ def one_pass(backend, feeds: list[Feed], lengths: list[int]):
     def run() -> None:
         hidden = backend.run(0, feeds, lengths)
         backend.head(hidden.reshape(-1, hidden.shape[-1]))
+
     return run
 
 
@@ -126,39 +128,63 @@ def main() -> None:
     p.add_argument("--context", type=int, default=200)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    p.add_argument("--json", type=Path, default=None,
-                   help="also write the batch-1 mask-row curve of the first backend here (mtplm train pass_cost=FILE)")
-    p.add_argument("--random-like", type=Path, default=None, metavar="CONFIG",
-                   help="time random weights of this config.json's shape instead of --model")
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="also write the batch-1 mask-row curve of the first backend here (mtplm train pass_cost=FILE)",
+    )
+    p.add_argument(
+        "--random-like",
+        type=Path,
+        default=None,
+        metavar="CONFIG",
+        help="time random weights of this config.json's shape instead of --model",
+    )
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = random_model(args.random_like, args.dtype) if args.random_like else load_model(args.model, args.dtype)
+    model = (
+        random_model(args.random_like, args.dtype) if args.random_like else load_model(args.model, args.dtype)
+    )
     model.hf.to(args.device)
     torch.set_default_device(args.device)  # the backends' inputs and caches follow the weights
     rows_list = [int(r) for r in args.rows.split(",")]
-    print(f"{args.random_like or args.model} {args.dtype} on {args.device}, context {args.context}, "
-          f"{torch.get_num_threads()} threads, best of "
-          f"{args.repeats}; ms per pass incl. the LM head (ratio to the same backend's 1-row pass)")
+    print(
+        f"{args.random_like or args.model} {args.dtype} on {args.device}, context {args.context}, "
+        f"{torch.get_num_threads()} threads, best of "
+        f"{args.repeats}; ms per pass incl. the LM head (ratio to the same backend's 1-row pass)"
+    )
     one_row: dict[str, float] = {}
     first: dict[str, tuple[float, ...]] = {}  # batch 1, first backend: kind -> the curve's times
     for batch in (int(b) for b in args.batches.split(",")):
         for (name, kind), times in measure(model, args, batch).items():
-            print(f"batch {batch} {name:8s} {kind:5s}: " + "  ".join(
-                f"{r:2d} rows {1e3 * t:6.1f} ({t / times[0]:.2f}x)" for r, t in zip(rows_list, times, strict=True)))
+            print(
+                f"batch {batch} {name:8s} {kind:5s}: "
+                + "  ".join(
+                    f"{r:2d} rows {1e3 * t:6.1f} ({t / times[0]:.2f}x)"
+                    for r, t in zip(rows_list, times, strict=True)
+                )
+            )
             if batch == 1 and kind == "plain":
                 one_row[name] = times[0]
             if batch == 1 and name == args.backends.split(",")[0]:
                 first[kind] = tuple(itertools.accumulate(times, max))
     if args.json and "mask" in first:
-        curve = PassCost(tuple(rows_list), first["mask"], args.backends.split(",")[0], args.context, first.get("plain"))
+        curve = PassCost(
+            tuple(rows_list), first["mask"], args.backends.split(",")[0], args.context, first.get("plain")
+        )
         print(f"curve written to {curve.save(args.json)} (what pass_cost=FILE reads): {curve.describe()}")
     rate = bandwidth(args.device)
-    print(f"roofline: copy bandwidth {rate / 1e9:.1f} GB/s; " + ", ".join(
-        f"{name} 1-row pass {1e3 * t:.1f} ms reads {read_bytes(model, name) / 1e6:.0f} MB of weights: floor "
-        f"{1e3 * read_bytes(model, name) / rate:.1f} ms, {t * rate / read_bytes(model, name):.2f}x the floor"
-        for name, t in one_row.items()))
+    print(
+        f"roofline: copy bandwidth {rate / 1e9:.1f} GB/s; "
+        + ", ".join(
+            f"{name} 1-row pass {1e3 * t:.1f} ms reads {read_bytes(model, name) / 1e6:.0f} MB of weights: floor "
+            f"{1e3 * read_bytes(model, name) / rate:.1f} ms, {t * rate / read_bytes(model, name):.2f}x the floor"
+            for name, t in one_row.items()
+        )
+    )
 
 
 def read_bytes(model, backend: str) -> int:
@@ -170,7 +196,9 @@ def read_bytes(model, backend: str) -> int:
         if "lora_" in name:
             continue
         projection = p.dim() == 2 and ".layers." in name
-        size = {"int8": 1, "int4": 5 / 8}.get(backend[-4:], p.element_size()) if projection else p.element_size()
+        size = (
+            {"int8": 1, "int4": 5 / 8}.get(backend[-4:], p.element_size()) if projection else p.element_size()
+        )
         total += p.numel() * size
     return int(total)
 

@@ -21,23 +21,38 @@ def report(result: dict, command: str) -> str:
     from mtplm.train.predict import compare_markdown, compare_table
 
     m, s = machine(), result["score_settings"]
-    rows = compare_table(result["predicted_tokens_per_pass"], result["measured_tokens_per_pass"], result["checkpoint"])
+    rows = compare_table(
+        result["predicted_tokens_per_pass"], result["measured_tokens_per_pass"], result["checkpoint"]
+    )
     packed = result.get("packed_estimate") or {}
     measured = result["measured_tokens_per_pass"]
-    lines = [f"# Predicted vs measured tokens/pass: `{result['checkpoint']}`", "", f"`{command}`", "",
-             f"{result['prompts']} held-out prompts (`{s['prompt_set']}`, eval split, seed {s['seed']}), up to "
-             f"{s['max_new_tokens']} new tokens, greedy, {s['dtype']}, `{result['backend']}` backend; ConfAdapt "
-             f"calibrated to {s['target']:.0%} token agreement on {s['calibration']} further eval prompts "
-             f"(tau {result['confadapt_tau']}, held-out agreement "
-             f"{100 * next(iter(result['confadapt_agreement'].values()), 0):.1f} %). Machine: {m['cpu']}, "
-             f"{m['cores']} cores, torch {m['torch']}, commit {m['commit']}.", "",
-             compare_markdown(rows), ""]
+    lines = [
+        f"# Predicted vs measured tokens/pass: `{result['checkpoint']}`",
+        "",
+        f"`{command}`",
+        "",
+        f"{result['prompts']} held-out prompts (`{s['prompt_set']}`, eval split, seed {s['seed']}), up to "
+        f"{s['max_new_tokens']} new tokens, greedy, {s['dtype']}, `{result['backend']}` backend; ConfAdapt "
+        f"calibrated to {s['target']:.0%} token agreement on {s['calibration']} further eval prompts "
+        f"(tau {result['confadapt_tau']}, held-out agreement "
+        f"{100 * next(iter(result['confadapt_agreement'].values()), 0):.1f} %). Machine: {m['cpu']}, "
+        f"{m['cores']} cores, torch {m['torch']}, commit {m['commit']}.",
+        "",
+        compare_markdown(rows),
+        "",
+    ]
     if packed.get("verified") and "verified" in measured:
-        lines += [f"The packed training estimate the checkpoint recorded said {packed['verified']:.2f} for verified "
-                  f"decoding ({100 * (packed['verified'] / measured['verified'] - 1):+.0f} % against the measured "
-                  f"{measured['verified']:.2f}).", ""]
-    lines += ["Wall-clock speedup over plain in the same run: " + ", ".join(
-        f"{mode} {x:.2f}x" for mode, x in result["measured_speedup"].items()), ""]
+        lines += [
+            f"The packed training estimate the checkpoint recorded said {packed['verified']:.2f} for verified "
+            f"decoding ({100 * (packed['verified'] / measured['verified'] - 1):+.0f} % against the measured "
+            f"{measured['verified']:.2f}).",
+            "",
+        ]
+    lines += [
+        "Wall-clock speedup over plain in the same run: "
+        + ", ".join(f"{mode} {x:.2f}x" for mode, x in result["measured_speedup"].items()),
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -54,9 +69,16 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument(f"--{name.replace('_', '-')}", default=getattr(defaults, name))
     p.add_argument("--target", type=float, default=defaults.target)
     args = p.parse_args(argv)
-    settings = ScoreSettings(prompts=args.prompts, calibration=args.calibration, prompt_set=args.prompt_set,
-                             max_new_tokens=args.max_new_tokens, modes=args.modes, target=args.target,
-                             dtype=args.dtype, backend=args.backend)
+    settings = ScoreSettings(
+        prompts=args.prompts,
+        calibration=args.calibration,
+        prompt_set=args.prompt_set,
+        max_new_tokens=args.max_new_tokens,
+        modes=args.modes,
+        target=args.target,
+        dtype=args.dtype,
+        backend=args.backend,
+    )
     try:
         result = score(args.checkpoint, settings)
     except UserError as exc:
@@ -64,8 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "score.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "README.md").write_text(report(result, "python scripts/predicted_vs_measured.py "
-                                               + " ".join(argv if argv is not None else sys.argv[1:])))
+    (args.out / "README.md").write_text(
+        report(
+            result,
+            "python scripts/predicted_vs_measured.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        )
+    )
     print((args.out / "README.md").read_text())
     return 0
 

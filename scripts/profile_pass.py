@@ -26,9 +26,34 @@ GROUPS = {  # first match wins; compiled C++ kernels show up as cpp_fused_* (ind
     "attention": ("scaled_dot_product", "softmax", "flash"),
     "kv cache": ("index_put", "index_select", "index", "scatter", "gather", "cat", "slice"),
     "compiled kernel": ("cpp_fused", "kernel"),
-    "norm/rope/elementwise": ("mul", "add", "pow", "mean", "rsqrt", "neg", "silu", "cos", "sin", "to", "copy",
-                              "where", "masked_fill", "sub", "div", "expand", "clone", "contiguous", "view",
-                              "transpose", "reshape", "empty", "zeros", "arange", "embedding", "ones"),
+    "norm/rope/elementwise": (
+        "mul",
+        "add",
+        "pow",
+        "mean",
+        "rsqrt",
+        "neg",
+        "silu",
+        "cos",
+        "sin",
+        "to",
+        "copy",
+        "where",
+        "masked_fill",
+        "sub",
+        "div",
+        "expand",
+        "clone",
+        "contiguous",
+        "view",
+        "transpose",
+        "reshape",
+        "empty",
+        "zeros",
+        "arange",
+        "embedding",
+        "ones",
+    ),
 }
 
 
@@ -49,7 +74,9 @@ def _timed(fn) -> float:
 def weight_bytes(model) -> tuple[int, int]:
     """(bytes the decoder layers read per pass, bytes of the LM head), adapters excluded."""
     decoder = model.hf.get_decoder()
-    layers = sum(p.numel() * p.element_size() for n, p in decoder.layers.named_parameters() if ".lora_" not in n)
+    layers = sum(
+        p.numel() * p.element_size() for n, p in decoder.layers.named_parameters() if ".lora_" not in n
+    )
     layers += decoder.norm.weight.numel() * decoder.norm.weight.element_size()
     head = model.hf.get_output_embeddings().weight
     return layers, head.numel() * head.element_size()
@@ -67,8 +94,13 @@ def passes(args, model):
         ragged_pass(model, cache, 0, prompt, [0] * args.batch)
         runs["eager"] = lambda: ragged_pass(model, cache, 0, feeds, lengths)
     if "fast" in args.backends:
-        backend = StaticBackend(model, args.batch, capacity=args.capacity, compile=not args.no_compile,
-                                regional=not args.whole_graph)
+        backend = StaticBackend(
+            model,
+            args.batch,
+            capacity=args.capacity,
+            compile=not args.no_compile,
+            regional=not args.whole_graph,
+        )
         backend.run(0, prompt, [0] * args.batch)
         runs["fast"] = lambda: backend.run(0, feeds, lengths)
     return runs
@@ -91,10 +123,14 @@ def profile(name: str, run, repeats: int) -> None:
     print(f"\n{name}: {wall:.2f} ms per pass under the profiler; ops account for {accounted:.2f} ms")
     for group, ms in sorted(groups.items(), key=lambda kv: -kv[1]):
         print(f"  {group:24s} {ms:7.2f} ms  {100 * ms / wall:5.1f} %")
-    print(f"  {'python/dispatch (rest)':24s} {wall - accounted:7.2f} ms  {100 * (wall - accounted) / wall:5.1f} %")
+    print(
+        f"  {'python/dispatch (rest)':24s} {wall - accounted:7.2f} ms  {100 * (wall - accounted) / wall:5.1f} %"
+    )
     print("  top ops (self ms per pass, calls per pass):")
     for event in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:12]:
-        print(f"    {event.key[:60]:60s} {event.self_cpu_time_total / repeats / 1e3:7.2f}  {event.count // repeats}")
+        print(
+            f"    {event.key[:60]:60s} {event.self_cpu_time_total / repeats / 1e3:7.2f}  {event.count // repeats}"
+        )
 
 
 def _group(key: str) -> str:
@@ -116,7 +152,9 @@ def main() -> None:
     p.add_argument("--mask-rows", action="store_true", help="rows after the first are <mtp> slots")
     p.add_argument("--backends", default="eager,fast")
     p.add_argument("--no-compile", action="store_true")
-    p.add_argument("--whole-graph", action="store_true", help="compile the whole pass per bucket, not one layer")
+    p.add_argument(
+        "--whole-graph", action="store_true", help="compile the whole pass per bucket, not one layer"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=20)
     args = p.parse_args()
@@ -126,10 +164,14 @@ def main() -> None:
     gbps = bandwidth()
     layers, head = weight_bytes(model)
     floor = layers / gbps / 1e6
-    print(f"{args.model} {args.dtype}, batch {args.batch}, {args.rows} rows ({'mask' if args.mask_rows else 'plain'}), "
-          f"context {args.context}, {args.threads} threads")
-    print(f"copy bandwidth {gbps:.1f} GB/s; decoder weights {layers / 1e6:.0f} MB -> floor {floor:.2f} ms "
-          f"(LM head {head / 1e6:.0f} MB more: {head / gbps / 1e6:.2f} ms)")
+    print(
+        f"{args.model} {args.dtype}, batch {args.batch}, {args.rows} rows ({'mask' if args.mask_rows else 'plain'}), "
+        f"context {args.context}, {args.threads} threads"
+    )
+    print(
+        f"copy bandwidth {gbps:.1f} GB/s; decoder weights {layers / 1e6:.0f} MB -> floor {floor:.2f} ms "
+        f"(LM head {head / 1e6:.0f} MB more: {head / gbps / 1e6:.2f} ms)"
+    )
     with torch.inference_mode():
         for name, run in passes(args, model).items():
             for _ in range(3):

@@ -36,7 +36,7 @@ def time_backend(backend, ids: list[int]) -> float:
     began = time.perf_counter()
     with torch.inference_mode():
         hidden = backend.run(0, [Feed(ids, len(ids), 0, 0, False, None)], [0])
-        backend.head(hidden[:, len(ids) - 1:])
+        backend.head(hidden[:, len(ids) - 1 :])
     return time.perf_counter() - began
 
 
@@ -74,12 +74,22 @@ def main() -> None:
             times = {"hf": time_hf(model, ids)} | {s: time_backend(b, ids) for s, b in backends.items()}
             if round_:
                 best = {name: min(best[name], t) for name, t in times.items()}
-        row = [str(length), f"{best['hf']:.2f}", *[f"{best[s]:.2f}" for s in specs],
-               *[f"{best[s] / best['hf']:.2f}" for s in specs]]
+        row = [
+            str(length),
+            f"{best['hf']:.2f}",
+            *[f"{best[s]:.2f}" for s in specs],
+            *[f"{best[s] / best['hf']:.2f}" for s in specs],
+        ]
         lines.append("| " + " | ".join(row) + " |")
         print(lines[-1], flush=True)
-    table = "\n".join([f"model {args.model} ({args.dtype}), {torch.get_num_threads()} threads, best of "
-                       f"{args.repeats} rounds after one untimed", "", *lines])
+    table = "\n".join(
+        [
+            f"model {args.model} ({args.dtype}), {torch.get_num_threads()} threads, best of "
+            f"{args.repeats} rounds after one untimed",
+            "",
+            *lines,
+        ]
+    )
     print("\n" + table)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

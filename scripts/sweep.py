@@ -23,7 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("spec", type=Path, help="sweep file (TOML)")
     p.add_argument("--results", type=Path, default=None, help="results folder (default: docs/results/<name>)")
     p.add_argument("--only", default="", help="variant names to run, separated by | (default: all)")
-    p.add_argument("--check", action="store_true", help="check the sweep file and list its variants; train nothing")
+    p.add_argument(
+        "--check", action="store_true", help="check the sweep file and list its variants; train nothing"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     return exit_code(lambda: _run(args), "sweep", "interrupted: rerun the same command to continue")
@@ -34,8 +36,10 @@ def _run(args) -> int:
 
     if args.check:
         sweep = load_sweep(args.spec)
-        print(f"{sweep.name}: {len(sweep.variants)} variants in {sweep.runs}: "
-              + ", ".join(v.name for v in sweep.variants))
+        print(
+            f"{sweep.name}: {len(sweep.variants)} variants in {sweep.runs}: "
+            + ", ".join(v.name for v in sweep.variants)
+        )
         return 0
     only = [name.strip() for name in args.only.split("|") if name.strip()]
     out = run_sweep(args.spec, args.results, progress=not args.quiet, only=only or None)

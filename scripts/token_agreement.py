@@ -38,8 +38,10 @@ def main() -> None:
     model = load_model(args.model, args.dtype)
     backend = make_backend(args.backend, model)
     k_max = model.meta.k_max if model.meta else None
-    prompts = [eval_prompt_ids(model.tokenizer, e.prompt)
-               for e in prompt_set(args.prompt_set, args.prompts, 0, split="eval")]
+    prompts = [
+        eval_prompt_ids(model.tokenizer, e.prompt)
+        for e in prompt_set(args.prompt_set, args.prompts, 0, split="eval")
+    ]
     rows = {}
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         cfg = parse_mode(mode, k_max=k_max)
@@ -49,13 +51,31 @@ def main() -> None:
             out = generate(model, ids, cfg, backend=backend)
             good, n = token_agreement(model, ids, out.tokens)
             agreeing, tokens, passes = agreeing + good, tokens + n, passes + out.forwards
-        rows[mode] = {"token_agreement": agreeing / max(1, tokens), "tokens_per_pass": tokens / max(1, passes),
-                      "tokens": tokens, "prompts": len(prompts)}
-        print(f"{mode}: token agreement {rows[mode]['token_agreement']:.2%}, "
-              f"{rows[mode]['tokens_per_pass']:.2f} tokens/pass, {tokens} tokens", flush=True)
+        rows[mode] = {
+            "token_agreement": agreeing / max(1, tokens),
+            "tokens_per_pass": tokens / max(1, passes),
+            "tokens": tokens,
+            "prompts": len(prompts),
+        }
+        print(
+            f"{mode}: token agreement {rows[mode]['token_agreement']:.2%}, "
+            f"{rows[mode]['tokens_per_pass']:.2f} tokens/pass, {tokens} tokens",
+            flush=True,
+        )
     if args.out:
-        args.out.write_text(json.dumps({"model": args.model, "dtype": args.dtype, "prompt_set": args.prompt_set,
-                                        "max_new_tokens": args.max_new_tokens, "rows": rows}, indent=2) + "\n")
+        args.out.write_text(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "dtype": args.dtype,
+                    "prompt_set": args.prompt_set,
+                    "max_new_tokens": args.max_new_tokens,
+                    "rows": rows,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

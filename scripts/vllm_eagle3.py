@@ -26,11 +26,19 @@ def engine(target: str, drafter: str | None, k: int):
     from vllm import LLM
 
     spec = {"method": "eagle3", "model": drafter, "num_speculative_tokens": k} if drafter else None
-    return LLM(model=target, dtype="bfloat16", speculative_config=spec, gpu_memory_utilization=0.35,
-               disable_log_stats=False, seed=0)
+    return LLM(
+        model=target,
+        dtype="bfloat16",
+        speculative_config=spec,
+        gpu_memory_utilization=0.35,
+        disable_log_stats=False,
+        seed=0,
+    )
 
 
-def decode(llm, prompts: list[list[int]], max_tokens: int, one_at_a_time: bool) -> tuple[list[list[int]], float]:
+def decode(
+    llm, prompts: list[list[int]], max_tokens: int, one_at_a_time: bool
+) -> tuple[list[list[int]], float]:
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -58,9 +66,13 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    prompts = [chat_prompt_ids(tokenizer, e.prompt) for e in prompt_set("mixed", args.prompts, 0, split="eval")]
-    engines = {"vllm": engine(args.target, None, 0), "vllm+eagle3": engine(args.target, args.drafter,
-                                                                           args.draft_tokens)}
+    prompts = [
+        chat_prompt_ids(tokenizer, e.prompt) for e in prompt_set("mixed", args.prompts, 0, split="eval")
+    ]
+    engines = {
+        "vllm": engine(args.target, None, 0),
+        "vllm+eagle3": engine(args.target, args.drafter, args.draft_tokens),
+    }
     results = {}
     for name, llm in engines.items():
         decode(llm, prompts[:2], 8, one_at_a_time=False)  # warm-up (graphs captured at start)
@@ -69,16 +81,27 @@ def main() -> None:
         _, single_s = decode(llm, prompts, args.max_tokens, one_at_a_time=True)
         after = counters(llm)
         generated = sum(map(len, tokens))
-        drafts = (after.get(SPEC_COUNTERS[0], 0) - before.get(SPEC_COUNTERS[0], 0)) / 2  # both decodes counted
+        drafts = (
+            after.get(SPEC_COUNTERS[0], 0) - before.get(SPEC_COUNTERS[0], 0)
+        ) / 2  # both decodes counted
         accepted = (after.get(SPEC_COUNTERS[1], 0) - before.get(SPEC_COUNTERS[1], 0)) / 2
-        results[name] = (tokens, generated / batch_s, generated / single_s, 1 + accepted / drafts if drafts else 1.0)
+        results[name] = (
+            tokens,
+            generated / batch_s,
+            generated / single_s,
+            1 + accepted / drafts if drafts else 1.0,
+        )
     plain = results["vllm"]
-    print(f"{args.prompts} held-out prompts, {args.max_tokens} new tokens, greedy, "
-          f"{args.draft_tokens} draft tokens per pass")
+    print(
+        f"{args.prompts} held-out prompts, {args.max_tokens} new tokens, greedy, "
+        f"{args.draft_tokens} draft tokens per pass"
+    )
     for name, (tokens, batched, single, per_pass) in results.items():
         same = sum(a == b for a, b in zip(tokens, plain[0], strict=True))
-        print(f"{name:12s} batch {batched:8.1f} tok/s ({batched / plain[1]:.2f}x)  one at a time {single:7.1f} "
-              f"tok/s ({single / plain[2]:.2f}x)  tokens/pass {per_pass:.2f}  identical {same}/{len(tokens)}")
+        print(
+            f"{name:12s} batch {batched:8.1f} tok/s ({batched / plain[1]:.2f}x)  one at a time {single:7.1f} "
+            f"tok/s ({single / plain[2]:.2f}x)  tokens/pass {per_pass:.2f}  identical {same}/{len(tokens)}"
+        )
 
 
 if __name__ == "__main__":

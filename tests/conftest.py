@@ -39,13 +39,21 @@ def tiny_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
     return tok
 
 
-def tiny_llama(seed: int = 0, vocab: int = VOCAB, layers: int = 2, hidden: int = 32,
-               tied: bool = False) -> LlamaForCausalLM:
+def tiny_llama(
+    seed: int = 0, vocab: int = VOCAB, layers: int = 2, hidden: int = 32, tied: bool = False
+) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        eos_token_id=vocab - 2, pad_token_id=vocab - 1, tie_word_embeddings=tied,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=vocab - 2,
+        pad_token_id=vocab - 1,
+        tie_word_embeddings=tied,
     )
     model = LlamaForCausalLM(config)
     model.eval()

@@ -24,8 +24,10 @@ def write_manifest(directory: Path, models: dict[str, tuple[Path | str, str | No
     directory.mkdir(parents=True, exist_ok=True)
     rows = []
     for model_id, (path, mode) in models.items():
-        rows.append(f'[[model]]\nid = "{model_id}"\npath = "{path}"\ndtype = "fp32"\n'
-                    + (f'mode = "{mode}"\n' if mode else ""))
+        rows.append(
+            f'[[model]]\nid = "{model_id}"\npath = "{path}"\ndtype = "fp32"\n'
+            + (f'mode = "{mode}"\n' if mode else "")
+        )
     (directory / "models.toml").write_text("\n".join(rows))
     return directory
 
@@ -41,15 +43,26 @@ def tiny_converted(directory: Path, seed: int = 0) -> Path:
 class LiveServer:
     """A real uvicorn server in a background thread (signals stay with the main thread)."""
 
-    def __init__(self, repository_dir: Path, api_key: str | None = "test-key", max_batch: int = 4,
-                 budget_gb: float = 0.0, max_body_bytes: int = 1 << 20) -> None:
+    def __init__(
+        self,
+        repository_dir: Path,
+        api_key: str | None = "test-key",
+        max_batch: int = 4,
+        budget_gb: float = 0.0,
+        max_body_bytes: int = 1 << 20,
+    ) -> None:
         # no load cap: the tests batch multi-token passes (mtplm serve's default caps them from 2 sequences on)
         self.repository = build_repository([], repository_dir, "fp32", max_batch, budget_gb, None, "off")
-        self.settings = Settings(api_key=api_key, max_body_bytes=max_body_bytes,
-                                 limits=Limits(max_tokens=512, default_max_tokens=32, context=512))
+        self.settings = Settings(
+            api_key=api_key,
+            max_body_bytes=max_body_bytes,
+            limits=Limits(max_tokens=512, default_max_tokens=32, context=512),
+        )
         self.app = create_app(self.repository, self.settings)
         self.port = free_port()
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
+        config = uvicorn.Config(
+            self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off"
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -40,8 +40,10 @@ def pretrained_tiny_model(directory: Path, steps: int = 150, seed: int = 0, laye
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rows = chain_rows(2000, seed)
     for step in range(steps):
-        chunk = rows[(step * 32) % len(rows):][:32]
-        ids = torch.tensor([tokenizer(r["prompt"] + " " + r["response"] + " <eos>")["input_ids"] for r in chunk])
+        chunk = rows[(step * 32) % len(rows) :][:32]
+        ids = torch.tensor(
+            [tokenizer(r["prompt"] + " " + r["response"] + " <eos>")["input_ids"] for r in chunk]
+        )
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
@@ -62,9 +64,24 @@ def train_config(base_dir: Path, data_file: Path, out: Path, **overrides):
     """The tests' training recipe on the chain language (gated LoRA unless overridden)."""
     from mtplm.config import TrainConfig
 
-    settings = dict(model=str(base_dir), out=str(out), data=f"jsonl:{data_file}", k_max=4, steps=300,
-                    batch_size=16, seq_len=32, slots_per_seq=24, region_width=8, lr=1e-2, lora_rank=8,
-                    lora_alpha=16.0, dtype="fp32", val_every=100, warmup_steps=5, save_every=1000)
+    settings = dict(
+        model=str(base_dir),
+        out=str(out),
+        data=f"jsonl:{data_file}",
+        k_max=4,
+        steps=300,
+        batch_size=16,
+        seq_len=32,
+        slots_per_seq=24,
+        region_width=8,
+        lr=1e-2,
+        lora_rank=8,
+        lora_alpha=16.0,
+        dtype="fp32",
+        val_every=100,
+        warmup_steps=5,
+        save_every=1000,
+    )
     return TrainConfig(**{**settings, **overrides})
 
 

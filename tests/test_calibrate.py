@@ -28,7 +28,7 @@ def test_the_replay_counts_emitted_and_wrong_tokens_by_hand():
     strict = confadapt([answer], [1.0, 1.0, 1.0])
     assert (strict.agreement, strict.tokens_per_pass) == (1.0, 1.0)
     # every row visited once: three one-position answers (a pass emits at most what is left of its answer)
-    singles = [Record(0, confidence[i: i + 1], agree[i: i + 1]) for i in range(3)]
+    singles = [Record(0, confidence[i : i + 1], agree[i : i + 1]) for i in range(3)]
     assert confadapt(singles, [0.5, 0.5, 0.5]).tokens_per_pass == 1.0
     tau, taus = choose_thresholds([answer] * 3, target=1.0, per_position=True)
     assert confadapt([answer], taus).agreement == 1.0

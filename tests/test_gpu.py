@@ -25,9 +25,12 @@ from mtplm.model import MTPModel
 from mtplm.text import chat_prompt_ids
 from mtplm.train.trainer import train
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(),
-                                 reason="no CUDA device: run `pytest -m gpu` on a machine with a GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="no CUDA device: run `pytest -m gpu` on a machine with a GPU"
+    ),
+]
 
 RECIPE = dict(steps=40, device="cuda", log_every=1, val_every=20, threads=1)
 
@@ -63,10 +66,25 @@ def test_two_gpus_over_nccl_match_one(base_dir, data_file, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     settings = [f"{k}={v}" for k, v in asdict(two).items() if k != "resume"]
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                           "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "mtplm.cli", "train",
-                           *settings, "--quiet"], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--master_addr=127.0.0.1",
+            f"--master_port={port}",
+            "-m",
+            "mtplm.cli",
+            "train",
+            *settings,
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     expected, got = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     for step, loss in expected.items():  # GPU kernels round differently per shape: a looser bound than on CPU
@@ -78,15 +96,19 @@ def test_the_compiled_backend_decodes_the_eager_tokens_on_a_gpu(base_dir, data_f
     eager reference, fp32, plain and lossless modes."""
     from mtplm.decode.backends import EagerBackend, make_backend
 
-    checkpoint = train(train_config(base_dir, data_file, tmp_path / "run", **{**RECIPE, "steps": 10}), progress=False)
+    checkpoint = train(
+        train_config(base_dir, data_file, tmp_path / "run", **{**RECIPE, "steps": 10}), progress=False
+    )
     model = MTPModel.load(checkpoint)
     model.hf.cuda()
     compiled, eager = make_backend("compiled", model), EagerBackend(model)
     with torch.device("cuda"):
         for row in chain_rows(3, seed=9):
             ids = chat_prompt_ids(model.tokenizer, row["prompt"])
-            for cfg in (DecodeConfig(mode="ntp", max_new_tokens=16),
-                        DecodeConfig(mode="verified", k_max=4, max_new_tokens=16),
-                        DecodeConfig(mode="verified", k_max=4, drafting="quadratic", max_new_tokens=16)):
+            for cfg in (
+                DecodeConfig(mode="ntp", max_new_tokens=16),
+                DecodeConfig(mode="verified", k_max=4, max_new_tokens=16),
+                DecodeConfig(mode="verified", k_max=4, drafting="quadratic", max_new_tokens=16),
+            ):
                 ours = generate(model, ids, cfg, backend=compiled).tokens
                 assert ours == generate(model, ids, cfg, backend=eager).tokens, cfg

@@ -12,8 +12,9 @@ SCRIPT = ROOT / "scripts" / "import_cycles.py"
 
 
 def _cycles(src: Path, package: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), str(src), package], capture_output=True, text=True,
-                          check=False)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), str(src), package], capture_output=True, text=True, check=False
+    )
 
 
 def test_mtplm_has_no_import_cycle():
@@ -25,8 +26,12 @@ def test_mtplm_has_no_import_cycle():
 def test_a_cycle_through_a_function_level_import_fails_the_check(tmp_path):
     package = tmp_path / "toy"
     (package / "inner").mkdir(parents=True)
-    (package / "__init__.py").write_text("from toy import low  # a package importing its own submodule: no cycle\n")
-    (package / "low.py").write_text("import toy\n\n\ndef late():\n    from .inner.high import f\n    return f\n")
+    (package / "__init__.py").write_text(
+        "from toy import low  # a package importing its own submodule: no cycle\n"
+    )
+    (package / "low.py").write_text(
+        "import toy\n\n\ndef late():\n    from .inner.high import f\n    return f\n"
+    )
     (package / "inner" / "__init__.py").write_text("")
     (package / "inner" / "high.py").write_text("from toy.low import late\n\n\ndef f():\n    return late\n")
     result = _cycles(tmp_path, "toy")

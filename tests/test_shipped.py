@@ -30,8 +30,12 @@ def test_shipped_checkpoint_keeps_the_base_next_token_path(shipped):
     ids = chat_prompt_ids(shipped.tokenizer, "What is the capital of France?")
     ours = generate(shipped, ids, DecodeConfig(mode="ntp", max_new_tokens=24)).tokens
     with shipped.pristine(), torch.inference_mode():
-        hf = shipped.hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+        hf = shipped.hf.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=24,
+            do_sample=False,
+        )[0, len(ids) :].tolist()
     assert ours == hf[: len(ours)] and len(ours) >= min(len(hf), 24)
 
 

@@ -85,5 +85,9 @@ def test_bad_constraints_are_one_line_and_exit_2(model_dir, tmp_path, capsys, op
     assert main(_generate(model_dir, "--mode", "ntp", option, given)) == 2
     err = capsys.readouterr().err.splitlines()
     errors = [line for line in err if "error" in line]  # the rest: the model loader's progress bar
-    assert len(errors) == 1 and errors[0].startswith(f"mtplm generate: error: {option}: ") and needle in errors[0]
+    assert (
+        len(errors) == 1
+        and errors[0].startswith(f"mtplm generate: error: {option}: ")
+        and needle in errors[0]
+    )
     assert "Traceback" not in "".join(err)

@@ -11,7 +11,12 @@ from transformers import PreTrainedTokenizerFast
 
 from mtplm.text import StreamDecoder
 
-CORPUS = ["plain words and spaces", "日本語のテキスト", "emoji 🎉🚀 and accents: café, naïve", "code: x = [1, 2]"]
+CORPUS = [
+    "plain words and spaces",
+    "日本語のテキスト",
+    "emoji 🎉🚀 and accents: café, naïve",
+    "code: x = [1, 2]",
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +37,7 @@ def test_pieces_add_up_to_the_full_text_for_any_blocks(byte_tokenizer):
         decoder, pieces, at = StreamDecoder(byte_tokenizer), [], 0
         while at < len(ids):
             size = rng.randint(1, 5)
-            pieces.append(decoder.push(ids[at: at + size]))
+            pieces.append(decoder.push(ids[at : at + size]))
             at += size
         pieces.append(decoder.flush())
         assert "".join(pieces) == byte_tokenizer.decode(ids)
@@ -66,11 +71,13 @@ def test_stop_matcher_agrees_with_a_naive_search_for_any_split():
     rng = random.Random(1)
     for _ in range(400):
         text = "".join(rng.choice("aab c") for _ in range(rng.randint(0, 30)))
-        stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+        stops = [
+            "".join(rng.choice("abc") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))
+        ]
         pieces, at = [], 0
         while at < len(text):
             size = rng.randint(1, 4)
-            pieces.append(text[at: at + size])
+            pieces.append(text[at : at + size])
             at += size
         matcher, held, out = StopMatcher(stops), "", ""
         for piece in pieces:
@@ -80,7 +87,7 @@ def test_stop_matcher_agrees_with_a_naive_search_for_any_split():
                 out += whole[:cut]
                 break
             keep = min(matcher.hold, len(whole))
-            out, held = out + whole[: len(whole) - keep], whole[len(whole) - keep:]
+            out, held = out + whole[: len(whole) - keep], whole[len(whole) - keep :]
         else:
             out += held
         assert out == _naive_stream(pieces, stops), (text, stops, pieces)

@@ -33,16 +33,27 @@ from mtplm.model import MTPModel
 from mtplm.modelio import META_FILE
 from mtplm.train.predict import answer_records
 
-__all__ = ["GRID", "calibrate", "choose_thresholds", "held_out", "records", "store_thresholds",
-           "token_agreement"]
+__all__ = [
+    "GRID",
+    "calibrate",
+    "choose_thresholds",
+    "held_out",
+    "records",
+    "store_thresholds",
+    "token_agreement",
+]
 
 
-def records(model: MTPModel, prompts: list[list[int]], answers: list[list[int]], k: int,
-            measure: str = "top1") -> list[Record]:
+def records(
+    model: MTPModel, prompts: list[list[int]], answers: list[list[int]], k: int, measure: str = "top1"
+) -> list[Record]:
     """Student-forced block predictions at every answer position, their confidence under the registered
     measure `measure` (train/predict.answer_records with teacher=True)."""
-    out = [answer_records(model, prompt, answer, k, measure=measure, teacher=True)
-           for prompt, answer in zip(prompts, answers, strict=False) if answer]
+    out = [
+        answer_records(model, prompt, answer, k, measure=measure, teacher=True)
+        for prompt, answer in zip(prompts, answers, strict=False)
+        if answer
+    ]
     if not out:
         raise ValueError("no calibration answer: every calibration prompt was answered with nothing")
     return out
@@ -57,8 +68,14 @@ def token_agreement(model: MTPModel, prompt: list[int], tokens: list[int]) -> tu
     return int((logits.argmax(-1) == torch.tensor(tokens)).sum()), len(tokens)
 
 
-def held_out(model: MTPModel, prompts: list[list[int]], taus: list[float], max_new_tokens: int,
-             progress: bool = False, measure: str = "top1") -> dict:
+def held_out(
+    model: MTPModel,
+    prompts: list[list[int]],
+    taus: list[float],
+    max_new_tokens: int,
+    progress: bool = False,
+    measure: str = "top1",
+) -> dict:
     """Decode with ConfAdapt at `taus`: real token agreement, tokens/forward, and speed against plain."""
     agreeing = total = forwards = plain_tokens = 0
     seconds = plain_seconds = 0.0
@@ -72,28 +89,52 @@ def held_out(model: MTPModel, prompts: list[list[int]], taus: list[float], max_n
         agreeing, total = agreeing + good, total + n
         forwards, seconds = forwards + out.forwards, seconds + out.elapsed_s
         plain_tokens, plain_seconds = plain_tokens + len(plain.tokens), plain_seconds + plain.elapsed_s
-    return {"token_agreement": agreeing / max(1, total), "tokens_per_forward": total / max(1, forwards),
-            "speedup": (total / max(seconds, 1e-9)) / max(plain_tokens / max(plain_seconds, 1e-9), 1e-9),
-            "tokens": total, "prompts": len(prompts)}
+    return {
+        "token_agreement": agreeing / max(1, total),
+        "tokens_per_forward": total / max(1, forwards),
+        "speedup": (total / max(seconds, 1e-9)) / max(plain_tokens / max(plain_seconds, 1e-9), 1e-9),
+        "tokens": total,
+        "prompts": len(prompts),
+    }
 
 
-def calibrate(model: MTPModel, calibration: list[list[int]], held: list[list[int]], target: float,
-              per_position: bool, max_new_tokens: int, k: int | None = None, progress: bool = False,
-              measure: str = "top1") -> dict:
+def calibrate(
+    model: MTPModel,
+    calibration: list[list[int]],
+    held: list[list[int]],
+    target: float,
+    per_position: bool,
+    max_new_tokens: int,
+    k: int | None = None,
+    progress: bool = False,
+    measure: str = "top1",
+) -> dict:
     """Choose thresholds on `calibration` prompts, then measure them on `held` prompts (see module doc)."""
     assert model.meta is not None, "calibration needs a converted model"
     k = k or model.meta.k_max
     answers = []
     for prompt in tqdm(calibration, desc="calibration answers", unit="prompt", disable=not progress):
         with model.pristine():
-            answers.append(generate(model, prompt, DecodeConfig(mode="ntp", max_new_tokens=max_new_tokens)).tokens)
+            answers.append(
+                generate(model, prompt, DecodeConfig(mode="ntp", max_new_tokens=max_new_tokens)).tokens
+            )
     found = records(model, calibration, answers, k, measure)
     tau, taus = choose_thresholds(found, target, per_position)
     tally = confadapt(found, taus)
-    return {"target": target, "per_position": per_position, "tau_per_position": taus, "tau": tau, "confidence": measure,
-            "calibration": {"token_agreement": tally.agreement, "tokens_per_forward": tally.tokens_per_pass,
-                            "blocks": sum(r.length for r in found), "prompts": len(calibration)},
-            "held_out": held_out(model, held, taus, max_new_tokens, progress, measure) if held else None}
+    return {
+        "target": target,
+        "per_position": per_position,
+        "tau_per_position": taus,
+        "tau": tau,
+        "confidence": measure,
+        "calibration": {
+            "token_agreement": tally.agreement,
+            "tokens_per_forward": tally.tokens_per_pass,
+            "blocks": sum(r.length for r in found),
+            "prompts": len(calibration),
+        },
+        "held_out": held_out(model, held, taus, max_new_tokens, progress, measure) if held else None,
+    }
 
 
 def store_thresholds(checkpoint: Path, result: dict) -> Path:
@@ -102,7 +143,9 @@ def store_thresholds(checkpoint: Path, result: dict) -> Path:
     meta = json.loads(path.read_text())
     meta["k_max"] = len(result["tau_per_position"])
     meta["thresholds"] = Thresholds(
-        tau=result["tau"], k_max=meta["k_max"], confidence=result.get("confidence", "top1"),
+        tau=result["tau"],
+        k_max=meta["k_max"],
+        confidence=result.get("confidence", "top1"),
         tau_per_position=tuple(result["tau_per_position"]),
         calibration={key: result[key] for key in ("target", "calibration", "held_out")},
     ).to_json()

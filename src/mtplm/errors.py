@@ -40,8 +40,10 @@ def _sigterm_unwinds() -> Iterator[None]:
     """SIGTERM raises Terminated while the block runs, where nothing else has claimed the signal (Python's
     default lets it kill the process without cleanup). Code that handles SIGTERM itself, like the training
     loop's save-then-stop, installs its own handler inside and restores this one."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
         yield
         return
 

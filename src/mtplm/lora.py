@@ -72,7 +72,9 @@ def attach_gated_lora(model: nn.Module, rank: int, alpha: float, targets=DEFAULT
 @contextmanager
 def unwrapped(model: nn.Module):
     """Temporarily put the original nn.Linear modules back: the pristine base model, for baselines."""
-    wrapped = [(name, module) for name, module in model.named_modules() if isinstance(module, GatedLoRALinear)]
+    wrapped = [
+        (name, module) for name, module in model.named_modules() if isinstance(module, GatedLoRALinear)
+    ]
     for name, module in wrapped:
         _replace(model, name, module.base)
     try:
@@ -106,12 +108,18 @@ def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None
             params[name].copy_(value)
 
 
-def attach_peft_lora(hf: nn.Module, rank: int, alpha: float,
-                     targets=DEFAULT_TARGETS) -> tuple[nn.Module, list[nn.Parameter]]:
+def attach_peft_lora(
+    hf: nn.Module, rank: int, alpha: float, targets=DEFAULT_TARGETS
+) -> tuple[nn.Module, list[nn.Parameter]]:
     """Plain (ungated) LoRA from peft on the target layers: (the peft model, its adapter parameters)."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=rank, lora_alpha=alpha,  # type: ignore[arg-type]  # peft's stub says int; it scales by any
-                        target_modules=list(targets), lora_dropout=0.0, bias="none")
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,  # type: ignore[arg-type]  # peft's stub says int; it scales by any
+        target_modules=list(targets),
+        lora_dropout=0.0,
+        bias="none",
+    )
     peft_model = get_peft_model(hf, config)
     return peft_model, [p for n, p in peft_model.named_parameters() if "lora_" in n]

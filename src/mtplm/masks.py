@@ -45,8 +45,9 @@ def make_regions(prefix_end: torch.Tensor, k: int, lengths: torch.Tensor) -> Reg
     return Regions(prefix_end, k, targets < lengths.view(-1, 1, 1))
 
 
-def interleaved_regions(starts: torch.Tensor, lengths: torch.Tensor, k: int, width: int, offset: int,
-                        seq_len: int) -> Regions:
+def interleaved_regions(
+    starts: torch.Tensor, lengths: torch.Tensor, k: int, width: int, offset: int, seq_len: int
+) -> Regions:
     """The paper's geometry: regions of `width` = P ground-truth tokens + k-1 slots, shifted by `offset`.
 
     Region b of row i ends its prefix at starts[i] + offset + (b+1)*P - 1; regions past a row's end are
@@ -60,8 +61,9 @@ def interleaved_regions(starts: torch.Tensor, lengths: torch.Tensor, k: int, wid
     return Regions(clamped, k, regions.valid & (ends < seq_len).unsqueeze(-1))
 
 
-def random_regions(starts: torch.Tensor, lengths: torch.Tensor, k: int, num: int,
-                   generator: torch.Generator) -> Regions:
+def random_regions(
+    starts: torch.Tensor, lengths: torch.Tensor, k: int, num: int, generator: torch.Generator
+) -> Regions:
     """`num` regions per row with prefix ends drawn uniformly from [starts, lengths-2] (sorted)."""
     low = starts.clamp(min=0)
     span = (lengths - 1 - low).clamp(min=1)  # [B]
@@ -71,8 +73,9 @@ def random_regions(starts: torch.Tensor, lengths: torch.Tensor, k: int, num: int
     return make_regions(ends, k, lengths)
 
 
-def pack(gt_ids: torch.Tensor, regions: Regions, mask_id: int, interleave: bool,
-         dtype: torch.dtype = torch.float32) -> Packed:
+def pack(
+    gt_ids: torch.Tensor, regions: Regions, mask_id: int, interleave: bool, dtype: torch.dtype = torch.float32
+) -> Packed:
     """Lay out ground truth [B, L] and every region's k-1 mask slots in one sequence with its 4D mask."""
     batch, length = gt_ids.shape
     num_regions, num_slots = regions.prefix_end.shape[1], regions.k - 1
@@ -83,7 +86,9 @@ def pack(gt_ids: torch.Tensor, regions: Regions, mask_id: int, interleave: bool,
 
     gt_key = (torch.arange(length) * stride).expand(batch, length)
     slot_tail = 1 + region_of_slot * num_slots + slot_index
-    slot_key = (slot_prefix_end if interleave else torch.full_like(slot_prefix_end, length)) * stride + slot_tail
+    slot_key = (
+        slot_prefix_end if interleave else torch.full_like(slot_prefix_end, length)
+    ) * stride + slot_tail
     order = torch.cat([gt_key, slot_key], 1).argsort(1)  # [B, S] packed row -> source entry
     where = order.argsort(1)  # source entry -> packed row
 
@@ -114,8 +119,14 @@ def _blocked_mask(q_block, q_slot, q_limit, k_block, k_slot, k_pos, dtype) -> to
     return mask.masked_fill(~allowed, torch.finfo(dtype).min).unsqueeze(1)
 
 
-def step_layout(pending: int, drafts: int, slots: int, quadratic: bool, parents: list[int] | None = None,
-                anchors: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def step_layout(
+    pending: int,
+    drafts: int,
+    slots: int,
+    quadratic: bool,
+    parents: list[int] | None = None,
+    anchors: tuple[int, ...] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Position offsets [Q] (added to the cache length) and attention allowed [Q, Q] among one decode
     step's fed rows: `pending` uncached committed tokens, then `drafts` guesses (or a draft tree, node i
     following node parents[i], -1: the last pending token), then mask blocks of `slots` each.
@@ -147,8 +158,14 @@ def block_anchors(drafts: int, quadratic: bool, tree: bool) -> tuple[int, ...]:
     return () if tree else (drafts - 1,)
 
 
-def _layout(pending: int, drafts: int, slots: int, quadratic: bool, parents: tuple[int, ...] | None,
-            anchors: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _layout(
+    pending: int,
+    drafts: int,
+    slots: int,
+    quadratic: bool,
+    parents: tuple[int, ...] | None,
+    anchors: tuple[int, ...] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     if parents is not None:
         anchors = block_anchors(len(parents), quadratic, True) if anchors is None else anchors
         return _tree_rows(pending, list(parents), slots, anchors)
@@ -156,14 +173,17 @@ def _layout(pending: int, drafts: int, slots: int, quadratic: bool, parents: tup
     if not (quadratic and drafts and slots):  # one block at most, after the last token: plain causal
         size = real + slots
         return torch.arange(size), torch.ones(size, size, dtype=torch.bool).tril()
-    return _tree_rows(pending, list(range(-1, drafts - 1)), slots, block_anchors(drafts, True, False))  # a chain
+    return _tree_rows(
+        pending, list(range(-1, drafts - 1)), slots, block_anchors(drafts, True, False)
+    )  # a chain
 
 
 _cached_layout = functools.lru_cache(maxsize=256)(_layout)
 
 
-def _tree_rows(pending: int, parents: list[int], slots: int = 0,
-               anchors: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+def _tree_rows(
+    pending: int, parents: list[int], slots: int = 0, anchors: tuple[int, ...] = ()
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Node i sits one position after its parent and sees the pending tokens and its own ancestors; a mask
     block of `slots` follows each anchor (-1: the last pending token), seeing what its anchor sees."""
     nodes = len(parents)
@@ -186,21 +206,23 @@ def _tree_rows(pending: int, parents: list[int], slots: int = 0,
         first = real + block * slots
         for slot in range(slots):
             allowed[first + slot, lineage[node] if node >= 0 else []] = True
-            allowed[first + slot, first: first + slot + 1] = True
+            allowed[first + slot, first : first + slot + 1] = True
             offsets.append(anchor + 1 + slot)
     return torch.tensor(offsets, dtype=torch.long), allowed
 
 
-def with_cache(past: int, offsets: torch.Tensor, allowed: torch.Tensor,
-               dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def with_cache(
+    past: int, offsets: torch.Tensor, allowed: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Position ids [1, Q] and additive mask [1, 1, Q, past+Q] of a step's rows behind `past` cached ones."""
     local = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
     mask = torch.cat([torch.zeros(len(offsets), past, dtype=dtype), local], -1)
     return (offsets + past).unsqueeze(0), mask[None, None]
 
 
-def draft_layout(past: int, pending: int, drafts: int, slots: int, quadratic: bool,
-                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def draft_layout(
+    past: int, pending: int, drafts: int, slots: int, quadratic: bool, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """`step_layout` behind `past` cached positions; (None, None) when the step is plain causal (nothing
     fed, or one block after the last fed token), so nothing is built per step."""
     if not (quadratic and drafts and slots):

@@ -55,7 +55,9 @@ class MTPModel:
         """Add `<mtp>` with embedding (and untied LM-head) rows drawn from N(mean, cov) of the existing rows."""
         tok = self.tokenizer
         if MASK_TOKEN not in tok.get_vocab():
-            tok.add_special_tokens({"additional_special_tokens": [MASK_TOKEN]}, replace_extra_special_tokens=False)
+            tok.add_special_tokens(
+                {"additional_special_tokens": [MASK_TOKEN]}, replace_extra_special_tokens=False
+            )
         mask_id = tok.convert_tokens_to_ids(MASK_TOKEN)
         emb = self.hf.get_input_embeddings()
         num_rows = emb.weight.shape[0]
@@ -94,9 +96,16 @@ class MTPModel:
     def attach_heads(self, heads, base_identity: dict, spec: str) -> None:
         """Make this base model a head-based MTP model (heads.Heads on its frozen trunk)."""
         self.heads = heads.eval()
-        self.meta = MTPMeta(mask_id=None, method="heads", k_max=heads.k, trainable="heads",
-                            thresholds=Thresholds().to_json(),
-                            base_model={**base_identity, "spec": spec}, delta=True, heads=heads.config())
+        self.meta = MTPMeta(
+            mask_id=None,
+            method="heads",
+            k_max=heads.k,
+            trainable="heads",
+            thresholds=Thresholds().to_json(),
+            base_model={**base_identity, "spec": spec},
+            delta=True,
+            heads=heads.config(),
+        )
 
     def save_heads(self, out_dir: str | os.PathLike) -> Path:
         """A head-based checkpoint (modelio.save_heads)."""
@@ -155,8 +164,9 @@ class MTPModel:
             with lora.unwrapped(self.hf), self.adapters_disabled():
                 yield self
 
-    def decoder_states(self, input_ids, position_ids=None, cache=None, attention_mask=None,
-                       layers: tuple[int, ...] = ()):
+    def decoder_states(
+        self, input_ids, position_ids=None, cache=None, attention_mask=None, layers: tuple[int, ...] = ()
+    ):
         """Final-norm hidden states [B, S, D] (the LM head is applied only where logits are needed).
 
         With `layers`, rows [B, S, D * (1 + len(layers))]: the final states, then the residual stream entering
@@ -165,8 +175,12 @@ class MTPModel:
         """
         with self._gated(input_ids):
             out = self.hf.get_decoder()(
-                input_ids=input_ids, position_ids=position_ids, cache=cache,
-                attention_mask=attention_mask, use_cache=cache is not None, output_hidden_states=bool(layers),
+                input_ids=input_ids,
+                position_ids=position_ids,
+                cache=cache,
+                attention_mask=attention_mask,
+                use_cache=cache is not None,
+                output_hidden_states=bool(layers),
             )
         if not layers:
             return out.last_hidden_state
@@ -188,8 +202,12 @@ class MTPModel:
         """Logits [B, last or S, V] of one forward pass (appends the fed tokens to `cache`)."""
         with self._gated(input_ids):
             out = self.hf(
-                input_ids=input_ids, position_ids=position_ids, cache=cache,
-                attention_mask=attention_mask, use_cache=cache is not None, logits_to_keep=last,
+                input_ids=input_ids,
+                position_ids=position_ids,
+                cache=cache,
+                attention_mask=attention_mask,
+                use_cache=cache is not None,
+                logits_to_keep=last,
             )
         logits = out.logits.float()
         if self.meta is not None and self.meta.mask_id is not None:
@@ -231,7 +249,9 @@ def _sample_like_rows(rows: torch.Tensor, generator: torch.Generator) -> torch.T
     centered = rows - mean
     cov = centered.T @ centered / max(1, rows.shape[0] - 1)
     z = torch.randn(rows.shape[1], generator=generator, dtype=torch.float64, device="cpu")
-    chol, info = torch.linalg.cholesky_ex(cov + 1e-6 * torch.eye(rows.shape[1], dtype=torch.float64, device="cpu"))
+    chol, info = torch.linalg.cholesky_ex(
+        cov + 1e-6 * torch.eye(rows.shape[1], dtype=torch.float64, device="cpu")
+    )
     if int(info) == 0:
         return (mean + chol @ z).float()
     return (mean + centered.std(0) * z).float()
@@ -268,8 +288,10 @@ def _load(spec: str | os.PathLike, dtype: str) -> MTPModel:
         return _apply_delta(_load_locked(meta.base_model["spec"], dtype), path, meta)
     hf, tokenizer = _load_hf(path, dtype)
     if meta.mask_id is not None and tokenizer.convert_tokens_to_ids(MASK_TOKEN) != meta.mask_id:
-        raise UserError(f"{path}: the tokenizer has no {MASK_TOKEN} token at id {meta.mask_id}, which "
-                        f"{META_FILE} expects: copy the tokenizer files that came with the checkpoint")
+        raise UserError(
+            f"{path}: the tokenizer has no {MASK_TOKEN} token at id {meta.mask_id}, which "
+            f"{META_FILE} expects: copy the tokenizer files that came with the checkpoint"
+        )
     model = MTPModel(hf, tokenizer, meta)
     if meta.trainable == "gated-lora":
         model.attach_adapters(meta.lora_rank, meta.lora_alpha)

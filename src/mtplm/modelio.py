@@ -48,7 +48,9 @@ class MTPMeta:
     base_model: dict = field(default_factory=dict)
     training: dict = field(default_factory=dict)
     delta: bool = False
-    heads: dict = field(default_factory=dict)  # method "heads": heads.Heads config (form, k, dim, intermediate)
+    heads: dict = field(
+        default_factory=dict
+    )  # method "heads": heads.Heads config (form, k, dim, intermediate)
     format_version: int = 1
 
     def decode_thresholds(self) -> Thresholds:
@@ -58,6 +60,7 @@ class MTPMeta:
 
 def save_heads(model, out_dir: str | os.PathLike) -> Path:
     """A head-based checkpoint: the heads' weights and metadata naming the base model. Atomic."""
+
     def write(tmp: Path) -> None:
         state = {k: v.float() if v.is_floating_point() else v for k, v in model.heads.state_dict().items()}
         save_file(_contiguous(state), tmp / HEADS_FILE)
@@ -68,6 +71,7 @@ def save_heads(model, out_dir: str | os.PathLike) -> Path:
 
 def save(model, out_dir: str | os.PathLike) -> Path:
     """A full checkpoint: HF weights (LoRA merged), tokenizer, adapters, metadata. Atomic."""
+
     def write(tmp: Path) -> None:
         model.hf.save_pretrained(tmp, state_dict=_base_state(model.hf))
         model.tokenizer.save_pretrained(tmp)
@@ -93,7 +97,9 @@ def save_delta(model, out_dir: str | os.PathLike, base_spec: str) -> Path:
 
     def write(tmp: Path) -> None:
         # adapters in float16 keep the shipped file small; the mask rows stay float32
-        save_file(_contiguous({k: v.half() if ".lora_" in k else v for k, v in tensors.items()}), tmp / DELTA_FILE)
+        save_file(
+            _contiguous({k: v.half() if ".lora_" in k else v for k, v in tensors.items()}), tmp / DELTA_FILE
+        )
         write_meta(tmp, meta)
 
     return atomic_dir(Path(out_dir), write)
@@ -134,5 +140,7 @@ def checkpoint_dir(spec: str) -> Path:
     """The directory of a converted checkpoint given by shipped name or path (UserError if it is none)."""
     path = shipped(spec) or Path(spec)
     if not (path / META_FILE).is_file():
-        raise UserError(f"{spec} is not a converted checkpoint (no {META_FILE}): convert it with `mtplm train`")
+        raise UserError(
+            f"{spec} is not a converted checkpoint (no {META_FILE}): convert it with `mtplm train`"
+        )
     return path

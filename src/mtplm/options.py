@@ -10,22 +10,31 @@ from mtplm.registry import BACKENDS
 
 def add_backend_argument(parser) -> None:
     """The one --backend option of every command that decodes."""
-    parser.add_argument("--backend", default="auto",
-                        help=f"the decode pass: auto (compiled where the architecture is supported, else eager; "
-                             f"${BACKEND_ENV} overrides) | {BACKENDS.describe()} (default: %(default)s)")
+    parser.add_argument(
+        "--backend",
+        default="auto",
+        help=f"the decode pass: auto (compiled where the architecture is supported, else eager; "
+        f"${BACKEND_ENV} overrides) | {BACKENDS.describe()} (default: %(default)s)",
+    )
 
 
 def add_dtype_argument(parser, default: str = "bf16", help: str | None = None) -> None:
     """The one --dtype option of every command that loads a model."""
-    parser.add_argument("--dtype", default=default, choices=DTYPES, help=help or "compute dtype (default: %(default)s)")
+    parser.add_argument(
+        "--dtype", default=default, choices=DTYPES, help=help or "compute dtype (default: %(default)s)"
+    )
 
 
 def add_constraint_arguments(parser) -> None:
     """--json-schema FILE | --regex R | --grammar FILE: the output must match (decode/constraint.py)."""
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--json-schema", type=Path, metavar="FILE",
-                       help="the answer is JSON valid under this JSON schema (`{}`: any JSON)")
-    group.add_argument("--regex", metavar="R",
-                       help="the answer matches this regular expression as a whole")
-    group.add_argument("--grammar", type=Path, metavar="FILE",
-                       help="the answer matches this Lark or GBNF grammar")
+    group.add_argument(
+        "--json-schema",
+        type=Path,
+        metavar="FILE",
+        help="the answer is JSON valid under this JSON schema (`{}`: any JSON)",
+    )
+    group.add_argument("--regex", metavar="R", help="the answer matches this regular expression as a whole")
+    group.add_argument(
+        "--grammar", type=Path, metavar="FILE", help="the answer matches this Lark or GBNF grammar"
+    )

@@ -31,14 +31,26 @@ def training_curves(run_dir: Path) -> Path | None:
     ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train])
     ax_loss.set(title="training loss", xlabel="step")
     for slot in range(1, min(6, len(val[-1]["val"]["agreement"]) if val else 0)):
-        ax_agree.plot([r["step"] for r in val], [r["val"]["agreement"][slot] for r in val], marker="o",
-                      label=f"slot {slot + 1}")
+        ax_agree.plot(
+            [r["step"] for r in val],
+            [r["val"]["agreement"][slot] for r in val],
+            marker="o",
+            label=f"slot {slot + 1}",
+        )
     ax_agree.set(title="held-out agreement with the teacher", xlabel="step", ylim=(0, 1))
     ax_agree.legend()
-    ax_tpf.plot([r["step"] for r in val], [r["val"]["est_tokens_per_forward"] for r in val], marker="o",
-                label="ConfAdapt (confident run)")
-    ax_tpf.plot([r["step"] for r in val], [r["val"]["est_verified_per_forward"] for r in val], marker="s",
-                label="verified (agreeing run)")
+    ax_tpf.plot(
+        [r["step"] for r in val],
+        [r["val"]["est_tokens_per_forward"] for r in val],
+        marker="o",
+        label="ConfAdapt (confident run)",
+    )
+    ax_tpf.plot(
+        [r["step"] for r in val],
+        [r["val"]["est_verified_per_forward"] for r in val],
+        marker="s",
+        label="verified (agreeing run)",
+    )
     ax_tpf.set(title="estimated tokens/forward (held out)", xlabel="step")
     ax_tpf.legend()
     return save(plt, fig, run_dir / "curves.png")
@@ -62,25 +74,41 @@ def bench_plot(report: dict, out: Path) -> Path | None:
     for name, hist in report["histograms"].items():
         if name.startswith(("confadapt", "verified")):
             hist_ax.plot([int(k) for k in hist], list(hist.values()), marker="o", label=name)
-    hist_ax.set(xlabel="tokens emitted per forward pass", ylabel="share of steps", title="tokens/forward histogram")
+    hist_ax.set(
+        xlabel="tokens emitted per forward pass", ylabel="share of steps", title="tokens/forward histogram"
+    )
     if hist_ax.get_legend_handles_labels()[0]:
         hist_ax.legend(fontsize=8)
     return save(plt, fig, out / "bench.png")
 
 
 def _speed_vs(ax, rows: list[dict], key: str) -> None:
-    for family, marker in (("static", "s"), ("confadapt", "o"), ("verified", "D"), ("hf-", "x"), ("llama", "v"),
-                           ("ntp", "*")):
+    for family, marker in (
+        ("static", "s"),
+        ("confadapt", "o"),
+        ("verified", "D"),
+        ("hf-", "x"),
+        ("llama", "v"),
+        ("ntp", "*"),
+    ):
         pts = sorted((r for r in rows if r["mode"].startswith(family)), key=lambda r: r[key])
         if not pts:
             continue
         curve = family in ("static", "confadapt")  # threshold sweeps; the other points are separate methods
-        ax.plot([100 * r[key] for r in pts], [r["speedup"] for r in pts], marker=marker,
-                linestyle="-" if curve else "none", label=family.rstrip("-"))
+        ax.plot(
+            [100 * r[key] for r in pts],
+            [r["speedup"] for r in pts],
+            marker=marker,
+            linestyle="-" if curve else "none",
+            label=family.rstrip("-"),
+        )
         for r in pts:
             label = r["mode"].removeprefix("verified").removeprefix(":") or "linear"
-            ax.annotate(label.split(":")[-1] if family not in ("hf-", "llama") else r["mode"],
-                        (100 * r[key], r["speedup"]), fontsize=8)
+            ax.annotate(
+                label.split(":")[-1] if family not in ("hf-", "llama") else r["mode"],
+                (100 * r[key], r["speedup"]),
+                fontsize=8,
+            )
     ax.legend(fontsize=8)
 
 

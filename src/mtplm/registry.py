@@ -32,6 +32,7 @@ class Registry(Generic[T]):
 
     def register(self, name: str, description: str) -> Callable[[T], T]:
         """Decorator: add `entry` under `name` (a repeated name is a programming error)."""
+
         def add(entry: T) -> T:
             if name in self._entries:
                 raise ValueError(f"{self.kind} {name!r} is registered twice")

@@ -6,7 +6,9 @@ from __future__ import annotations
 from mtplm.errors import UserError
 
 CONTEXT_TOKENS = 6  # tokens decoded before the new ones, so tokenizers that space by context space right
-MAX_STOP_CHARS = 4096  # longest stop string accepted: the server holds back up to this much text while it may match
+MAX_STOP_CHARS = (
+    4096  # longest stop string accepted: the server holds back up to this much text while it may match
+)
 
 
 class StreamDecoder:
@@ -39,18 +41,23 @@ class StreamDecoder:
             return ""  # nothing new, or a character still incomplete: wait for more tokens
         self.read = len(self.tokens)
         self.prefix = max(0, self.read - CONTEXT_TOKENS)
-        return text[len(before):]
+        return text[len(before) :]
 
     def _decode(self, start: int, stop: int) -> str:
-        return self.tokenizer.decode(self.tokens[start:stop], skip_special_tokens=self.skip) if stop > start else ""
+        return (
+            self.tokenizer.decode(self.tokens[start:stop], skip_special_tokens=self.skip)
+            if stop > start
+            else ""
+        )
 
 
 def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
     if not prompt.strip():
         raise UserError("the prompt is empty: give some text to answer")
     if tokenizer.chat_template:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     return tokenizer(prompt)["input_ids"]
 
@@ -135,7 +142,7 @@ class TextStream:
             out = text[:cut]
         else:
             keep = 0 if final else min(self.matcher.hold, len(text))
-            self.held = text[len(text) - keep:] if keep else ""
+            self.held = text[len(text) - keep :] if keep else ""
             out = text[: len(text) - keep]
         self.released += len(out)
         return out

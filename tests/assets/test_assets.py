@@ -62,8 +62,15 @@ def test_directory_without_config_and_non_gguf_file_are_rejected(tmp_path: Path)
 
 def test_local_hf_directory_resolves_to_itself(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
     LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny")
     assert resolve_model(str(tmp_path / "tiny")) == (tmp_path / "tiny").resolve()
     identity = model_identity(tmp_path / "tiny")
@@ -72,7 +79,9 @@ def test_local_hf_directory_resolves_to_itself(tmp_path: Path) -> None:
 
 def test_identity_comes_from_the_conversion_record(tmp_path: Path) -> None:
     (tmp_path / "m").mkdir()
-    (tmp_path / "m" / assets.SOURCE_FILE).write_text(json.dumps({"name": "smollm2-135m", "sha256": "ab" * 32}))
+    (tmp_path / "m" / assets.SOURCE_FILE).write_text(
+        json.dumps({"name": "smollm2-135m", "sha256": "ab" * 32})
+    )
     assert model_identity(tmp_path / "m")["name"] == "smollm2-135m"
     assert model_identity(tmp_path / "m")["sha256"] == "ab" * 32
 
@@ -83,8 +92,12 @@ def test_a_checkpoints_base_resolves_by_registry_name_and_checksum(private_cache
     installed = private_cache / "models" / entry.name
     installed.mkdir(parents=True)
     (installed / assets.SOURCE_FILE).write_text(json.dumps({"name": entry.name, "sha256": entry.sha256}))
-    record = {"name": entry.name, "sha256": entry.sha256, "path": "/elsewhere/models/smollm2-135m",
-              "spec": entry.name}
+    record = {
+        "name": entry.name,
+        "sha256": entry.sha256,
+        "path": "/elsewhere/models/smollm2-135m",
+        "spec": entry.name,
+    }
     assert assets.base_model_dir(record) == installed
     assert assets.base_model_dir({**record, "sha256": "ab" * 32}) is None  # another model under that name
     from types import SimpleNamespace
@@ -100,8 +113,10 @@ def test_a_checkpoints_base_resolves_by_registry_name_and_checksum(private_cache
 def test_an_old_checkpoints_recorded_path_still_resolves(tmp_path: Path) -> None:
     (tmp_path / "base").mkdir()
     (tmp_path / "base" / "config.json").write_text("{}")
-    assert assets.base_model_dir({"name": "base", "sha256": None, "path": str(tmp_path / "base")}) == \
-        tmp_path / "base"
+    assert (
+        assets.base_model_dir({"name": "base", "sha256": None, "path": str(tmp_path / "base")})
+        == tmp_path / "base"
+    )
 
 
 def test_the_shipped_checkpoint_records_no_machine_path() -> None:
@@ -172,10 +187,18 @@ def _data_installed() -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _data_installed(), reason="data packages not installed: run mtplm.datasets.install_data()")
+@pytest.mark.skipif(
+    not _data_installed(), reason="data packages not installed: run mtplm.datasets.install_data()"
+)
 def test_prompt_set_train_and_eval_never_overlap() -> None:
-    for name, n in (("gsm8k", 200), ("humaneval", 40), ("mtbench", 30), ("sharegpt", 300), ("mixed", 120),
-                    ("structured", 20)):
+    for name, n in (
+        ("gsm8k", 200),
+        ("humaneval", 40),
+        ("mtbench", 30),
+        ("sharegpt", 300),
+        ("mixed", 120),
+        ("structured", 20),
+    ):
         train = {e.id for e in datasets.prompt_set(name, n, seed=1, split="train")}
         evaluation = {e.id for e in datasets.prompt_set(name, n, seed=2, split="eval")}
         assert len(train) == len(evaluation) == n, name
@@ -185,8 +208,9 @@ def test_prompt_set_train_and_eval_never_overlap() -> None:
     sources = [e.id.split("/")[0] for e in listed]
     assert (sources.count("gsm8k"), sources.count("HumanEval"), sources.count("structured")) == (4, 4, 5)
     full = datasets.prompt_set("gsm8k,humaneval", None, seed=0, split="eval")
-    assert {e.id for e in full} == {e.id for e in datasets.gsm8k() + datasets.humaneval()
-                                    if datasets.in_split(e.id, "eval")}
+    assert {e.id for e in full} == {
+        e.id for e in datasets.gsm8k() + datasets.humaneval() if datasets.in_split(e.id, "eval")
+    }
     with pytest.raises(AssetError, match="explicit count"):
         datasets.prompt_set("gsm8k,sharegpt", None)
     with pytest.raises(AssetError, match="unknown prompt set"):
@@ -199,10 +223,13 @@ def test_prompt_set_train_and_eval_never_overlap() -> None:
 def test_installed_default_model_has_a_chat_template() -> None:
     folder = INSTALLED_CACHE / "models" / assets.DEFAULT_MODEL
     if not (folder / assets.SOURCE_FILE).is_file():
-        pytest.skip(f"{assets.DEFAULT_MODEL} not installed: run mtplm.assets.install_model('{assets.DEFAULT_MODEL}')")
+        pytest.skip(
+            f"{assets.DEFAULT_MODEL} not installed: run mtplm.assets.install_model('{assets.DEFAULT_MODEL}')"
+        )
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert "hi" in text and model_identity(folder)["sha256"] == assets.MODELS[assets.DEFAULT_MODEL].sha256

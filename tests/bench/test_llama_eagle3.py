@@ -53,8 +53,9 @@ def tiny_base(tmp_path_factory) -> Path:
 def test_a_medusa_checkpoint_is_not_exported_as_a_drafter_gguf(tiny_base, tmp_path, capsys):
     medusa = with_random_heads(tiny_base, "medusa").save_heads(tmp_path / "medusa")
     out = tmp_path / "drafter.gguf"
-    assert "not an eagle3 drafter (medusa)" in _one_line_exit_2(capsys, "export", "--format", "gguf-eagle3",
-                                                                 str(medusa), str(out))
+    assert "not an eagle3 drafter (medusa)" in _one_line_exit_2(
+        capsys, "export", "--format", "gguf-eagle3", str(medusa), str(out)
+    )
     assert not out.exists()
 
 
@@ -62,13 +63,23 @@ def test_a_target_that_does_not_match_the_drafter_is_refused(tiny_base, tmp_path
     checkpoint = eagle3_checkpoint(tiny_base, tmp_path / "eagle3", [1, 2, 3], 32)
     other = tmp_path / "other"
     other.mkdir()
-    for config, needle in (('{"hidden_size": 32, "vocab_size": 64, "num_hidden_layers": 4}', "hidden_size 32"),
-                           ('{"hidden_size": 64, "vocab_size": 99, "num_hidden_layers": 4}', "vocab_size 99"),
-                           ('{"hidden_size": 64, "vocab_size": 64, "num_hidden_layers": 2}', "reads layer 3"),
-                           ("not json", "no readable config.json")):
+    for config, needle in (
+        ('{"hidden_size": 32, "vocab_size": 64, "num_hidden_layers": 4}', "hidden_size 32"),
+        ('{"hidden_size": 64, "vocab_size": 99, "num_hidden_layers": 4}', "vocab_size 99"),
+        ('{"hidden_size": 64, "vocab_size": 64, "num_hidden_layers": 2}', "reads layer 3"),
+        ("not json", "no readable config.json"),
+    ):
         (other / "config.json").write_text(config)
-        err = _one_line_exit_2(capsys, "export", "--format", "gguf-eagle3", str(checkpoint),
-                               str(tmp_path / "d.gguf"), "--target-model-dir", str(other))
+        err = _one_line_exit_2(
+            capsys,
+            "export",
+            "--format",
+            "gguf-eagle3",
+            str(checkpoint),
+            str(tmp_path / "d.gguf"),
+            "--target-model-dir",
+            str(other),
+        )
         assert needle in err and str(other) in err, err
     assert not (tmp_path / "d.gguf").exists()
 
@@ -76,7 +87,9 @@ def test_a_target_that_does_not_match_the_drafter_is_refused(tiny_base, tmp_path
 def test_a_missing_llama_cpp_install_is_one_line(tiny_base, tmp_path, monkeypatch, capsys):
     checkpoint = eagle3_checkpoint(tiny_base, tmp_path / "eagle3", [1, 2, 3], 32)
     monkeypatch.setenv("MTPLM_HOME", str(tmp_path / "home"))
-    err = _one_line_exit_2(capsys, "export", "--format", "gguf-eagle3", str(checkpoint), str(tmp_path / "d.gguf"))
+    err = _one_line_exit_2(
+        capsys, "export", "--format", "gguf-eagle3", str(checkpoint), str(tmp_path / "d.gguf")
+    )
     assert "converter is not installed" in err and "install_llama_server.sh" in err
     err = _one_line_exit_2(capsys, "bench", "--model", str(checkpoint), "--llama-server", "f16+eagle3")
     assert "llama-server is not installed" in err
@@ -96,13 +109,21 @@ def test_the_eagle3_variant_needs_an_eagle3_checkpoint(tiny_base, tmp_path, monk
 
 
 # ---- the real engine on the installed SmolLM2 ----
-TEXTS = ["Copy this text exactly: The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the "
-         "lazy dog.", "Write a Python function that returns the sum of a list of numbers.",
-         "What is the capital of France? Answer in one sentence.", 'Give a JSON object with keys "name" and "age".',
-         "List the first ten prime numbers.", "Explain what a hash table is in two sentences.",
-         "Translate 'good morning' into French, Spanish and German.", "Count from one to twenty in words.",
-         "Write a haiku about the sea.", "What is 17 times 23? Show the steps.",
-         "Name three planets of the solar system.", "Summarize the plot of Romeo and Juliet briefly."]
+TEXTS = [
+    "Copy this text exactly: The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the "
+    "lazy dog.",
+    "Write a Python function that returns the sum of a list of numbers.",
+    "What is the capital of France? Answer in one sentence.",
+    'Give a JSON object with keys "name" and "age".',
+    "List the first ten prime numbers.",
+    "Explain what a hash table is in two sentences.",
+    "Translate 'good morning' into French, Spanish and German.",
+    "Count from one to twenty in words.",
+    "Write a haiku about the sea.",
+    "What is 17 times 23? Show the steps.",
+    "Name three planets of the solar system.",
+    "Summarize the plot of Romeo and Juliet briefly.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +148,10 @@ def test_llama_server_with_our_drafter_is_plain_greedy(drafter_gguf):
     tokenizer = AutoTokenizer.from_pretrained(BASE)
     prompts = [chat_prompt_ids(tokenizer, text) for text in TEXTS]
     gguf = f16_gguf(BASE)
-    with LlamaServer(gguf, threads=2, context=1024) as plain, \
-            LlamaServer(gguf, threads=2, context=1024, drafter=EAGLE3, draft_model=drafter_gguf) as drafted:
+    with (
+        LlamaServer(gguf, threads=2, context=1024) as plain,
+        LlamaServer(gguf, threads=2, context=1024, drafter=EAGLE3, draft_model=drafter_gguf) as drafted,
+    ):
         expected = [plain.complete(ids, 48, [2]).tokens for ids in prompts]
         outputs = [drafted.complete(ids, 48, [2]).tokens for ids in prompts]
     assert outputs == expected
@@ -148,15 +171,31 @@ def tiny_qwen2(tmp_path_factory) -> tuple[Path, Path]:
     if not (BASE / "config.json").is_file():
         pytest.skip("default model not installed: run `mtplm setup`")
     tokenizer = AutoTokenizer.from_pretrained(BASE)
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("qwen2") / "tiny-qwen2"
     Qwen2ForCausalLM(config).save_pretrained(out)
-    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json"):
-        if (BASE / name).is_file():  # copied as they are: the converter recognizes this tokenizer by its files
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "vocab.json",
+        "merges.txt",
+        "special_tokens_map.json",
+    ):
+        if (
+            BASE / name
+        ).is_file():  # copied as they are: the converter recognizes this tokenizer by its files
             shutil.copy(BASE / name, out / name)
     # transformers loads the tokenizer of any model_type "qwen2" folder as Qwen2Tokenizer (Qwen's pre-tokenizer),
     # which the converter does not recognize on this vocabulary; it converts a copy whose config says "llama" to
@@ -165,7 +204,9 @@ def tiny_qwen2(tmp_path_factory) -> tuple[Path, Path]:
     shutil.copytree(out, copy)
     config = json.loads((copy / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
-    gguf = llamacpp.convert(copy, out.parent / "target.gguf", "--outtype", "f32")  # f32: random logits lie close
+    gguf = llamacpp.convert(
+        copy, out.parent / "target.gguf", "--outtype", "f32"
+    )  # f32: random logits lie close
     return out, gguf
 
 
@@ -179,11 +220,25 @@ def test_a_qwen2_target_drafts_with_our_eagle3_drafter_in_llama_server(tiny_qwen
     assert bytes(field.parts[field.data[0]]).decode() == "qwen2"
     checkpoint = eagle3_checkpoint(base, tmp_path / "eagle3", [1, 2, 3], 2048)
     drafter = tmp_path / "drafter.gguf"
-    assert main(["export", "--format", "gguf-eagle3", str(checkpoint), str(drafter), "--target-model-dir",
-                 str(target.parent / "for-the-converter")]) == 0
+    assert (
+        main(
+            [
+                "export",
+                "--format",
+                "gguf-eagle3",
+                str(checkpoint),
+                str(drafter),
+                "--target-model-dir",
+                str(target.parent / "for-the-converter"),
+            ]
+        )
+        == 0
+    )
     prompts = [[1 + i, 500 + 7 * i, 90 + i, 3000 + i] for i in range(6)]
-    with LlamaServer(target, threads=2, context=512) as plain, \
-            LlamaServer(target, threads=2, context=512, drafter=EAGLE3, draft_model=drafter) as drafted:
+    with (
+        LlamaServer(target, threads=2, context=512) as plain,
+        LlamaServer(target, threads=2, context=512, drafter=EAGLE3, draft_model=drafter) as drafted,
+    ):
         expected = [plain.complete(ids, 24, []).tokens for ids in prompts]
         outputs = [drafted.complete(ids, 24, []).tokens for ids in prompts]
     assert outputs == expected and all(len(out) == 24 for out in outputs)

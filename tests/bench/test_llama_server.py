@@ -26,11 +26,21 @@ def test_variants_bring_their_plain_row_and_bad_ones_are_refused():
     assert parse_variants("f16+ngram-mod") == [Variant("f16"), Variant("f16", "ngram-mod")]
     assert Variant("f16", "ngram-mod").name == "llama-server:f16+ngram-mod"
     assert [v.name for v in parse_variants(llama_server.DEFAULT_VARIANTS)] == [
-        "llama-server:q4", "llama-server:f16", "llama-server:f16+ngram-simple", "llama-server:f16+ngram-mod"]
+        "llama-server:q4",
+        "llama-server:f16",
+        "llama-server:f16+ngram-simple",
+        "llama-server:f16+ngram-mod",
+    ]
     cut = parse_variants("f16+eagle3@0.5,f16+eagle3")  # @P: llama.cpp's --spec-draft-p-min, eagle3 only
-    assert [v.name for v in cut] == ["llama-server:f16", "llama-server:f16+eagle3@0.5", "llama-server:f16+eagle3"]
+    assert [v.name for v in cut] == [
+        "llama-server:f16",
+        "llama-server:f16+eagle3@0.5",
+        "llama-server:f16+eagle3",
+    ]
     assert cut[1].p_min == 0.5 and cut[2].p_min is None
-    server = LlamaServer(Path("m.gguf"), 2, 256, "eagle3", draft_model=Path("d.gguf"), draft_max=4, draft_p_min=0.5)
+    server = LlamaServer(
+        Path("m.gguf"), 2, 256, "eagle3", draft_model=Path("d.gguf"), draft_max=4, draft_p_min=0.5
+    )
     assert server.flags()[-4:] == ["--spec-draft-n-max", "4", "--spec-draft-p-min", "0.5"]
     for bad in ("q8", "f16+eagle", "f16+", ",", "f16+eagle3@1", "f16+eagle3@x", "f16+ngram-mod@0.5"):
         with pytest.raises(UserError):
@@ -92,10 +102,12 @@ def test_sigterm_to_a_command_stops_its_server_and_exits_with_one_line(tmp_path)
 
     pid_file = tmp_path / "server.pid"
     fake = _fake_binary(tmp_path, f"echo $$ > {pid_file}; exec sleep 600")
-    script = ("import sys; from pathlib import Path; from mtplm.errors import exit_code; "
-              "from mtplm.llamacpp.server import LlamaServer; "
-              f"server = LlamaServer(Path('m.gguf'), 1, 64, binary=Path({str(fake)!r}), startup_timeout_s=300); "
-              "sys.exit(exit_code(server.start, 'mtplm train'))")
+    script = (
+        "import sys; from pathlib import Path; from mtplm.errors import exit_code; "
+        "from mtplm.llamacpp.server import LlamaServer; "
+        f"server = LlamaServer(Path('m.gguf'), 1, 64, binary=Path({str(fake)!r}), startup_timeout_s=300); "
+        "sys.exit(exit_code(server.start, 'mtplm train'))"
+    )
     run = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
     deadline = time.perf_counter() + 60
     while not (pid_file.is_file() and pid_file.read_text().strip()) and time.perf_counter() < deadline:
@@ -110,6 +122,7 @@ def test_sigterm_to_a_command_stops_its_server_and_exits_with_one_line(tmp_path)
 
 # --- the real server on the installed SmolLM2 -------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def prompts():
     if not BINARY.is_file():
@@ -121,11 +134,13 @@ def prompts():
     from mtplm.text import chat_prompt_ids
 
     tokenizer = AutoTokenizer.from_pretrained(BASE)
-    texts = ["Copy this text exactly: The quick brown fox jumps over the lazy dog. The quick brown fox jumps over "
-             "the lazy dog.",  # a long repeat: ngram-simple (12-token lookups by default) drafts here
-             "Write a Python function that returns the sum of a list of numbers, then call it on [1, 2, 3].",
-             "What is the capital of France? Answer in one sentence.",
-             'Give a JSON object with keys "name" and "age" for a person called Ada who is 36.']
+    texts = [
+        "Copy this text exactly: The quick brown fox jumps over the lazy dog. The quick brown fox jumps over "
+        "the lazy dog.",  # a long repeat: ngram-simple (12-token lookups by default) drafts here
+        "Write a Python function that returns the sum of a list of numbers, then call it on [1, 2, 3].",
+        "What is the capital of France? Answer in one sentence.",
+        'Give a JSON object with keys "name" and "age" for a person called Ada who is 36.',
+    ]
     return [chat_prompt_ids(tokenizer, text) for text in texts]
 
 
@@ -147,8 +162,10 @@ def test_an_ngram_drafter_is_lossless_on_the_f16_gguf(prompts):
     Q4_1 GGUF a batched verification pass can break a near-tie differently from a 1-row pass (seen on 2 of 12
     prompts, after 90+ identical tokens), so there the drafter is not exactly lossless."""
     gguf = f16_gguf(BASE)
-    with LlamaServer(gguf, threads=2, context=1024) as plain, \
-            LlamaServer(gguf, threads=2, context=1024, drafter="ngram-simple") as drafted:
+    with (
+        LlamaServer(gguf, threads=2, context=1024) as plain,
+        LlamaServer(gguf, threads=2, context=1024, drafter="ngram-simple") as drafted,
+    ):
         expected = [plain.complete(ids, 64, [2]).tokens for ids in prompts]
         outputs = [drafted.complete(ids, 64, [2]) for ids in prompts]
     assert [o.tokens for o in outputs] == expected
@@ -183,7 +200,9 @@ def test_self_generation_on_llama_server_caches_exactly_what_the_server_decodes(
     from mtplm.train.sources import self_generate
 
     tokenizer = AutoTokenizer.from_pretrained(BASE)
-    cfg = TrainConfig(self_gen_engine="llama-server", self_gen_batch=1, self_gen_max_new_tokens=12, seq_len=256)
+    cfg = TrainConfig(
+        self_gen_engine="llama-server", self_gen_batch=1, self_gen_max_new_tokens=12, seq_len=256
+    )
     base_model = SimpleNamespace(name_or_path=str(BASE))  # the engine reads only where the weights are
     cache = tmp_path / "selfgen.jsonl"
     rows = self_generate(base_model, tokenizer, "structured", 3, cfg, cache)
@@ -191,6 +210,8 @@ def test_self_generation_on_llama_server_caches_exactly_what_the_server_decodes(
     assert [row["id"] for row in rows] == [e.id for e in examples]
     with LlamaServer(f16_gguf(BASE), threads=2, context=1024) as server:
         for row, example in zip(rows, examples, strict=True):
-            tokens = server.complete(chat_prompt_ids(tokenizer, example.prompt), 12, [tokenizer.eos_token_id]).tokens
+            tokens = server.complete(
+                chat_prompt_ids(tokenizer, example.prompt), 12, [tokenizer.eos_token_id]
+            ).tokens
             assert row["response"] == tokenizer.decode(tokens, skip_special_tokens=True)
     assert self_generate(None, tokenizer, "structured", 3, cfg, cache) == rows  # all cached: no engine starts

@@ -24,7 +24,9 @@ def test_measure_times_both_kinds_of_pass_and_round_trips(tmp_path):
 def test_real_row_passes_are_priced_on_their_own_curve():
     curve = PassCost((1, 8), (0.010, 0.020), "x", 200, (0.010, 0.011))
     assert curve(8) == pytest.approx(0.020) and curve(8, masked=False) == pytest.approx(0.011)
-    assert PassCost((1, 8), (0.010, 0.020))(8, masked=False) == pytest.approx(0.020)  # unmeasured: the upper bound
+    assert PassCost((1, 8), (0.010, 0.020))(8, masked=False) == pytest.approx(
+        0.020
+    )  # unmeasured: the upper bound
     copied, masked = Tally(), Tally()
     for _ in range(10):
         copied.count(8, 2, masked=False)

@@ -35,25 +35,31 @@ def test_gsm8k_reference_is_the_number_after_the_marker() -> None:
         gsm8k_reference(Example("q", None, "math", "x/1"))
 
 
-@pytest.mark.parametrize("completion", [
-    "16 - 3 - 4 = 9 eggs, 9 * 2 = 18. The answer is 18.",
-    "She makes 9 * $2 = $18 every day.\n#### 18",
-    "So she earns $\\boxed{18}$ dollars.",
-    "Final answer: **$18.00**",
-    "9 eggs at $2 each gives 18.",  # no explicit form: the last number
-    "The answer is 18. (That was 16 - 3 - 4 = 9 eggs sold.)",  # explicit form beats the last number
-])
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "16 - 3 - 4 = 9 eggs, 9 * 2 = 18. The answer is 18.",
+        "She makes 9 * $2 = $18 every day.\n#### 18",
+        "So she earns $\\boxed{18}$ dollars.",
+        "Final answer: **$18.00**",
+        "9 eggs at $2 each gives 18.",  # no explicit form: the last number
+        "The answer is 18. (That was 16 - 3 - 4 = 9 eggs sold.)",  # explicit form beats the last number
+    ],
+)
 def test_gsm8k_right_answers(completion: str) -> None:
     assert gsm8k_correct(completion, "18")
 
 
-@pytest.mark.parametrize("completion", [
-    "16 - 3 - 4 = 9 eggs, 9 * 2 = 18. The answer is 17.",
-    "#### 9",
-    "The answer is 18. Correction: she also sells 3 duck eggs, so the answer is 24.",  # the last explicit form
-    "I am not sure how to solve this.",
-    "",
-])
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "16 - 3 - 4 = 9 eggs, 9 * 2 = 18. The answer is 17.",
+        "#### 9",
+        "The answer is 18. Correction: she also sells 3 duck eggs, so the answer is 24.",  # the last explicit form
+        "I am not sure how to solve this.",
+        "",
+    ],
+)
 def test_gsm8k_wrong_answers(completion: str) -> None:
     assert not gsm8k_correct(completion, "18")
 
@@ -69,9 +75,7 @@ def test_gsm8k_number_normalisation() -> None:
 
 # ---- HumanEval -------------------------------------------------------------------------------------
 
-RIGHT_BODY = (
-    "    return any(abs(a - b) < threshold for i, a in enumerate(numbers) for j, b in enumerate(numbers) if i != j)\n"
-)
+RIGHT_BODY = "    return any(abs(a - b) < threshold for i, a in enumerate(numbers) for j, b in enumerate(numbers) if i != j)\n"
 WRONG_BODY = "    return False\n"
 LOOPING_BODY = "    while True:\n        pass\n"
 RIGHT_FUNCTION = "def has_close_elements(numbers: List[float], threshold: float) -> bool:\n" + RIGHT_BODY
@@ -129,44 +133,56 @@ def test_code_blocks_handle_no_fences_and_an_unclosed_fence() -> None:
 # ---- structured output -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("completion", [
-    '{"name": "Ada", "age": 36}',
-    'Here you go:\n```json\n{"items": [1, 2, {"a": null}]}\n```',
-    "The list is [1, 2, 3] as requested.",
-])
+@pytest.mark.parametrize(
+    "completion",
+    [
+        '{"name": "Ada", "age": 36}',
+        'Here you go:\n```json\n{"items": [1, 2, {"a": null}]}\n```',
+        "The list is [1, 2, 3] as requested.",
+    ],
+)
 def test_valid_json_is_accepted(completion: str) -> None:
     assert json_valid(completion)
 
 
-@pytest.mark.parametrize("completion", [
-    '{"name": "Ada", "age": 36,}',  # trailing comma
-    "{'name': 'Ada'}",  # single quotes
-    '{"outer": {"inner": 1}',  # unclosed: the valid inner object must not rescue it
-    "```json\n{\"a\": 1\n```",
-    "no JSON at all",
-])
+@pytest.mark.parametrize(
+    "completion",
+    [
+        '{"name": "Ada", "age": 36,}',  # trailing comma
+        "{'name': 'Ada'}",  # single quotes
+        '{"outer": {"inner": 1}',  # unclosed: the valid inner object must not rescue it
+        '```json\n{"a": 1\n```',
+        "no JSON at all",
+    ],
+)
 def test_malformed_json_is_rejected(completion: str) -> None:
     assert not json_valid(completion)
 
 
-@pytest.mark.parametrize("completion", [
-    "SELECT name FROM users WHERE id = 1;",  # users does not exist: still a valid statement
-    "Here is the query:\n```sql\nSELECT u.name, COUNT(*) FROM users u\n"
-    "JOIN orders o ON o.uid = u.id GROUP BY u.name;\n```",
-    "INSERT INTO t (a, b) VALUES (1, 'x;y'); DROP TABLE t;",
-    "CREATE TABLE t (id INTEGER PRIMARY KEY, name TEXT NOT NULL)",
-])
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "SELECT name FROM users WHERE id = 1;",  # users does not exist: still a valid statement
+        "Here is the query:\n```sql\nSELECT u.name, COUNT(*) FROM users u\n"
+        "JOIN orders o ON o.uid = u.id GROUP BY u.name;\n```",
+        "INSERT INTO t (a, b) VALUES (1, 'x;y'); DROP TABLE t;",
+        "CREATE TABLE t (id INTEGER PRIMARY KEY, name TEXT NOT NULL)",
+    ],
+)
 def test_valid_sql_is_accepted(completion: str) -> None:
     assert sql_valid(completion)
 
 
-@pytest.mark.parametrize("completion", [
-    "SELEC name FROM users;",
-    "SELECT name FROM users WHERE;",
-    "SELECT * FROM users WHERE name = 'unterminated",
-    "Sorry, I cannot write that query.",
-    "",
-])
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "SELEC name FROM users;",
+        "SELECT name FROM users WHERE;",
+        "SELECT * FROM users WHERE name = 'unterminated",
+        "Sorry, I cannot write that query.",
+        "",
+    ],
+)
 def test_bad_sql_is_rejected(completion: str) -> None:
     assert not sql_valid(completion)
 
@@ -180,4 +196,6 @@ def test_structured_prompts_are_scored_by_parsing():
     assert score_example(examples["json"], '{"title": "Dune", "year": }') == {"json": 0.0}
     good_sql = "SELECT department, AVG(salary) FROM employees GROUP BY department;"
     assert score_example(examples["sql"], good_sql) == {"sql": 1.0}
-    assert score_example(examples["sql"], "SELECT department AVG(salary) FROM GROUP employees;") == {"sql": 0.0}
+    assert score_example(examples["sql"], "SELECT department AVG(salary) FROM GROUP employees;") == {
+        "sql": 0.0
+    }

@@ -36,7 +36,7 @@ def test_every_mode_decodes_the_eager_tokens(chain_checkpoint, name):
     model = MTPModel.load(chain_checkpoint)
     eager, other = EagerBackend(model), make_backend(name, model)
     for i, ids in enumerate(_prompts(model, 3, seed=21)):
-        for cfg in MODES[i % 2::2] if name == "compiled" else MODES:  # compiled: half the modes per prompt
+        for cfg in MODES[i % 2 :: 2] if name == "compiled" else MODES:  # compiled: half the modes per prompt
             assert _decode(model, ids, cfg, other) == _decode(model, ids, cfg, eager), cfg
 
 
@@ -45,14 +45,19 @@ def test_heads_and_tree_drafting_decode_the_eager_tokens(base_dir, form):
     model = with_random_heads(base_dir, form)
     eager, compiled = EagerBackend(model), make_backend("compiled", model)
     ids = _prompts(model, 1, seed=22)[0]
-    for cfg in (DecodeConfig(mode="verified", k_max=4, drafting="tree"), DecodeConfig(mode="verified", k_max=3)):
+    for cfg in (
+        DecodeConfig(mode="verified", k_max=4, drafting="tree"),
+        DecodeConfig(mode="verified", k_max=3),
+    ):
         assert _decode(model, ids, cfg, compiled) == _decode(model, ids, cfg, eager)
 
 
 def test_the_batch_engine_on_the_compiled_backend_decodes_what_each_sequence_decodes_alone(chain_checkpoint):
     model = MTPModel.load(chain_checkpoint)
-    jobs = [(ids, DecodeConfig(**{**MODES[i % len(MODES)].__dict__, "max_new_tokens": 20}))
-            for i, ids in enumerate(_prompts(model, 6, seed=23))]
+    jobs = [
+        (ids, DecodeConfig(**{**MODES[i % len(MODES)].__dict__, "max_new_tokens": 20}))
+        for i, ids in enumerate(_prompts(model, 6, seed=23))
+    ]
     engine = Engine(model, max_batch=4, backend=make_backend("compiled", model, 4))
     collectors = [Collector() for _ in jobs]
     for (ids, cfg), collector in zip(jobs, collectors, strict=True):
@@ -99,7 +104,9 @@ def test_backend_names_resolve_and_bad_ones_are_one_clear_error(chain_checkpoint
     assert resolve_backend("auto", model) == "compiled"  # a Llama: the compiled pass
     monkeypatch.setenv(BACKEND_ENV, "eager")
     assert resolve_backend("auto", model) == "eager"
-    with pytest.raises(UserError, match="unknown backend 'fast': choose one of eager, compiled, compiled-int8, static"):
+    with pytest.raises(
+        UserError, match="unknown backend 'fast': choose one of eager, compiled, compiled-int8, static"
+    ):
         make_backend("fast", model)
     assert set(BACKENDS.names()) == {"eager", "compiled", "compiled-int8", "static"}
 
@@ -109,8 +116,11 @@ def test_an_architecture_the_compiled_pass_lacks_falls_back_to_eager_under_auto(
     from transformers import GPT2Config, GPT2LMHeadModel
 
     monkeypatch.delenv(BACKEND_ENV, raising=False)
-    gpt2 = MTPModel(GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2)).eval(),
-                    tiny_tokenizer(), None)
+    gpt2 = MTPModel(
+        GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2)).eval(),
+        tiny_tokenizer(),
+        None,
+    )
     assert resolve_backend("auto", gpt2) == "eager"
     with pytest.raises(UserError, match="GPT2LMHeadModel.*--backend eager"):
         make_backend("compiled", gpt2)
@@ -121,7 +131,9 @@ def test_no_compiler_is_one_clear_error_and_never_a_silent_fallback(chain_checkp
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     with inductor_config.patch({"cpp.cxx": (None, "no-such-compiler-mtplm")}):  # what $CXX sets at import
         with pytest.raises(UserError, match="needs a C\\+\\+ compiler.*--backend eager"):
-            make_backend("auto", model)  # auto picks the compiled pass for a Llama, and says why it cannot run
+            make_backend(
+                "auto", model
+            )  # auto picks the compiled pass for a Llama, and says why it cannot run
 
 
 def test_a_compiler_that_fails_is_one_clear_error(chain_checkpoint, monkeypatch, tmp_path):

@@ -18,8 +18,10 @@ from mtplm.text import chat_prompt_ids
 
 def _prompts(n: int, seed: int, vocab: int = 60) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(0, vocab, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
 
 
 def _run(model, prompt, mode: str, n: int, **knobs):
@@ -27,7 +29,9 @@ def _run(model, prompt, mode: str, n: int, **knobs):
     for key, value in knobs.items():
         setattr(cfg, key, value)
     cfg.max_new_tokens = n
-    return generate(model, prompt, cfg, strategy=make_strategy(cfg.validate(), Thresholds(k_max=model.meta.k_max)))
+    return generate(
+        model, prompt, cfg, strategy=make_strategy(cfg.validate(), Thresholds(k_max=model.meta.k_max))
+    )
 
 
 def test_hybrid_modes_parse_and_bad_ones_say_what_to_write():
@@ -36,7 +40,13 @@ def test_hybrid_modes_parse_and_bad_ones_say_what_to_write():
     assert cfg.verifies_rest()
     assert (parse_mode("confadapt+lookup").drafting, parse_mode("confadapt+lookup").lookup) == ("linear", 8)
     assert not parse_mode("confadapt").verifies_rest() and not parse_mode("confadapt:0.8@4").verifies_rest()
-    for bad in ("confadapt+linear", "confadapt+tree", "confadapt+lookup+lookup", "verified+lookup", "ntp+quadratic"):
+    for bad in (
+        "confadapt+linear",
+        "confadapt+tree",
+        "confadapt+lookup+lookup",
+        "verified+lookup",
+        "ntp+quadratic",
+    ):
         with pytest.raises(UserError, match="bad decoding mode"):
             parse_mode(bad)
     with pytest.raises(UserError, match="confadapt verifies its leftover slots"):
@@ -80,8 +90,10 @@ def test_hybrid_keeps_more_per_pass_than_confadapt_on_a_trained_model(chain_chec
     ConfAdapt drops, at the same thresholds."""
     model = MTPModel.load(chain_checkpoint)
     prompts = [chat_prompt_ids(model.tokenizer, row["prompt"]) for row in chain_rows(6, seed=321)]
-    rate = {mode: sum(_run(model, p, mode, 24, tau=0.9).tokens_per_forward for p in prompts) / len(prompts)
-            for mode in ("confadapt", "confadapt+quadratic")}
+    rate = {
+        mode: sum(_run(model, p, mode, 24, tau=0.9).tokens_per_forward for p in prompts) / len(prompts)
+        for mode in ("confadapt", "confadapt+quadratic")
+    }
     assert rate["confadapt+quadratic"] > rate["confadapt"]
 
 

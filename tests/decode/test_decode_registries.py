@@ -39,7 +39,9 @@ def test_a_registered_confidence_measure_is_a_valid_name_everywhere(margin):
     assert DecodeConfig(mode="confadapt", confidence=margin).validate().confidence == margin
     assert parse_mode(f"confadapt:0.5:{margin}").confidence == margin
     assert margin in mode_grammar() and margin in CONFIDENCE.describe()
-    with pytest.raises(UserError, match="unknown confidence measure 'nope': choose one of top1, entropy, margin"):
+    with pytest.raises(
+        UserError, match="unknown confidence measure 'nope': choose one of top1, entropy, margin"
+    ):
         DecodeConfig(confidence="nope").validate()
 
 
@@ -47,24 +49,40 @@ def test_a_registered_confidence_measure_decodes(chain_checkpoint, margin):
     model = MTPModel.load(chain_checkpoint)
     prompt = _prompts(model, 1, seed=5)[0]
     plain = generate(model, prompt, DecodeConfig(mode="ntp", max_new_tokens=16)).tokens
-    loose = generate(model, prompt, DecodeConfig(mode="confadapt", confidence=margin, tau=0.05, max_new_tokens=16))
-    never = generate(model, prompt, DecodeConfig(mode="confadapt", confidence=margin, tau=1.0, max_new_tokens=16))
+    loose = generate(
+        model, prompt, DecodeConfig(mode="confadapt", confidence=margin, tau=0.05, max_new_tokens=16)
+    )
+    never = generate(
+        model, prompt, DecodeConfig(mode="confadapt", confidence=margin, tau=1.0, max_new_tokens=16)
+    )
     assert loose.tokens_per_forward > 1.5  # the trained slots are sure of the chain language by a wide margin
-    assert never.tokens == plain and never.tokens_per_forward == 1.0  # a margin never reaches 1: plain decoding
+    assert (
+        never.tokens == plain and never.tokens_per_forward == 1.0
+    )  # a margin never reaches 1: plain decoding
 
 
-def test_calibration_goes_through_the_registry_and_its_thresholds_apply_to_that_measure(chain_checkpoint, margin,
-                                                                                       tmp_path):
+def test_calibration_goes_through_the_registry_and_its_thresholds_apply_to_that_measure(
+    chain_checkpoint, margin, tmp_path
+):
     import shutil
 
     checkpoint = shutil.copytree(chain_checkpoint, tmp_path / "ckpt")
     model = MTPModel.load(checkpoint)
-    result = calibrate(model, _prompts(model, 6, seed=11), [], target=0.98, per_position=True, max_new_tokens=16,
-                       measure=margin)
+    result = calibrate(
+        model,
+        _prompts(model, 6, seed=11),
+        [],
+        target=0.98,
+        per_position=True,
+        max_new_tokens=16,
+        measure=margin,
+    )
     assert result["confidence"] == margin and result["calibration"]["token_agreement"] >= 0.98
     store_thresholds(checkpoint, result)
     thresholds = MTPModel.load(checkpoint).meta.decode_thresholds()
-    assert thresholds.confidence == margin and thresholds.tau_per_position == tuple(result["tau_per_position"])
+    assert thresholds.confidence == margin and thresholds.tau_per_position == tuple(
+        result["tau_per_position"]
+    )
     calibrated = make_strategy(DecodeConfig(mode="confadapt", confidence=margin), thresholds)
     assert calibrated.taus.tolist() == torch.tensor(result["tau_per_position"]).tolist()
     other = make_strategy(DecodeConfig(mode="confadapt", confidence="top1"), thresholds)

@@ -53,8 +53,9 @@ class Collector:
         return [t for step in self.steps for t in step.tokens]
 
 
-def _run_batched(model, jobs: list[tuple[list[int], DecodeConfig]], max_batch: int, passes: list,
-                 k_by_batch=None):
+def _run_batched(
+    model, jobs: list[tuple[list[int], DecodeConfig]], max_batch: int, passes: list, k_by_batch=None
+):
     engine = Engine(model, max_batch=max_batch, on_pass=passes.append, k_by_batch=k_by_batch)
     collectors = []
     for ids, cfg in jobs:
@@ -94,9 +95,13 @@ def test_ragged_batches_decode_exactly_what_each_sequence_decodes_alone(chain_ch
 def test_heads_with_trees_batch_exactly_too(base_dir):
     """Tree verification moves KV inside its own slot: batched tree decoding is still plain greedy."""
     model = with_random_heads(base_dir, "medusa")
-    prompts = [model.tokenizer(text)["input_ids"] for text in ("t1 t2 t3", "t5", "t9 t8 t7 t6 t5 t4", "t3 t3")]
-    configs = [DecodeConfig(mode="verified", drafting="tree", tree_widths="2,2", max_new_tokens=16),
-               DecodeConfig(mode="ntp", max_new_tokens=16)]
+    prompts = [
+        model.tokenizer(text)["input_ids"] for text in ("t1 t2 t3", "t5", "t9 t8 t7 t6 t5 t4", "t3 t3")
+    ]
+    configs = [
+        DecodeConfig(mode="verified", drafting="tree", tree_widths="2,2", max_new_tokens=16),
+        DecodeConfig(mode="ntp", max_new_tokens=16),
+    ]
     jobs = [(ids, configs[i % 2]) for i, ids in enumerate(prompts)]
     collectors = _run_batched(model, jobs, max_batch=4, passes=[])
     plain = [generate(model, ids, DecodeConfig(mode="ntp", max_new_tokens=16)).tokens for ids in prompts]
@@ -107,10 +112,18 @@ def test_the_load_policy_caps_k_and_keeps_verified_lossless(chain_checkpoint):
     """k_by_batch {1: 2, 3: 1}: two tokens per pass at most, one (plain passes) once three sequences run."""
     model = MTPModel.load(chain_checkpoint)
     rows = chain_rows(3, seed=13)
-    jobs = [(chat_prompt_ids(model.tokenizer, row["prompt"]), cfg) for row, cfg in zip(rows, [
-        DecodeConfig(mode="verified", k_max=4, max_new_tokens=30),
-        DecodeConfig(mode="confadapt", tau=0.3, k_max=4, max_new_tokens=30),
-        DecodeConfig(mode="static", k=3, max_new_tokens=30)], strict=False)]
+    jobs = [
+        (chat_prompt_ids(model.tokenizer, row["prompt"]), cfg)
+        for row, cfg in zip(
+            rows,
+            [
+                DecodeConfig(mode="verified", k_max=4, max_new_tokens=30),
+                DecodeConfig(mode="confadapt", tau=0.3, k_max=4, max_new_tokens=30),
+                DecodeConfig(mode="static", k=3, max_new_tokens=30),
+            ],
+            strict=False,
+        )
+    ]
     engine = Engine(model, max_batch=3, k_by_batch={1: 2, 3: 1})
     collectors = []
     for ids, cfg in jobs:
@@ -134,8 +147,13 @@ def test_the_load_policy_caps_k_and_keeps_verified_lossless(chain_checkpoint):
 
 def test_the_measured_policy_leaves_verified_output_unchanged(chain_checkpoint):
     model = MTPModel.load(chain_checkpoint)
-    jobs = [(chat_prompt_ids(model.tokenizer, row["prompt"]), DecodeConfig(mode="verified", k_max=4, max_new_tokens=40))
-            for row in chain_rows(4, seed=17)]
+    jobs = [
+        (
+            chat_prompt_ids(model.tokenizer, row["prompt"]),
+            DecodeConfig(mode="verified", k_max=4, max_new_tokens=40),
+        )
+        for row in chain_rows(4, seed=17)
+    ]
     collectors = _run_batched(model, jobs, max_batch=4, passes=[], k_by_batch="auto")
     assert [c.tokens for c in collectors] == [generate(model, ids, cfg).tokens for ids, cfg in jobs]
 
@@ -146,8 +164,9 @@ def test_a_slot_holds_exactly_the_committed_kv(chain_checkpoint):
     ids = chat_prompt_ids(model.tokenizer, chain_rows(1, seed=4)[0]["prompt"])
     collector = Collector()
     engine = Engine(model, max_batch=2)
-    job = engine.submit(Job(ids, DecodeConfig(mode="verified", k_max=4, drafting="quadratic", max_new_tokens=10),
-                            collector))
+    job = engine.submit(
+        Job(ids, DecodeConfig(mode="verified", k_max=4, drafting="quadratic", max_new_tokens=10), collector)
+    )
     collector.done.wait(30)
     engine.close(grace_s=5)
     tokens = ids + collector.tokens
@@ -158,8 +177,12 @@ def test_a_slot_holds_exactly_the_committed_kv(chain_checkpoint):
         reference = new_cache(model.hf)
         model.logits(torch.tensor([tokens[:past]]), cache=reference)
     for layer, (keys, values) in enumerate(cache_layers(reference)):
-        torch.testing.assert_close(engine.backend.cache.keys[layer][0, :, :past], keys[0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(engine.backend.cache.values[layer][0, :, :past], values[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            engine.backend.cache.keys[layer][0, :, :past], keys[0], rtol=1e-5, atol=1e-5
+        )
+        torch.testing.assert_close(
+            engine.backend.cache.values[layer][0, :, :past], values[0], rtol=1e-5, atol=1e-5
+        )
 
 
 def test_cancel_frees_the_slot_and_close_fails_what_is_left(mtp):

@@ -21,9 +21,18 @@ from mtplm.model import MTPModel
 def tiny_qwen2(seed: int = 0) -> MTPModel:
     """A gated conversion of a tiny Qwen2 (q/k/v biases, made non-zero so they matter)."""
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         eos_token_id=VOCAB - 2, pad_token_id=VOCAB - 1, tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=VOCAB - 2,
+        pad_token_id=VOCAB - 1,
+        tie_word_embeddings=True,
+    )
     hf = Qwen2ForCausalLM(config).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
@@ -39,7 +48,11 @@ def tiny_qwen2(seed: int = 0) -> MTPModel:
     return model
 
 
-MODELS = {"llama": lambda: tiny_mtp(gated=True), "qwen2": tiny_qwen2, "llama-plain": lambda: tiny_mtp(gated=False)}
+MODELS = {
+    "llama": lambda: tiny_mtp(gated=True),
+    "qwen2": tiny_qwen2,
+    "llama-plain": lambda: tiny_mtp(gated=False),
+}
 
 
 def plain(tokens: list[int]) -> Feed:
@@ -59,12 +72,20 @@ def tree(tokens: list[int], parents: tuple[int, ...], model: MTPModel | None = N
     return Feed(tokens + blocks, len(tokens) - len(parents), len(parents), slots, bool(blocks), parents)
 
 
-def anchored(model: MTPModel, tokens: list[int], parents: tuple[int, ...], anchors: tuple[int, ...],
-             slots: int) -> Feed:
+def anchored(
+    model: MTPModel, tokens: list[int], parents: tuple[int, ...], anchors: tuple[int, ...], slots: int
+) -> Feed:
     """A draft tree whose mask blocks follow only the `anchors` (a chain of mask drafts and a copied branch)."""
     pending = len(tokens) - len(parents)
-    return Feed(tokens + [model.mask_id] * (len(anchors) * slots), pending, len(parents), slots, True, parents,
-                anchors)
+    return Feed(
+        tokens + [model.mask_id] * (len(anchors) * slots),
+        pending,
+        len(parents),
+        slots,
+        True,
+        parents,
+        anchors,
+    )
 
 
 class Pair:
@@ -87,8 +108,9 @@ class Pair:
     def assert_same_kv(self, slot: int, length: int) -> None:
         for layer in range(len(self.cache.keys)):
             for ours, theirs in ((self.fast.keys, self.cache.keys), (self.fast.values, self.cache.values)):
-                torch.testing.assert_close(ours[layer][slot, :, :length], theirs[layer][slot, :, :length],
-                                           atol=2e-5, rtol=1e-4)
+                torch.testing.assert_close(
+                    ours[layer][slot, :, :length], theirs[layer][slot, :, :length], atol=2e-5, rtol=1e-4
+                )
 
 
 @pytest.mark.parametrize("arch", sorted(MODELS))
@@ -101,13 +123,18 @@ def test_every_layout_matches_the_eager_pass(arch):
     lengths = [len(p) for p in prompts]
     steps = [
         [plain([1]), plain([2, 3]), plain([4])],
-        [masked(model, [1, 2], 1, 3, quadratic=True) if mask_rows else plain([1, 2]),
-         masked(model, [5], 0, 2, quadratic=False) if mask_rows else plain([5]),
-         tree([6, 7, 8, 9, 10], (-1, 0, 0, 1))],
+        [
+            masked(model, [1, 2], 1, 3, quadratic=True) if mask_rows else plain([1, 2]),
+            masked(model, [5], 0, 2, quadratic=False) if mask_rows else plain([5]),
+            tree([6, 7, 8, 9, 10], (-1, 0, 0, 1)),
+        ],
         [tree([1, 2, 3], (-1, -1)), plain([5, 6, 7]), plain([8])],
         [tree([1, 2, 3, 4], (-1, -1, 0), model, 2) if mask_rows else plain([1]), plain([2]), plain([3])],
-        [anchored(model, [1, 2, 3, 4, 5], (-1, 0, -1, 2), (-1, 0), 2) if mask_rows else plain([1]),
-         plain([2]), anchored(model, [3, 4, 5], (-1, 0), (0,), 3) if mask_rows else plain([3])],
+        [
+            anchored(model, [1, 2, 3, 4, 5], (-1, 0, -1, 2), (-1, 0), 2) if mask_rows else plain([1]),
+            plain([2]),
+            anchored(model, [3, 4, 5], (-1, 0), (0,), 3) if mask_rows else plain([3]),
+        ],
     ]
     for feeds in steps:
         pair.step(0, feeds, lengths)
@@ -119,7 +146,10 @@ def test_every_layout_matches_the_eager_pass(arch):
 
 def test_rollback_leaves_exactly_the_committed_kv():
     model = tiny_mtp(gated=True)
-    drafted, clean = StaticBackend(model, 1, capacity=32, compile=False), StaticBackend(model, 1, 32, compile=False)
+    drafted, clean = (
+        StaticBackend(model, 1, capacity=32, compile=False),
+        StaticBackend(model, 1, 32, compile=False),
+    )
     prompt = [3, 4, 5, 6]
     with torch.inference_mode():
         drafted.run(0, [plain(prompt)], [0])
@@ -250,12 +280,15 @@ def test_the_quantized_pass_is_the_eager_pass_over_dequantized_weights(arch, kin
     model = MODELS[arch]()
     reference, cache = dequantized(model, kind), RaggedCache(2, 32)
     fast = StaticBackend(model, 2, capacity=32, compile=False, quantize=kind)
-    passes = [([plain([3, 4, 5, 6, 7]), plain([8, 9, 10])], [0, 0]),
-              ([masked(model, [1, 2], 1, 3, quadratic=True), tree([6, 7, 8], (-1, 0))], [5, 3])]
+    passes = [
+        ([plain([3, 4, 5, 6, 7]), plain([8, 9, 10])], [0, 0]),
+        ([masked(model, [1, 2], 1, 3, quadratic=True), tree([6, 7, 8], (-1, 0))], [5, 3]),
+    ]
     with torch.inference_mode():
         for feeds, lengths in passes:
             expected = ragged_pass(reference, cache, 0, feeds, lengths)
             got = fast.run(0, feeds, lengths)
             for i, feed in enumerate(feeds):
-                torch.testing.assert_close(got[i, : len(feed.tokens)], expected[i, : len(feed.tokens)],
-                                           atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(
+                    got[i, : len(feed.tokens)], expected[i, : len(feed.tokens)], atol=1e-4, rtol=1e-4
+                )

@@ -22,8 +22,8 @@ def _naive(text: list[int], most: int, longest: int = 3, shortest: int = 1) -> l
     """The definition: the latest earlier occurrence of the last n tokens, longest n first."""
     for n in range(min(longest, len(text) - 1), shortest - 1, -1):
         for start in range(len(text) - n - 1, -1, -1):
-            if text[start: start + n] == text[len(text) - n:]:
-                return text[start + n: start + n + most]
+            if text[start : start + n] == text[len(text) - n :]:
+                return text[start + n : start + n + most]
     return []
 
 
@@ -58,8 +58,15 @@ def _repetitive_prompts(model: MTPModel, n: int, seed: int) -> list[list[int]]:
     return walks + soups
 
 
-@pytest.mark.parametrize("mode", ["verified:lookup", "verified:linear+lookup", "verified:quadratic+lookup",
-                                  "verified:quadratic+lookup:fixed@3"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "verified:lookup",
+        "verified:linear+lookup",
+        "verified:quadratic+lookup",
+        "verified:quadratic+lookup:fixed@3",
+    ],
+)
 def test_lookup_output_is_plain_greedy_on_a_trained_model(chain_checkpoint, mode):
     model = MTPModel.load(chain_checkpoint)
     beyond_window = 0
@@ -79,8 +86,13 @@ def test_lookup_beside_mask_drafts_is_plain_greedy_on_random_models(gated):
         model = tiny_mtp(seed=seed, gated=gated, k_max=5)
         for i, prompt in enumerate(_repetitive_prompts(model, 3, seed)[3:]):
             plain = generate(model, prompt, DecodeConfig(mode="ntp", max_new_tokens=24))
-            cfg = DecodeConfig(mode="verified", k_max=2 + (i + seed) % 4, drafting=("linear", "quadratic")[i % 2],
-                               lookup=1 + 3 * i, max_new_tokens=24)
+            cfg = DecodeConfig(
+                mode="verified",
+                k_max=2 + (i + seed) % 4,
+                drafting=("linear", "quadratic")[i % 2],
+                lookup=1 + 3 * i,
+                max_new_tokens=24,
+            )
             fast = generate(model, prompt, cfg, strategy=make_strategy(cfg, Thresholds()))
             assert fast.tokens == plain.tokens
 
@@ -129,14 +141,16 @@ def test_a_path_off_the_anchors_has_no_block():
     assert feed.tokens == [5, 7, 8, 9] + [0] * (3 * 2) and feed.anchors == (-1, 0, 1)
     hidden = torch.randn(1 + 3 + 3 * 2, 8)
     rows = PassLogits(lambda h: h, hidden, feed)
-    assert torch.equal(rows.block(1), hidden[4 + 2 * 2: 4 + 3 * 2])  # after node 1: the third block
+    assert torch.equal(rows.block(1), hidden[4 + 2 * 2 : 4 + 3 * 2])  # after node 1: the third block
     assert rows.block(2) is None  # node 2 (the copied branch) carries none
     linear, quadratic = (Feed.of(Plan(3, (1, 2), 2, q), [5], 2, lambda: 0) for q in (False, True))
     assert linear.anchors == (1,) and quadratic.anchors == (-1, 0, 1)
     assert Feed.of(Plan(3, (1, 2), 2, True), [5], 0, lambda: 0).anchors == ()  # heads: no mask rows fed
 
 
-@pytest.mark.parametrize("mode", ["verified:tree+lookup", "verified:quadratic+lookahead", "verified:lookup+lookup"])
+@pytest.mark.parametrize(
+    "mode", ["verified:tree+lookup", "verified:quadratic+lookahead", "verified:lookup+lookup"]
+)
 def test_bad_lookup_modes_are_refused(mode):
     with pytest.raises(UserError, match="bad decoding mode"):
         parse_mode(mode)

@@ -13,14 +13,21 @@ from mtplm.decode.strategies import make_strategy
 
 def _prompts(n: int, vocab: int):
     g = torch.Generator().manual_seed(7)
-    return [torch.randint(0, vocab - 3, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(0, vocab - 3, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
 
 
 def _hf_greedy(model, prompt, n):
-    out = model.hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                            attention_mask=torch.ones(1, len(prompt), dtype=torch.long), pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.hf.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=n,
+        do_sample=False,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("gated", [False, True])
@@ -38,8 +45,9 @@ def test_plain_and_never_accepting_confadapt_equal_hf_greedy(gated):
         assert set(never.accepted) == {1}
 
 
-@pytest.mark.parametrize("mode,extra", [("confadapt", dict(k_max=5, tau=0.05)), ("static", dict(k=3)),
-                                        ("ntp", {})])
+@pytest.mark.parametrize(
+    "mode,extra", [("confadapt", dict(k_max=5, tau=0.05)), ("static", dict(k=3)), ("ntp", {})]
+)
 def test_cache_holds_exactly_the_committed_tokens_after_every_step(mode, extra):
     model = tiny_mtp(seed=1)
     prompt = _prompts(1, model.hf.config.vocab_size)[0]
@@ -65,7 +73,9 @@ def test_stop_token_inside_a_block_ends_generation_there():
     free = generate(model, prompt, DecodeConfig(mode="static", k=4, max_new_tokens=12))
     stop_token = free.tokens[5]  # lies inside the second block
     first = free.tokens.index(stop_token)
-    steps = list(stream(model, prompt, make_strategy(DecodeConfig(mode="static", k=4), Thresholds()), 12, {stop_token}))
+    steps = list(
+        stream(model, prompt, make_strategy(DecodeConfig(mode="static", k=4), Thresholds()), 12, {stop_token})
+    )
     emitted = [t for s in steps for t in s.tokens]
     assert emitted == free.tokens[: first + 1]
     assert steps[-1].stopped
@@ -74,14 +84,18 @@ def test_stop_token_inside_a_block_ends_generation_there():
 def test_sampling_is_reproducible_under_a_seed_and_differs_across_seeds():
     model = tiny_mtp(seed=4)
     prompt = [1, 2, 3]
-    runs = [generate(model, prompt, DecodeConfig(mode="ntp", temperature=1.0, max_new_tokens=25, seed=s)).tokens
-            for s in (0, 0, 1)]
+    runs = [
+        generate(model, prompt, DecodeConfig(mode="ntp", temperature=1.0, max_new_tokens=25, seed=s)).tokens
+        for s in (0, 0, 1)
+    ]
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
 def test_backoff_shrinks_the_block_after_single_token_steps():
     model = tiny_mtp(seed=5)
-    cfg = DecodeConfig(mode="confadapt", k_max=8, tau=1.0, backoff=True, backoff_patience=2, max_new_tokens=12)
+    cfg = DecodeConfig(
+        mode="confadapt", k_max=8, tau=1.0, backoff=True, backoff_patience=2, max_new_tokens=12
+    )
     strategy = make_strategy(cfg, Thresholds())
     offered = [s.offered for s in stream(model, [1, 2, 3], strategy, 12, set())]
     assert offered[:6] == [8, 8, 4, 4, 2, 2]  # the floor holds; the last block is cut by the budget
@@ -99,4 +113,6 @@ def test_pristine_base_gives_the_same_plain_tokens_and_restores_the_adapters():
         with_adapters = model.logits(masked)
         with model.adapters_disabled():
             without = model.logits(masked)
-    assert not torch.allclose(with_adapters[0, -2:], without[0, -2:])  # the adapters are back and act on masks
+    assert not torch.allclose(
+        with_adapters[0, -2:], without[0, -2:]
+    )  # the adapters are back and act on masks

@@ -23,15 +23,18 @@ def _one_pass(backend: StaticBackend, feed: Feed, past: int) -> torch.Tensor:
     backend._fit(past + rows)
     inputs = backend._inputs(0, [feed], [past], 1, rows)
     with torch.inference_mode():
-        return decode_pass(backend.weights, backend.keys, backend.values, *inputs, past + rows,
-                           backend._adapters([feed]))
+        return decode_pass(
+            backend.weights, backend.keys, backend.values, *inputs, past + rows, backend._adapters([feed])
+        )
 
 
 def _kv(backend: StaticBackend, length: int) -> list[torch.Tensor]:
     return [store[0, :, :length] for store in backend.keys + backend.values]
 
 
-@pytest.mark.parametrize("chunk", [8, 32, 45])  # 8 and 32: compiled-size chunks (run uncompiled here); 45: wide
+@pytest.mark.parametrize(
+    "chunk", [8, 32, 45]
+)  # 8 and 32: compiled-size chunks (run uncompiled here); 45: wide
 @pytest.mark.parametrize("masks", [False, True])
 def test_a_chunked_prompt_gives_one_pass_kv_and_hidden_states(chunk, masks):
     model = tiny_mtp(gated=True)
@@ -82,6 +85,7 @@ def test_the_eager_backend_chunks_a_prompt_like_one_pass():
         want = whole.run(0, [feed], [0])
         got = chunked.run(0, [feed], [0])
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
-    for mine, theirs in zip(chunked.cache.keys + chunked.cache.values, whole.cache.keys + whole.cache.values,
-                            strict=True):
+    for mine, theirs in zip(
+        chunked.cache.keys + chunked.cache.values, whole.cache.keys + whole.cache.values, strict=True
+    ):
         torch.testing.assert_close(mine[0, :, :90], theirs[0, :, :90], atol=1e-5, rtol=1e-4)

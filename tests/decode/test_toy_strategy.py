@@ -53,8 +53,9 @@ def data_installed() -> bool:
 
 @pytest.fixture
 def pairs():
-    register_mode("pairs", "a toy: the next token and k-1 slot tokens", parse=parse_pairs,
-                  grammar=lambda: "pairs[:K]")(lambda cfg, taus: Pairs(cfg))
+    register_mode(
+        "pairs", "a toy: the next token and k-1 slot tokens", parse=parse_pairs, grammar=lambda: "pairs[:K]"
+    )(lambda cfg, taus: Pairs(cfg))
     yield "pairs"
     STRATEGIES.unregister("pairs")
 
@@ -85,9 +86,30 @@ def test_the_toy_is_a_bench_row(pairs, checkpoint, tmp_path):
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    run_bench(parser.parse_args(["--model", str(checkpoint), "--prompts", "2", "--prompt-set", "gsm8k",
-                                 "--max-new-tokens", "6", "--dtype", "fp32", "--backend", "eager", "--no-hf",
-                                 "--no-score", "--modes", "pairs:3,static:3", "--out", str(tmp_path)]))
+    run_bench(
+        parser.parse_args(
+            [
+                "--model",
+                str(checkpoint),
+                "--prompts",
+                "2",
+                "--prompt-set",
+                "gsm8k",
+                "--max-new-tokens",
+                "6",
+                "--dtype",
+                "fp32",
+                "--backend",
+                "eager",
+                "--no-hf",
+                "--no-score",
+                "--modes",
+                "pairs:3,static:3",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+    )
     rows = {row["mode"]: row for row in json.loads((tmp_path / "report.json").read_text())["rows"]}
     assert rows["pairs:3"]["tokens"] == rows["static:3"]["tokens"]
     assert rows["pairs:3"]["tokens_per_forward"] == rows["static:3"]["tokens_per_forward"] > 1
@@ -97,9 +119,12 @@ def test_the_toy_serves_a_request(pairs, checkpoint, tmp_path):
     repo = write_manifest(tmp_path / "repo", {"tiny": (checkpoint, None)})
     with LiveServer(repo, api_key=None) as live:
         client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="none", max_retries=0, timeout=120)
-        answers = {mode: client.completions.create(model="tiny", prompt="t1 t2", max_tokens=9, temperature=0,
-                                                   extra_body={"mode": mode})
-                   for mode in ("pairs:3", "static:3")}
+        answers = {
+            mode: client.completions.create(
+                model="tiny", prompt="t1 t2", max_tokens=9, temperature=0, extra_body={"mode": mode}
+            )
+            for mode in ("pairs:3", "static:3")
+        }
         with pytest.raises(openai.BadRequestError, match="pairs"):
             client.completions.create(model="tiny", prompt="t1", max_tokens=2, extra_body={"mode": "pairs:x"})
     assert answers["pairs:3"].choices[0].text == answers["static:3"].choices[0].text

@@ -24,8 +24,10 @@ def _verified(model, prompt, n, **knobs):
 
 def _random_prompts(n: int, seed: int, vocab: int = 60):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (int(torch.randint(1, 14, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(0, vocab, (int(torch.randint(1, 14, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
 
 
 @pytest.mark.parametrize("drafting", ["linear", "quadratic"])
@@ -112,7 +114,9 @@ def test_cache_bookkeeping_and_budget_in_verified_mode(chain_checkpoint):
     strategy = make_strategy(DecodeConfig(mode="verified", k_max=4, drafting="quadratic"), Thresholds())
     emitted = 0
     for step in stream(model, prompt, strategy, 23, stop_ids=set()):
-        assert step.cache_len == len(prompt) + emitted + step.accepted  # kept drafts are cached, the new token not
+        assert (
+            step.cache_len == len(prompt) + emitted + step.accepted
+        )  # kept drafts are cached, the new token not
         assert len(step.tokens) == step.accepted + 1 or emitted + len(step.tokens) == 23
         emitted += len(step.tokens)
     assert emitted == 23
@@ -175,7 +179,9 @@ def test_mask_slot_trees_are_plain_greedy(chain_checkpoint, widths):
         tree = _verified(model, prompt, 24, k_max=4, drafting="tree", tree_widths=widths, window="fixed")
         assert tree.tokens == plain, f"prompt {i}"
         tree_forwards += tree.forwards
-        quadratic_forwards += _verified(model, prompt, 24, k_max=4, drafting="quadratic", window="fixed").forwards
+        quadratic_forwards += _verified(
+            model, prompt, 24, k_max=4, drafting="quadratic", window="fixed"
+        ).forwards
     assert tree_forwards < 1.2 * quadratic_forwards  # trees really were accepted
     if widths == "2,1,1":
         assert tree_forwards <= quadratic_forwards
@@ -195,8 +201,9 @@ def test_a_mask_slot_tree_stays_within_the_row_budget(chain_checkpoint):
 
     model = MTPModel.load(chain_checkpoint)
     prompt = chat_prompt_ids(model.tokenizer, chain_rows(1, seed=5)[0]["prompt"])
-    cfg = DecodeConfig(mode="verified", drafting="tree", tree_widths="3,3,2", k_max=8, window="fixed",
-                       max_new_tokens=24)
+    cfg = DecodeConfig(
+        mode="verified", drafting="tree", tree_widths="3,3,2", k_max=8, window="fixed", max_new_tokens=24
+    )
     backend = Recording(model, slots=1)
     steps = list(stream(model, prompt, make_strategy(cfg, Thresholds(k_max=8)), 24, set(), backend=backend))
     plain = generate(model, prompt, DecodeConfig(mode="ntp", max_new_tokens=24)).tokens

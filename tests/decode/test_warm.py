@@ -36,10 +36,31 @@ def test_the_bench_times_no_compile(tmp_path, capfd):
     checkpoint = tiny_mtp(seed=0, gated=True).save(tmp_path / "ckpt")
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    run_bench(parser.parse_args(["--model", str(checkpoint), "--prompts", "3", "--prompt-set", "gsm8k",
-                                 "--max-new-tokens", "10", "--dtype", "fp32", "--backend", "compiled",
-                                 "--modes", "ntp,verified:quadratic,confadapt:0.5", "--no-score", "--no-predict",
-                                 "--no-eager-baseline", "--out", str(tmp_path / "bench")]))
+    run_bench(
+        parser.parse_args(
+            [
+                "--model",
+                str(checkpoint),
+                "--prompts",
+                "3",
+                "--prompt-set",
+                "gsm8k",
+                "--max-new-tokens",
+                "10",
+                "--dtype",
+                "fp32",
+                "--backend",
+                "compiled",
+                "--modes",
+                "ntp,verified:quadratic,confadapt:0.5",
+                "--no-score",
+                "--no-predict",
+                "--no-eager-baseline",
+                "--out",
+                str(tmp_path / "bench"),
+            ]
+        )
+    )
     err = capfd.readouterr().err
     assert "compiled inside a timed run" not in err
     assert json.loads((tmp_path / "bench" / "report.json").read_text())["compiled_buckets"]
@@ -47,8 +68,16 @@ def test_the_bench_times_no_compile(tmp_path, capfd):
 
 def test_a_request_after_ready_compiles_nothing(tmp_path):
     checkpoint = tiny_mtp(seed=0, gated=True).save(tmp_path / "ckpt")  # (an ungated save does not load back)
-    repository = build_repository([], write_manifest(tmp_path / "repo", {"tiny": (checkpoint, None)}), "fp32", 2,
-                                  0.0, None, "off", backend="compiled")
+    repository = build_repository(
+        [],
+        write_manifest(tmp_path / "repo", {"tiny": (checkpoint, None)}),
+        "fp32",
+        2,
+        0.0,
+        None,
+        "off",
+        backend="compiled",
+    )
     repository.warm(64)
     backend = repository.loaded["tiny"].engine.backend
     ready = dict(backend.compiled_buckets)
@@ -56,8 +85,10 @@ def test_a_request_after_ready_compiles_nothing(tmp_path):
     settings = Settings(api_key=None, limits=Limits(max_tokens=32, default_max_tokens=16, context=64))
     with TestClient(create_app(repository, settings)) as client, Compiles(backend) as seen:
         for prompt, n in ((" ".join(f"t{i}" for i in range(40)), 1), ("t1 t2 t3", 2)):  # chunked; batch of 2
-            got = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 16, "n": n,
-                                                       "mode": "verified"})
+            got = client.post(
+                "/v1/completions",
+                json={"model": "tiny", "prompt": prompt, "max_tokens": 16, "n": n, "mode": "verified"},
+            )
             assert got.status_code == 200, got.text
     repository.close(0)
     assert seen.count == 0 and backend.compiled_buckets == ready

@@ -51,7 +51,9 @@ def test_unrolled_training_equals_incremental_drafting():
         for t in range(2, 9):
             sequence = drafter.drafter(model.hf.get_input_embeddings())
             sequence.commit(0, rows[:2], ids[0, 1:3].tolist())  # an earlier pass
-            block = sequence.block(2, rows[2: t + 1], ids[0, 3: t + 2].tolist(), 3, chain=ids[0, t + 2: t + 4].tolist())
+            block = sequence.block(
+                2, rows[2 : t + 1], ids[0, 3 : t + 2].tolist(), 3, chain=ids[0, t + 2 : t + 4].tolist()
+            )
             unrolled = drafter.to_target(torch.stack([drafter.logits(out[0, t]) for out in outs]))
             assert torch.equal(block.isinf(), unrolled.isinf())
             assert torch.allclose(block.nan_to_num(neginf=0.0), unrolled.nan_to_num(neginf=0.0), atol=1e-5), t
@@ -63,11 +65,15 @@ def test_verified_decoding_with_an_untrained_eagle3_drafter_is_plain_greedy(seed
     model, base = _random_drafter_model(seed)
     for ids in ([1, 2, 3], [5, 9, 11, 40, 2, 17, 33]):
         plain = generate(base, ids, DecodeConfig(mode="ntp", max_new_tokens=32)).tokens
-        for cfg in (DecodeConfig(mode="verified", max_new_tokens=32),
-                    DecodeConfig(mode="verified", window="adaptive", max_new_tokens=32),
-                    DecodeConfig(mode="verified", drafting="tree", tree_widths="3,2", max_new_tokens=32)):
+        for cfg in (
+            DecodeConfig(mode="verified", max_new_tokens=32),
+            DecodeConfig(mode="verified", window="adaptive", max_new_tokens=32),
+            DecodeConfig(mode="verified", drafting="tree", tree_widths="3,2", max_new_tokens=32),
+        ):
             assert generate(model, ids, cfg).tokens == plain, (ids, cfg)
-    sampled = generate(model, [1, 2, 3], DecodeConfig(mode="verified", temperature=0.8, seed=3, max_new_tokens=16))
+    sampled = generate(
+        model, [1, 2, 3], DecodeConfig(mode="verified", temperature=0.8, seed=3, max_new_tokens=16)
+    )
     assert len(sampled.tokens) == 16
 
 
@@ -95,6 +101,7 @@ def test_batched_engine_gives_each_sequence_its_own_drafter():
             results.setdefault(index, []).extend(step.tokens)
             if step.last:
                 done.release()
+
         return emit
 
     engine = Engine(model, max_batch=3)
@@ -137,8 +144,19 @@ def eagle3_checkpoint(deep_base_dir, data_file, tmp_path_factory) -> Path:
     from mtplm.train.trainer import train
 
     run = tmp_path_factory.mktemp("eagle3") / "run"
-    cfg = train_config(deep_base_dir, data_file, run, method="heads", head_form="eagle3", k_max=5,
-                       eagle3_layers="1,2,3", draft_vocab=61, steps=150, lr=3e-3, val_every=150)
+    cfg = train_config(
+        deep_base_dir,
+        data_file,
+        run,
+        method="heads",
+        head_form="eagle3",
+        k_max=5,
+        eagle3_layers="1,2,3",
+        draft_vocab=61,
+        steps=150,
+        lr=3e-3,
+        val_every=150,
+    )
     return train(cfg, progress=False)
 
 
@@ -181,13 +199,26 @@ def test_draft_vocabulary_holds_the_most_frequent_labels(eagle3_checkpoint):
 
 # ---- the speculators export ----
 SPECULATORS_NAMES = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | {
-    f"layers.0.{name}.weight" for name in (
-        "input_layernorm", "hidden_norm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
-        "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    f"layers.0.{name}.weight"
+    for name in (
+        "input_layernorm",
+        "hidden_norm",
+        "post_attention_layernorm",
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    )
+}
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mtplm.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "mtplm.cli", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def _fresh_parse(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -217,13 +248,22 @@ def test_eagle3_export_round_trip(eagle3_checkpoint, deep_base_dir, tmp_path):
     base = json.loads((deep_base_dir / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3" and config["architectures"] == ["Eagle3Speculator"]
     assert layer["num_hidden_layers"] == 1 and layer["model_type"] == "llama"
-    for key in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads", "intermediate_size"):
+    for key in (
+        "hidden_size",
+        "vocab_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+    ):
         assert layer[key] == base[key], key
     assert config["target_hidden_size"] == base["hidden_size"] and config["draft_vocab_size"] == 61
     assert config["eagle_aux_hidden_state_layer_ids"] == LAYERS
     assert config["norm_before_residual"] is False and config["norm_before_fc"] is False
     spec = config["speculators_config"]
-    assert spec["proposal_methods"][0]["speculative_tokens"] == 4 and spec["verifier"]["name_or_path"] == "org/tiny-4l"
+    assert (
+        spec["proposal_methods"][0]["speculative_tokens"] == 4
+        and spec["verifier"]["name_or_path"] == "org/tiny-4l"
+    )
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
     assert tensors["layers.0.self_attn.q_proj.weight"].shape == (64, 128)  # q, k, v read [emb; g]: 2D wide
     assert tensors["fc.weight"].shape == (64, 192) and tensors["lm_head.weight"].shape == (61, 64)
@@ -243,7 +283,9 @@ def test_export_means_what_a_transformers_llama_layer_computes(eagle3_checkpoint
     from mtplm.heads.export import export_eagle3
 
     config, tensors = _fresh_parse(export_eagle3(str(eagle3_checkpoint), tmp_path / "x"))
-    settings = {k: v for k, v in config["transformer_layer_config"].items() if k not in ("rope_theta", "rope_scaling")}
+    settings = {
+        k: v for k, v in config["transformer_layer_config"].items() if k not in ("rope_theta", "rope_scaling")
+    }
     llama = LlamaConfig(**settings)
     llama._attn_implementation = "eager"
     dim = llama.hidden_size
@@ -251,11 +293,17 @@ def test_export_means_what_a_transformers_llama_layer_computes(eagle3_checkpoint
     for name in ("q_proj", "k_proj", "v_proj"):
         setattr(attention, name, torch.nn.Linear(2 * dim, getattr(attention, name).out_features, bias=False))
     parts = {"self_attn": attention, "mlp": LlamaMLP(llama)} | {
-        name: LlamaRMSNorm(dim, llama.rms_norm_eps) for name in ("input_layernorm", "hidden_norm",
-                                                                   "post_attention_layernorm")}
+        name: LlamaRMSNorm(dim, llama.rms_norm_eps)
+        for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm")
+    }
     for prefix, module in parts.items():
-        module.load_state_dict({k[len(f"layers.0.{prefix}."):]: v for k, v in tensors.items()
-                                if k.startswith(f"layers.0.{prefix}.")})
+        module.load_state_dict(
+            {
+                k[len(f"layers.0.{prefix}.") :]: v
+                for k, v in tensors.items()
+                if k.startswith(f"layers.0.{prefix}.")
+            }
+        )
     norm = LlamaRMSNorm(dim, llama.rms_norm_eps)
     norm.load_state_dict({"weight": tensors["norm.weight"]})
 
@@ -273,14 +321,19 @@ def test_export_means_what_a_transformers_llama_layer_computes(eagle3_checkpoint
         y = y + parts["mlp"](parts["post_attention_layernorm"](y))
         reference = norm(y) @ tensors["lm_head.weight"].T
         model = load_model(str(eagle3_checkpoint))
-        ours = model.heads.logits(model.heads.unroll(rows[..., dim:], ids, torch.tensor([8]), 1, _embed(target))[0])
+        ours = model.heads.logits(
+            model.heads.unroll(rows[..., dim:], ids, torch.tensor([8]), 1, _embed(target))[0]
+        )
     assert torch.allclose(ours, reference, atol=1e-5)
 
 
 @pytest.mark.process
 def test_exporting_anything_but_an_eagle3_drafter_is_one_clear_line(deep_base_dir, tmp_path):
     medusa = with_random_heads(deep_base_dir, "medusa").save_heads(tmp_path / "medusa")
-    for source, needle in ((medusa, "not an eagle3 drafter (medusa)"), (deep_base_dir, "not a converted checkpoint")):
+    for source, needle in (
+        (medusa, "not an eagle3 drafter (medusa)"),
+        (deep_base_dir, "not a converted checkpoint"),
+    ):
         done = _cli("export", "--format", "eagle3", str(source), str(tmp_path / "out"))
         lines = [line for line in done.stderr.splitlines() if line.strip()]
         assert done.returncode == 2 and len(lines) == 1 and needle in lines[0], done.stderr
@@ -309,14 +362,26 @@ def test_a_resumed_head_run_ends_where_the_uninterrupted_one_does(form, deep_bas
 
     from mtplm.train.trainer import train
 
-    settings = dict(method="heads", head_form=form, steps=6, save_every=3, val_every=3, log_every=1, lr=3e-3,
-                    batch_size=4, draft_vocab=40, eagle3_layers="1,2,3")
+    settings = dict(
+        method="heads",
+        head_form=form,
+        steps=6,
+        save_every=3,
+        val_every=3,
+        log_every=1,
+        lr=3e-3,
+        batch_size=4,
+        draft_vocab=40,
+        eagle3_layers="1,2,3",
+    )
     whole = train(train_config(deep_base_dir, data_file, tmp_path / "whole", **settings), progress=False)
     shutil.copytree(tmp_path / "whole" / "train_state", tmp_path / "resumed" / "train_state")  # stopped at 3
     shutil.copy(tmp_path / "whole" / "compute.json", tmp_path / "resumed")  # ... after one session's compute
     first = json.loads((tmp_path / "whole" / "compute.json").read_text())
-    resumed = train(train_config(deep_base_dir, data_file, tmp_path / "resumed", resume="auto", **settings),
-                    progress=False)
+    resumed = train(
+        train_config(deep_base_dir, data_file, tmp_path / "resumed", resume="auto", **settings),
+        progress=False,
+    )
 
     def losses(run: str) -> dict:
         rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]

@@ -28,8 +28,9 @@ def heads_checkpoint(request, base_dir, data_file, tmp_path_factory) -> Path:
     from mtplm.train.trainer import train
 
     run = tmp_path_factory.mktemp(f"heads-{request.param}") / "run"
-    cfg = train_config(base_dir, data_file, run, method="heads", head_form=request.param, steps=150, lr=3e-3,
-                       val_every=150)
+    cfg = train_config(
+        base_dir, data_file, run, method="heads", head_form=request.param, steps=150, lr=3e-3, val_every=150
+    )
     return train(cfg, progress=False)
 
 
@@ -68,7 +69,9 @@ def test_verified_decoding_with_heads_is_plain_greedy(heads_checkpoint):
 
     model = load_model(str(heads_checkpoint))
     prompts = [chat_prompt_ids(model.tokenizer, r["prompt"]) for r in chain_rows(12, seed=5)]
-    prompts += [model.tokenizer(" ".join(f"t{(7 * i + 3) % 60}" for i in range(n)))["input_ids"] for n in (3, 9)]
+    prompts += [
+        model.tokenizer(" ".join(f"t{(7 * i + 3) % 60}" for i in range(n)))["input_ids"] for n in (3, 9)
+    ]
     forwards = tokens = 0
     tree_forwards = {"2,2": 0, "3,1,2": 0}
     for ids in prompts:
@@ -78,8 +81,11 @@ def test_verified_decoding_with_heads_is_plain_greedy(heads_checkpoint):
             assert out.tokens == plain, (ids, window)
         forwards, tokens = forwards + out.forwards, tokens + len(out.tokens)
         for widths in ("2,2", "3,1,2"):
-            tree = generate(model, ids, DecodeConfig(mode="verified", drafting="tree", tree_widths=widths,
-                                                     max_new_tokens=24))
+            tree = generate(
+                model,
+                ids,
+                DecodeConfig(mode="verified", drafting="tree", tree_widths=widths, max_new_tokens=24),
+            )
             assert tree.tokens == plain, (ids, widths)
             tree_forwards[widths] += tree.forwards
     assert tokens / forwards > 2.0  # trained heads: most drafts survive
@@ -92,7 +98,9 @@ def test_untrained_heads_stay_lossless_and_lossy_modes_run(base_dir):
     ids = model.tokenizer("t1 t2 t3")["input_ids"]
     plain = generate(model, ids, DecodeConfig(mode="ntp", max_new_tokens=20)).tokens
     assert generate(model, ids, DecodeConfig(mode="verified", max_new_tokens=20)).tokens == plain
-    tree = generate(model, ids, DecodeConfig(mode="verified", drafting="tree", tree_widths="3,2", max_new_tokens=20))
+    tree = generate(
+        model, ids, DecodeConfig(mode="verified", drafting="tree", tree_widths="3,2", max_new_tokens=20)
+    )
     assert tree.tokens == plain
     static = generate(model, ids, DecodeConfig(mode="static", k=3, max_new_tokens=20))
     assert static.forwards < len(static.tokens) and len(static.tokens) == 20
@@ -104,15 +112,25 @@ def test_untrained_heads_stay_lossless_and_lossy_modes_run(base_dir):
 def _trainer(k: int = 4, vocab: int = 64, **settings) -> tuple[HeadTrainer, MTPModel]:
     hf = tiny_llama(seed=0, vocab=vocab, hidden=32)
     model = MTPModel(hf, tiny_tokenizer(vocab), None)
-    cfg = TrainConfig(method="heads", k_max=k, lr=1e-2, warmup_steps=1, steps=100, far_heads_bf16=False,
-                      **settings).validate()
+    cfg = TrainConfig(
+        method="heads", k_max=k, lr=1e-2, warmup_steps=1, steps=100, far_heads_bf16=False, **settings
+    ).validate()
     return HeadTrainer(cfg, model, Heads("medusa", k, 32)), model
 
 
 def _batch(rows: int = 6, length: int = 24, vocab: int = 64, seed: int = 0) -> HeadBatch:
     g = torch.Generator().manual_seed(seed)
-    return HeadBatch.of([TrunkRow(torch.randn(length, 32, generator=g), torch.randint(0, vocab, (length,), generator=g),
-                                  torch.randint(0, vocab, (length,), generator=g), 2) for _ in range(rows)])
+    return HeadBatch.of(
+        [
+            TrunkRow(
+                torch.randn(length, 32, generator=g),
+                torch.randint(0, vocab, (length,), generator=g),
+                torch.randint(0, vocab, (length,), generator=g),
+                2,
+            )
+            for _ in range(rows)
+        ]
+    )
 
 
 def _head_grads(trainer: HeadTrainer, batch: HeadBatch) -> list[float]:
@@ -128,13 +146,15 @@ def test_alpha_weights_scale_each_heads_gradient():
     flat = _head_grads(_trainer(head_alpha="1", curriculum=False)[0], batch)
     decay = _head_grads(_trainer(head_alpha="decay", curriculum=False)[0], batch)
     for k, (f, d) in enumerate(zip(flat, decay, strict=False), start=2):
-        assert d / f == pytest.approx(0.9 ** k, rel=1e-4)
+        assert d / f == pytest.approx(0.9**k, rel=1e-4)
 
 
 def test_per_head_learning_rates_move_far_heads_less():
     trainer, _ = _trainer(k=8, curriculum=False)
     trainer.step(_batch(), 0)  # Adam's first step moves every parameter by about its lr
-    moved = [float(block.linear.bias.detach().abs().max()) for block in trainer.heads.blocks]  # from zero init
+    moved = [
+        float(block.linear.bias.detach().abs().max()) for block in trainer.heads.blocks
+    ]  # from zero init
     near = moved[0]
     assert moved[1] == pytest.approx(near, rel=0.02)  # head 3: x1
     assert moved[3] == pytest.approx(0.8 * near, rel=0.02)  # head 5: x0.8
@@ -162,14 +182,25 @@ def test_consistency_loss_pulls_adjacent_heads_together(base_dir, data_file):
 
     base = MTPModel.load(str(base_dir))
     cfg = TrainConfig(data=f"jsonl:{data_file}")
-    batch = HeadBatch.of(trunk_states(base, load_samples(cfg.data, base.tokenizer, base.hf, Path("."), cfg)[:16],
-                                      32, False))
+    batch = HeadBatch.of(
+        trunk_states(base, load_samples(cfg.data, base.tokenizer, base.hf, Path("."), cfg)[:16], 32, False)
+    )
     gaps = {}
     for weight in (0.0, 10.0):
         torch.manual_seed(0)
-        trainer = HeadTrainer(TrainConfig(method="heads", k_max=4, lr=3e-3, warmup_steps=1, steps=40,
-                                          curriculum=False, consistency_weight=weight), base,
-                              Heads("sequential", 4, base.hf.config.hidden_size, 64))
+        trainer = HeadTrainer(
+            TrainConfig(
+                method="heads",
+                k_max=4,
+                lr=3e-3,
+                warmup_steps=1,
+                steps=40,
+                curriculum=False,
+                consistency_weight=weight,
+            ),
+            base,
+            Heads("sequential", 4, base.hf.config.hidden_size, 64),
+        )
         for step in range(3):
             trainer.step(batch, step)
         gaps[weight] = trainer.validate([batch])["consistency_mse"]
@@ -245,7 +276,8 @@ def test_soft_objective_is_the_kl_to_the_trunks_own_distribution():
     Where every row's hidden state is the same, the two agree and the loss is exactly zero."""
     trainer, _ = _trainer(curriculum=False, objective="soft")
     same = _batch(rows=2)
-    flat = HeadBatch(same.hidden[:, :1].expand_as(same.hidden).clone(), same.tokens, same.greedy, same.rows,
-                     same.lengths)
+    flat = HeadBatch(
+        same.hidden[:, :1].expand_as(same.hidden).clone(), same.tokens, same.greedy, same.rows, same.lengths
+    )
     assert trainer.step(flat, 0)["loss"] == pytest.approx(0.0, abs=1e-6)
     assert _trainer(curriculum=False, objective="soft")[0].step(same, 0)["loss"] > 0.01

@@ -17,8 +17,9 @@ from mtplm.text import MAX_STOP_CHARS
 @pytest.fixture(scope="module")
 def server(base_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("first_user")
-    repo = write_manifest(root / "repo", {"mtp": (tiny_converted(root / "mtp"), "confadapt:0.6@4"),
-                                          "base": (base_dir, None)})
+    repo = write_manifest(
+        root / "repo", {"mtp": (tiny_converted(root / "mtp"), "confadapt:0.6@4"), "base": (base_dir, None)}
+    )
     with LiveServer(repo, api_key=None) as live:
         yield live
 
@@ -30,7 +31,12 @@ def http(server):
 
 
 COMPLETION = {"model": "base", "prompt": "t1 t2", "max_tokens": 6, "temperature": 0}
-CHAT = {"model": "base", "messages": [{"role": "user", "content": "t1 t2"}], "max_tokens": 6, "temperature": 0}
+CHAT = {
+    "model": "base",
+    "messages": [{"role": "user", "content": "t1 t2"}],
+    "max_tokens": 6,
+    "temperature": 0,
+}
 
 
 def test_a_model_that_cannot_be_found_fails_at_start(tmp_path):
@@ -51,7 +57,9 @@ def test_a_model_that_fails_to_load_is_logged_and_the_server_is_not_healthy(tmp_
         with caplog.at_level(logging.ERROR, logger="mtplm.serve"):
             response = http.post("/v1/completions", json={**COMPLETION, "model": "broken"})
         assert response.status_code == 500 and response.json()["error"]["code"] == "model_load_failed"
-        assert any("'broken'" in r.getMessage() and "failed to load" in r.getMessage() for r in caplog.records)
+        assert any(
+            "'broken'" in r.getMessage() and "failed to load" in r.getMessage() for r in caplog.records
+        )
         health = http.get("/health")
         assert health.status_code == 503 and "broken" in health.json()["failed"]
         assert "broken" in http.get("/v1/models").json()["data"][0]["load_error"]
@@ -71,13 +79,46 @@ def test_many_stop_strings_are_accepted_up_to_a_total_length(http):
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "stop"
 
 
-@pytest.mark.parametrize("endpoint,body,nulls", [
-    ("/v1/completions", COMPLETION, ["n", "stream", "echo", "logprobs", "stop", "ignore_eos", "seed", "top_p",
-                                     "stream_options", "best_of", "suffix", "user"]),
-    ("/v1/completions", {**COMPLETION, "stream_options": {"include_usage": None}}, ["n"]),
-    ("/v1/chat/completions", CHAT, ["n", "stream", "logprobs", "top_logprobs", "stop", "ignore_eos", "tools",
-                                    "response_format", "max_completion_tokens", "metadata"]),
-])
+@pytest.mark.parametrize(
+    "endpoint,body,nulls",
+    [
+        (
+            "/v1/completions",
+            COMPLETION,
+            [
+                "n",
+                "stream",
+                "echo",
+                "logprobs",
+                "stop",
+                "ignore_eos",
+                "seed",
+                "top_p",
+                "stream_options",
+                "best_of",
+                "suffix",
+                "user",
+            ],
+        ),
+        ("/v1/completions", {**COMPLETION, "stream_options": {"include_usage": None}}, ["n"]),
+        (
+            "/v1/chat/completions",
+            CHAT,
+            [
+                "n",
+                "stream",
+                "logprobs",
+                "top_logprobs",
+                "stop",
+                "ignore_eos",
+                "tools",
+                "response_format",
+                "max_completion_tokens",
+                "metadata",
+            ],
+        ),
+    ],
+)
 def test_explicit_null_is_unset(http, endpoint, body, nulls):
     plain = http.post(endpoint, json=body)
     response = http.post(endpoint, json={**body, **dict.fromkeys(nulls)})
@@ -89,15 +130,22 @@ def test_explicit_null_is_unset(http, endpoint, body, nulls):
 
 
 def test_prediction_and_prompt_cache_fields_are_ignored_and_reported(http):
-    extra = {"prediction": {"type": "content", "content": "t3 t4"}, "prompt_cache_retention": "24h",
-             "prompt_cache_options": {"ttl": 60}, "prompt_cache_key": "k"}
+    extra = {
+        "prediction": {"type": "content", "content": "t3 t4"},
+        "prompt_cache_retention": "24h",
+        "prompt_cache_options": {"ttl": 60},
+        "prompt_cache_key": "k",
+    }
     plain = http.post("/v1/chat/completions", json=CHAT)
     response = http.post("/v1/chat/completions", json={**CHAT, **extra})
     assert response.status_code == 200, response.text
     assert set(response.headers["x-mtplm-ignored-fields"].split(", ")) == set(extra)
     assert response.json()["choices"] == plain.json()["choices"]
     completion = http.post("/v1/completions", json={**COMPLETION, "prompt_cache_retention": "in_memory"})
-    assert completion.status_code == 200 and completion.headers["x-mtplm-ignored-fields"] == "prompt_cache_retention"
+    assert (
+        completion.status_code == 200
+        and completion.headers["x-mtplm-ignored-fields"] == "prompt_cache_retention"
+    )
 
 
 def _count(http, endpoint: str, model: str, status: int) -> float:
@@ -107,16 +155,30 @@ def _count(http, endpoint: str, model: str, status: int) -> float:
 
 
 def test_refused_requests_are_counted(http):
-    before = {key: _count(http, *key) for key in (("completions", "mtp", 400), ("chat", "", 404),
-                                                    ("completions", "", 400), ("other", "", 404))}
+    before = {
+        key: _count(http, *key)
+        for key in (
+            ("completions", "mtp", 400),
+            ("chat", "", 404),
+            ("completions", "", 400),
+            ("other", "", 404),
+        )
+    }
     for _ in range(3):
-        assert http.post("/v1/completions", json={**COMPLETION, "model": "mtp", "temperature": 7}).status_code == 400
+        assert (
+            http.post("/v1/completions", json={**COMPLETION, "model": "mtp", "temperature": 7}).status_code
+            == 400
+        )
     assert http.post("/v1/chat/completions", json={**CHAT, "model": "nope"}).status_code == 404
     assert http.post("/v1/completions", content=b"{not json").status_code == 400
     assert http.get("/v1/nowhere").status_code == 404
     after = {key: _count(http, *key) for key in before}
     assert {key: after[key] - before[key] for key in before} == {
-        ("completions", "mtp", 400): 3, ("chat", "", 404): 1, ("completions", "", 400): 1, ("other", "", 404): 1}
+        ("completions", "mtp", 400): 3,
+        ("chat", "", 404): 1,
+        ("completions", "", 400): 1,
+        ("other", "", 404): 1,
+    }
 
 
 def test_serve_help_documents_every_option_with_its_default(capsys):

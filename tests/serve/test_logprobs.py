@@ -60,11 +60,16 @@ def test_plain_and_verified_report_identical_logprobs(http):
         verified = _complete(http, mode=mode)
         assert verified["text"] == plain["text"]  # lossless greedy
         assert verified["logprobs"]["tokens"] == plain["logprobs"]["tokens"]
-        diff = max(abs(a - b) for a, b in zip(verified["logprobs"]["token_logprobs"],
-                                              plain["logprobs"]["token_logprobs"], strict=True))
+        diff = max(
+            abs(a - b)
+            for a, b in zip(
+                verified["logprobs"]["token_logprobs"], plain["logprobs"]["token_logprobs"], strict=True
+            )
+        )
         assert diff < 1e-5, diff  # fp32: the same distribution, computed in a pass with drafts and mask rows
-        assert [list(t) for t in verified["logprobs"]["top_logprobs"]] == \
-            [list(t) for t in plain["logprobs"]["top_logprobs"]]
+        assert [list(t) for t in verified["logprobs"]["top_logprobs"]] == [
+            list(t) for t in plain["logprobs"]["top_logprobs"]
+        ]
         assert all(verified["logprobs"]["exact"])
 
 
@@ -73,7 +78,7 @@ def test_echo_scores_equal_a_plain_forward_pass(http, checkpoint):
     model = MTPModel.load(checkpoint)
     prompt = model.tokenizer(PROMPT)["input_ids"]
     logprobs = choice["logprobs"]
-    ids = prompt + [model.tokenizer.convert_tokens_to_ids(t) for t in logprobs["tokens"][len(prompt):]]
+    ids = prompt + [model.tokenizer.convert_tokens_to_ids(t) for t in logprobs["tokens"][len(prompt) :]]
     assert choice["text"].startswith(PROMPT) and logprobs["token_logprobs"][0] is None
     with torch.no_grad():
         expected = torch.log_softmax(model.logits(torch.tensor([ids]))[0].float(), -1)  # [S, V]
@@ -90,14 +95,28 @@ def test_lossy_slot_tokens_are_marked(http):
 
 @pytest.mark.parametrize("mode", ["confadapt:0.6@4", "static:3", "verified@4"])
 def test_streamed_logprobs_equal_the_whole_response(http, mode):
-    body = {"model": "mtp", "prompt": PROMPT, "max_tokens": 10, "temperature": 0, "logprobs": 2, "echo": True,
-            "mode": mode}
+    body = {
+        "model": "mtp",
+        "prompt": PROMPT,
+        "max_tokens": 10,
+        "temperature": 0,
+        "logprobs": 2,
+        "echo": True,
+        "mode": mode,
+    }
     whole = http.post("/v1/completions", json=body).json()["choices"][0]
     text, parts = _streamed(http, "/v1/completions", body)
     assert text == whole["text"]
     assert {key: [v for p in parts for v in p[key]] for key in parts[0]} == whole["logprobs"]
-    chat = {"model": "mtp", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 10, "temperature": 0,
-            "logprobs": True, "top_logprobs": 2, "mode": mode}
+    chat = {
+        "model": "mtp",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": 10,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "mode": mode,
+    }
     whole = http.post("/v1/chat/completions", json=chat).json()["choices"][0]
     text, parts = _streamed(http, "/v1/chat/completions", chat)
     assert text == whole["message"]["content"]
@@ -106,9 +125,18 @@ def test_streamed_logprobs_equal_the_whole_response(http, mode):
 
 def test_chat_logprobs_through_the_official_client(server):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-    reply = client.chat.completions.create(model="mtp", messages=[{"role": "user", "content": PROMPT}], max_tokens=5,
-                                           temperature=0, logprobs=True, top_logprobs=4, extra_body={"mode": "ntp"})
+    reply = client.chat.completions.create(
+        model="mtp",
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=4,
+        extra_body={"mode": "ntp"},
+    )
     content = reply.choices[0].logprobs.content
     assert "".join(entry.token + " " for entry in content).strip() == reply.choices[0].message.content
-    assert all(len(entry.top_logprobs) == 4 and entry.top_logprobs[0].logprob == entry.logprob for entry in content)
+    assert all(
+        len(entry.top_logprobs) == 4 and entry.top_logprobs[0].logprob == entry.logprob for entry in content
+    )
     assert all(entry.logprob <= 0 for entry in content)

@@ -22,10 +22,13 @@ KEY = "test-key"
 
 @pytest.fixture(scope="module")
 def server(chain_checkpoint, base_dir, tmp_path_factory):
-    repo = write_manifest(tmp_path_factory.mktemp("repo"), {
-        "chain": (chain_checkpoint, "confadapt:0.6@4"),
-        "base": (base_dir, None),
-    })
+    repo = write_manifest(
+        tmp_path_factory.mktemp("repo"),
+        {
+            "chain": (chain_checkpoint, "confadapt:0.6@4"),
+            "base": (base_dir, None),
+        },
+    )
     with LiveServer(repo, api_key=KEY) as live:
         yield live
 
@@ -69,17 +72,26 @@ def test_models_and_lazy_loading(server, client):
 def test_chat_answers_are_the_models_own_decoding(client, chain_model, mode):
     """Greedy over HTTP == the library's generate() on the same prompt and mode (fp32)."""
     prompt = _prompt(0)
-    reply = client.chat.completions.create(model="chain", messages=[{"role": "user", "content": prompt}],
-                                           max_tokens=20, temperature=0, extra_body={"mode": mode})
+    reply = client.chat.completions.create(
+        model="chain",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=20,
+        temperature=0,
+        extra_body={"mode": mode},
+    )
     from mtplm.config import parse_mode
 
     cfg = parse_mode(mode)
     cfg.max_new_tokens = 20
     local = generate(chain_model, chat_prompt_ids(chain_model.tokenizer, prompt), cfg)
-    assert reply.choices[0].message.content == chain_model.tokenizer.decode(local.tokens, skip_special_tokens=True)
+    assert reply.choices[0].message.content == chain_model.tokenizer.decode(
+        local.tokens, skip_special_tokens=True
+    )
     usage = reply.usage.model_dump()
     assert usage["forward_passes"] == local.forwards and usage["mode"] == mode
-    assert usage["completion_tokens"] == len([t for t in local.tokens if t != chain_model.tokenizer.eos_token_id])
+    assert usage["completion_tokens"] == len(
+        [t for t in local.tokens if t != chain_model.tokenizer.eos_token_id]
+    )
     if mode == "static:3":
         assert usage["tokens_per_forward"] > 2
 
@@ -92,14 +104,20 @@ def test_stream_equals_non_stream(client, chat, mode, temperature):
         messages = [{"role": "user", "content": _prompt(1)}]
         whole = client.chat.completions.create(messages=messages, **common)
         text, finish, pieces, usage = _stream_text(
-            client.chat.completions.create(messages=messages, stream=True, stream_options={"include_usage": True},
-                                           **common), chat=True)
+            client.chat.completions.create(
+                messages=messages, stream=True, stream_options={"include_usage": True}, **common
+            ),
+            chat=True,
+        )
         expected = whole.choices[0].message.content
     else:
         whole = client.completions.create(prompt=_prompt(1), **common)
         text, finish, pieces, usage = _stream_text(
-            client.completions.create(prompt=_prompt(1), stream=True, stream_options={"include_usage": True},
-                                      **common), chat=False)
+            client.completions.create(
+                prompt=_prompt(1), stream=True, stream_options={"include_usage": True}, **common
+            ),
+            chat=False,
+        )
         expected = whole.choices[0].text
     assert text == expected and finish == whole.choices[0].finish_reason
     assert usage["completion_tokens"] == whole.usage.completion_tokens
@@ -108,63 +126,130 @@ def test_stream_equals_non_stream(client, chat, mode, temperature):
 
 def test_concurrent_requests_batch_and_match_sequential_answers(server, client):
     """Eight clients at once share batched passes, and each gets the answer it gets alone (greedy, fp32)."""
-    modes = ["ntp", "static:2", "confadapt:0.6@4", "verified@4", "verified:quadratic@4", "ntp", "static:4",
-             "confadapt:0.9@4"]
+    modes = [
+        "ntp",
+        "static:2",
+        "confadapt:0.6@4",
+        "verified@4",
+        "verified:quadratic@4",
+        "ntp",
+        "static:4",
+        "confadapt:0.9@4",
+    ]
 
     def ask(i: int) -> str:
-        return client.completions.create(model="chain", prompt=_prompt(i), max_tokens=16 + i, temperature=0,
-                                         extra_body={"mode": modes[i]}).choices[0].text
+        return (
+            client.completions.create(
+                model="chain",
+                prompt=_prompt(i),
+                max_tokens=16 + i,
+                temperature=0,
+                extra_body={"mode": modes[i]},
+            )
+            .choices[0]
+            .text
+        )
 
     alone = [ask(i) for i in range(8)]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         together = list(pool.map(ask, range(8)))
     assert together == alone
     metrics = httpx.get(f"{server.url}/metrics").text
-    value = lambda prefix: float(next(line for line in metrics.splitlines() if line.startswith(prefix)).split()[-1])  # noqa: E731
+    value = lambda prefix: float(
+        next(line for line in metrics.splitlines() if line.startswith(prefix)).split()[-1]
+    )  # noqa: E731
     single = value('mtplm_batch_sequences_bucket{le="1.0",model="chain"}')
-    assert single < value('mtplm_batch_sequences_count{model="chain"}')  # some passes decoded several sequences
+    assert single < value(
+        'mtplm_batch_sequences_count{model="chain"}'
+    )  # some passes decoded several sequences
 
 
 def test_stop_strings_cut_the_text_in_both_forms(client):
-    base = client.completions.create(model="chain", prompt=_prompt(2), max_tokens=30, temperature=0,
-                                     extra_body={"mode": "ntp"}).choices[0].text
+    base = (
+        client.completions.create(
+            model="chain", prompt=_prompt(2), max_tokens=30, temperature=0, extra_body={"mode": "ntp"}
+        )
+        .choices[0]
+        .text
+    )
     words = base.split()
     assert len(words) > 4
     stop = " " + words[3]
-    cut = client.completions.create(model="chain", prompt=_prompt(2), max_tokens=30, temperature=0, stop=[stop],
-                                    extra_body={"mode": "static:3"})
-    expected = client.completions.create(model="chain", prompt=_prompt(2), max_tokens=30, temperature=0,
-                                         extra_body={"mode": "static:3"}).choices[0].text
+    cut = client.completions.create(
+        model="chain",
+        prompt=_prompt(2),
+        max_tokens=30,
+        temperature=0,
+        stop=[stop],
+        extra_body={"mode": "static:3"},
+    )
+    expected = (
+        client.completions.create(
+            model="chain", prompt=_prompt(2), max_tokens=30, temperature=0, extra_body={"mode": "static:3"}
+        )
+        .choices[0]
+        .text
+    )
     assert cut.choices[0].text == expected[: expected.index(stop)] and cut.choices[0].finish_reason == "stop"
-    text, finish, _, _ = _stream_text(client.completions.create(
-        model="chain", prompt=_prompt(2), max_tokens=30, temperature=0, stop=[stop], stream=True,
-        extra_body={"mode": "static:3"}), chat=False)
+    text, finish, _, _ = _stream_text(
+        client.completions.create(
+            model="chain",
+            prompt=_prompt(2),
+            max_tokens=30,
+            temperature=0,
+            stop=[stop],
+            stream=True,
+            extra_body={"mode": "static:3"},
+        ),
+        chat=False,
+    )
     assert (text, finish) == (cut.choices[0].text, "stop")
 
 
 def test_n_choices_and_prompt_lists(client):
-    reply = client.completions.create(model="chain", prompt=[_prompt(0), _prompt(1)], n=2, max_tokens=8,
-                                      temperature=1.0, seed=3)
+    reply = client.completions.create(
+        model="chain", prompt=[_prompt(0), _prompt(1)], n=2, max_tokens=8, temperature=1.0, seed=3
+    )
     assert sorted(c.index for c in reply.choices) == [0, 1, 2, 3]
     assert 4 <= reply.usage.completion_tokens <= 4 * 8 and all(c.finish_reason for c in reply.choices)
 
 
-@pytest.mark.parametrize("request_args,status,needle", [
-    (dict(model="nope", prompt="t1"), 404, "does not exist"),
-    (dict(model="chain", prompt=""), 400, "empty"),
-    (dict(model="chain", prompt="t1", max_tokens=0), 400, "max_tokens"),
-    (dict(model="chain", prompt="t1", max_tokens=100000), 400, "max_tokens"),
-    (dict(model="chain", prompt="t1", extra_body={"mode": "warp:9"}), 400, "bad decoding mode"),
-    (dict(model="chain", prompt="t1", extra_body={"mode": "confadapt:1.5"}), 400, "bad decoding mode"),
-    (dict(model="chain", prompt="t1", temperature=0.5, extra_body={"mode": "verified:tree"}), 400, "tree drafting"),
-    (dict(model="chain", prompt="t1", temperature=0.5, extra_body={"mode": "verified:quadratic+lookup"}), 400,
-     "greedy decoding only"),
-    (dict(model="base", prompt="t1", extra_body={"mode": "verified:quadratic+lookup"}), 400, "converted model"),
-    (dict(model="chain", prompt="t1", n=99), 400, "n must"),
-    (dict(model="chain", prompt="t1", extra_body={"temprature": 0}), 400, "unrecognized request argument"),
-    (dict(model="chain", prompt="t1", presence_penalty=1.0), 400, "not supported"),
-    (dict(model="base", prompt="t1", extra_body={"mode": "confadapt"}), 400, "converted model"),
-])
+@pytest.mark.parametrize(
+    "request_args,status,needle",
+    [
+        (dict(model="nope", prompt="t1"), 404, "does not exist"),
+        (dict(model="chain", prompt=""), 400, "empty"),
+        (dict(model="chain", prompt="t1", max_tokens=0), 400, "max_tokens"),
+        (dict(model="chain", prompt="t1", max_tokens=100000), 400, "max_tokens"),
+        (dict(model="chain", prompt="t1", extra_body={"mode": "warp:9"}), 400, "bad decoding mode"),
+        (dict(model="chain", prompt="t1", extra_body={"mode": "confadapt:1.5"}), 400, "bad decoding mode"),
+        (
+            dict(model="chain", prompt="t1", temperature=0.5, extra_body={"mode": "verified:tree"}),
+            400,
+            "tree drafting",
+        ),
+        (
+            dict(
+                model="chain", prompt="t1", temperature=0.5, extra_body={"mode": "verified:quadratic+lookup"}
+            ),
+            400,
+            "greedy decoding only",
+        ),
+        (
+            dict(model="base", prompt="t1", extra_body={"mode": "verified:quadratic+lookup"}),
+            400,
+            "converted model",
+        ),
+        (dict(model="chain", prompt="t1", n=99), 400, "n must"),
+        (
+            dict(model="chain", prompt="t1", extra_body={"temprature": 0}),
+            400,
+            "unrecognized request argument",
+        ),
+        (dict(model="chain", prompt="t1", presence_penalty=1.0), 400, "not supported"),
+        (dict(model="base", prompt="t1", extra_body={"mode": "confadapt"}), 400, "converted model"),
+    ],
+)
 def test_bad_requests_get_openai_style_errors(client, request_args, status, needle):
     with pytest.raises(openai.APIStatusError) as caught:
         client.completions.create(**request_args)
@@ -178,7 +263,9 @@ def test_a_base_model_serves_prompt_lookup_losslessly(client):
     for i in range(3):
         args = dict(model="base", prompt=_prompt(i) * 2, max_tokens=24, temperature=0)
         plain = client.completions.create(**args, extra_body={"mode": "ntp"}).choices[0].text
-        assert client.completions.create(**args, extra_body={"mode": "verified:lookup"}).choices[0].text == plain
+        assert (
+            client.completions.create(**args, extra_body={"mode": "verified:lookup"}).choices[0].text == plain
+        )
 
 
 def test_chat_errors_and_auth(server, client):
@@ -188,17 +275,28 @@ def test_chat_errors_and_auth(server, client):
         client.chat.completions.create(model="chain", messages=[{"role": "user", "content": "t1 " * 600}])
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
-    oversize = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                          content=json.dumps({"model": "chain", "prompt": "t1 " * 400_000}))
+    oversize = httpx.post(
+        f"{server.url}/v1/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        content=json.dumps({"model": "chain", "prompt": "t1 " * 400_000}),
+    )
     assert oversize.status_code == 413 and "limit" in oversize.json()["error"]["message"]
-    broken = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, content=b"{")
+    broken = httpx.post(
+        f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, content=b"{"
+    )
     assert broken.status_code == 400 and "JSON" in broken.json()["error"]["message"]
     assert httpx.get(f"{server.url}/health").json()["status"] == "ok"  # health and metrics need no key
 
 
 def test_a_client_that_disconnects_frees_its_slot(server, client):
-    stream = client.completions.create(model="chain", prompt=_prompt(3), max_tokens=500, temperature=0,
-                                       stream=True, extra_body={"mode": "ntp"})
+    stream = client.completions.create(
+        model="chain",
+        prompt=_prompt(3),
+        max_tokens=500,
+        temperature=0,
+        stream=True,
+        extra_body={"mode": "ntp"},
+    )
     next(iter(stream))
     engine = server.repository.loaded["chain"].engine
     assert engine.load[1] >= 1
@@ -210,12 +308,19 @@ def test_a_client_that_disconnects_frees_its_slot(server, client):
 
 
 def test_metrics_report_tokens_per_forward_and_acceptance(server, client):
-    client.completions.create(model="chain", prompt=_prompt(4), max_tokens=12, temperature=0,
-                              extra_body={"mode": "verified@4"})
+    client.completions.create(
+        model="chain", prompt=_prompt(4), max_tokens=12, temperature=0, extra_body={"mode": "verified@4"}
+    )
     text = httpx.get(f"{server.url}/metrics").text
-    for name in ("mtplm_tokens_per_forward_bucket", "mtplm_accepted_tokens_total", "mtplm_drafted_tokens_total",
-                 "mtplm_queue_length", "mtplm_request_latency_seconds_bucket", "mtplm_time_to_first_token_seconds",
-                 "mtplm_forward_passes_total"):
+    for name in (
+        "mtplm_tokens_per_forward_bucket",
+        "mtplm_accepted_tokens_total",
+        "mtplm_drafted_tokens_total",
+        "mtplm_queue_length",
+        "mtplm_request_latency_seconds_bucket",
+        "mtplm_time_to_first_token_seconds",
+        "mtplm_forward_passes_total",
+    ):
         assert name in text, name
 
 
@@ -229,7 +334,9 @@ def test_memory_budget_unloads_the_idle_model(chain_checkpoint, base_dir, tmp_pa
         plain.completions.create(model="b", prompt="t1", max_tokens=2)
         assert set(live.repository.loaded) == {"b"}  # a was idle: unloaded to make room
         loaded = live.repository.loaded["b"]
-        assert loaded.nbytes == loaded.weight_bytes + loaded.engine.backend.nbytes() > loaded.weight_bytes  # KV counts
+        assert (
+            loaded.nbytes == loaded.weight_bytes + loaded.engine.backend.nbytes() > loaded.weight_bytes
+        )  # KV counts
 
 
 def test_utf8_is_never_split_across_stream_chunks(tmp_path):
@@ -243,9 +350,18 @@ def test_utf8_is_never_split_across_stream_chunks(tmp_path):
         pytest.skip("SmolLM2's tokenizer is not installed: run `mtplm setup`")
     tokenizer = AutoTokenizer.from_pretrained(source)
     torch.manual_seed(0)
-    hf = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                                      max_position_embeddings=512, eos_token_id=tokenizer.eos_token_id))
+    hf = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=512,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    )
     model_dir = tmp_path / "bytes"
     hf.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)

@@ -22,9 +22,25 @@ pytestmark = pytest.mark.process  # every test here launches processes
 
 def _start(repo: Path, port: int, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "mtplm.cli", "serve", "--repository", str(repo), "--port",
-                                str(port), "--dtype", "fp32", *extra], env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mtplm.cli",
+            "serve",
+            "--repository",
+            str(repo),
+            "--port",
+            str(port),
+            "--dtype",
+            "fp32",
+            *extra,
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -40,12 +56,20 @@ def test_sigterm_drains_then_fails_in_flight_requests_cleanly(base_dir, tmp_path
     repo = write_manifest(tmp_path / "repo", {"base": (base_dir, None)})
     port = free_port()
     process = _start(repo, port, "--shutdown-grace", "0.1")
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60
+    )
     try:
         short = client.completions.create(model="base", prompt="t1 t2", max_tokens=3, temperature=0)
         assert short.choices[0].finish_reason == "length"
-        stream = client.completions.create(model="base", prompt="t1 t2", max_tokens=505, temperature=0, stream=True,
-                                           extra_body={"mode": "ntp", "ignore_eos": True})
+        stream = client.completions.create(
+            model="base",
+            prompt="t1 t2",
+            max_tokens=505,
+            temperature=0,
+            stream=True,
+            extra_body={"mode": "ntp", "ignore_eos": True},
+        )
         received = [next(iter(stream))]
         process.send_signal(signal.SIGTERM)
         with pytest.raises(openai.APIError, match="shut down"):  # an error event, not a torn connection
@@ -116,15 +140,22 @@ def test_replicas_behind_nginx_share_the_load(chain_checkpoint, tmp_path):
             client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
 
             def ask(i: int) -> str:
-                stream = client.completions.create(model="chain", prompt=f"t{i} t{i + 1}", max_tokens=20,
-                                                   temperature=0, stream=True)
+                stream = client.completions.create(
+                    model="chain", prompt=f"t{i} t{i + 1}", max_tokens=20, temperature=0, stream=True
+                )
                 return "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
 
             with concurrent.futures.ThreadPoolExecutor(8) as pool:
                 answers = list(pool.map(ask, range(8)))
             direct = openai.OpenAI(base_url=f"{first.url}/v1", api_key="unused", max_retries=0)
-            expected = [direct.completions.create(model="chain", prompt=f"t{i} t{i + 1}", max_tokens=20,
-                                                  temperature=0).choices[0].text for i in range(8)]
+            expected = [
+                direct.completions.create(
+                    model="chain", prompt=f"t{i} t{i + 1}", max_tokens=20, temperature=0
+                )
+                .choices[0]
+                .text
+                for i in range(8)
+            ]
         finally:
             proxy.terminate()
             proxy.wait(timeout=10)
@@ -136,19 +167,31 @@ def test_replicas_behind_nginx_share_the_load(chain_checkpoint, tmp_path):
 
 def _requests(url: str) -> float:
     text = httpx.get(f"{url}/metrics").text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("mtplm_requests_total"))
+    return sum(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith("mtplm_requests_total")
+    )
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--repository", "/nonexistent/models"], "does not exist"),
-    (["--model", "a=x", "--model", "a=y"], "unique"),
-    (["--default-mode", "turbo"], "bad decoding mode"),
-    (["--k-by-batch", "8-1"], "bad --k-by-batch"),
-    (["--model", "no-such-model"], "'no-such-model' is not a checkpoint"),  # used to start, then 500 every request
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--repository", "/nonexistent/models"], "does not exist"),
+        (["--model", "a=x", "--model", "a=y"], "unique"),
+        (["--default-mode", "turbo"], "bad decoding mode"),
+        (["--k-by-batch", "8-1"], "bad --k-by-batch"),
+        (
+            ["--model", "no-such-model"],
+            "'no-such-model' is not a checkpoint",
+        ),  # used to start, then 500 every request
+    ],
+)
 def test_bad_serve_arguments_are_one_clear_line(args, needle, tmp_path):
-    result = subprocess.run([sys.executable, "-m", "mtplm.cli", "serve", "--port", str(free_port()), *args],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "mtplm.cli", "serve", "--port", str(free_port()), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and needle in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
@@ -158,8 +201,12 @@ def test_a_port_in_use_is_one_line_before_serving(base_dir):
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        result = subprocess.run([sys.executable, "-m", "mtplm.cli", "serve", "--model", str(base_dir), "--port",
-                                 str(port)], capture_output=True, text=True, timeout=60)
+        result = subprocess.run(
+            [sys.executable, "-m", "mtplm.cli", "serve", "--model", str(base_dir), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert result.returncode == 2, result.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "another process" in result.stderr
     assert "serving" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
@@ -167,13 +214,19 @@ def test_a_port_in_use_is_one_line_before_serving(base_dir):
 
 def test_a_manifest_with_unknown_keys_is_refused(tmp_path):
     (tmp_path / "models.toml").write_text('[[model]]\nid = "a"\npath = "x"\nmdoe = "ntp"\n')
-    result = subprocess.run([sys.executable, "-m", "mtplm.cli", "serve", "--repository", str(tmp_path)],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "mtplm.cli", "serve", "--repository", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "unknown: mdoe" in result.stderr
 
 
 def test_without_the_serve_extra_the_error_names_it():
-    code = ("import sys; sys.modules['fastapi'] = None\n"  # as if the extra were not installed
-            "from mtplm.cli import main; sys.exit(main(['serve']))")
+    code = (
+        "import sys; sys.modules['fastapi'] = None\n"  # as if the extra were not installed
+        "from mtplm.cli import main; sys.exit(main(['serve']))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "mtplm[serve]" in result.stderr and "fastapi" in result.stderr

@@ -21,8 +21,17 @@ from mtplm.model import MTPModel
 from mtplm.train.checkpoint import STATE_DIR, load_train_state
 from mtplm.train.trainer import train
 
-QUICK = dict(k_max=4, batch_size=8, seq_len=32, slots_per_seq=12, region_width=8, lora_rank=4, lora_alpha=8.0,
-             val_every=1000, warmup_steps=2)
+QUICK = dict(
+    k_max=4,
+    batch_size=8,
+    seq_len=32,
+    slots_per_seq=12,
+    region_width=8,
+    lora_rank=4,
+    lora_alpha=8.0,
+    val_every=1000,
+    warmup_steps=2,
+)
 
 
 def _leftovers(run_dir: Path) -> list[str]:
@@ -69,16 +78,25 @@ def test_resolved_config_is_saved_with_the_train_state_and_reloads(base_dir, dat
 
 
 def test_toml_round_trip_and_unknown_keys(tmp_path):
-    cfg = TrainConfig(lr=1e-5, warmup_steps=2000, schedule="constant", data='jsonl:/a "quoted" path.jsonl',
-                      entropy_weight=float("inf"), curriculum=False)
+    cfg = TrainConfig(
+        lr=1e-5,
+        warmup_steps=2000,
+        schedule="constant",
+        data='jsonl:/a "quoted" path.jsonl',
+        entropy_weight=float("inf"),
+        curriculum=False,
+    )
     path = tmp_path / "run.toml"
     path.write_text(to_toml(cfg))
     assert load_train_config(path, []) == cfg
     assert load_train_config(path, ["lr=3e-4"]).lr == 3e-4  # key=value wins over the file
 
-    for text, error in [("lr = 1e-5\nlearning_rate = 1e-5\n", "learning_rate"),
-                        ("[train]\nlr = 1e-5\n", "train must be plain settings"),
-                        ("steps = 'many'\n", "expected a int"), ("lr = \n", "cannot read config")]:
+    for text, error in [
+        ("lr = 1e-5\nlearning_rate = 1e-5\n", "learning_rate"),
+        ("[train]\nlr = 1e-5\n", "train must be plain settings"),
+        ("steps = 'many'\n", "expected a int"),
+        ("lr = \n", "cannot read config"),
+    ]:
         path.write_text(text)
         with pytest.raises(UserError, match=error):
             load_train_config(path, [])
@@ -88,19 +106,26 @@ def test_toml_round_trip_and_unknown_keys(tmp_path):
 def test_cli_config_errors_are_one_clean_line(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("stepz = 3\n")
-    done = subprocess.run([sys.executable, "-m", "mtplm.cli", "train", "--config", str(path)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "mtplm.cli", "train", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "unknown setting 'stepz=3'" in done.stderr
 
 
-@pytest.mark.parametrize("content,message", [
-    (None, "cannot read training data"),  # no such file
-    ("{not json\n", "cannot read training data"),
-    ('{"text": ""}\n{"prompt": "t1 t2", "response": ""}\n', "zero-length sequences"),
-    ('{"prompt": "", "response": "t1 t2 t3"}\n', "row 1: the prompt is empty"),
-    ('{"text": null}\n', "row 1"),
-])
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (None, "cannot read training data"),  # no such file
+        ("{not json\n", "cannot read training data"),
+        ('{"text": ""}\n{"prompt": "t1 t2", "response": ""}\n', "zero-length sequences"),
+        ('{"prompt": "", "response": "t1 t2 t3"}\n', "row 1: the prompt is empty"),
+        ('{"text": null}\n', "row 1"),
+    ],
+)
 def test_bad_training_data_is_a_clear_error_and_writes_nothing(base_dir, tmp_path, content, message):
     data = tmp_path / "data.jsonl"
     if content is not None:
@@ -112,7 +137,9 @@ def test_bad_training_data_is_a_clear_error_and_writes_nothing(base_dir, tmp_pat
 
 
 def test_resume_from_a_missing_state_is_a_clear_error(base_dir, data_file, tmp_path):
-    cfg = train_config(base_dir, data_file, tmp_path / "run", steps=2, resume=str(tmp_path / "nowhere"), **QUICK)
+    cfg = train_config(
+        base_dir, data_file, tmp_path / "run", steps=2, resume=str(tmp_path / "nowhere"), **QUICK
+    )
     with pytest.raises(UserError, match="no state.pt there"):
         train(cfg, progress=False)
 
@@ -133,10 +160,15 @@ def test_checkpoint_whose_tokenizer_lost_the_mask_token_is_a_clear_error(tmp_pat
 
 def test_prefix_loss_needs_a_recipe_that_trains_the_real_rows():
     for ignored in (TrainConfig(ntp_weight=0.1), TrainConfig(ntp_weight=0.1, method="heads")):
-        with pytest.raises(UserError, match="ntp_weight trains the real rows: use method=mask with trainable=lora"):
+        with pytest.raises(
+            UserError, match="ntp_weight trains the real rows: use method=mask with trainable=lora"
+        ):
             ignored.validate()  # gated-lora (the default) and the heads' frozen trunk would silently ignore it
-    for fine in (TrainConfig(ntp_weight=0.1, trainable="lora"), TrainConfig(ntp_weight=0.1, trainable="full"),
-                 TrainConfig(ntp_weight=0.0)):
+    for fine in (
+        TrainConfig(ntp_weight=0.1, trainable="lora"),
+        TrainConfig(ntp_weight=0.1, trainable="full"),
+        TrainConfig(ntp_weight=0.0),
+    ):
         fine.validate()
 
 

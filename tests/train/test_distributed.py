@@ -31,8 +31,20 @@ RANK_TOLERANCE = 1e-4
 # resuming replays the same computation in the same process layout: it must reproduce the losses exactly
 RESUME_TOLERANCE = 0.0
 
-QUICK = dict(k_max=4, batch_size=8, seq_len=32, slots_per_seq=12, region_width=8, lora_rank=4, lora_alpha=8.0,
-             log_every=1, val_every=1000, save_every=1000, warmup_steps=2, threads=1)
+QUICK = dict(
+    k_max=4,
+    batch_size=8,
+    seq_len=32,
+    slots_per_seq=12,
+    region_width=8,
+    lora_rank=4,
+    lora_alpha=8.0,
+    log_every=1,
+    val_every=1000,
+    save_every=1000,
+    warmup_steps=2,
+    threads=1,
+)
 
 
 @pytest.fixture
@@ -65,18 +77,44 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.mark.parametrize("parallel,trainable,lr", [("ddp", "gated-lora", 1e-2), ("fsdp", "full", 1e-3)])
-def test_two_processes_match_one_on_the_same_global_batch(base_dir, data_file, tmp_path, one_thread,
-                                                          parallel, trainable, lr):
+def test_two_processes_match_one_on_the_same_global_batch(
+    base_dir, data_file, tmp_path, one_thread, parallel, trainable, lr
+):
     steps = 4
-    single = train_config(base_dir, data_file, tmp_path / "one", steps=steps, trainable=trainable, lr=lr, **QUICK)
+    single = train_config(
+        base_dir, data_file, tmp_path / "one", steps=steps, trainable=trainable, lr=lr, **QUICK
+    )
     train(single, progress=False)
 
-    two = train_config(base_dir, data_file, tmp_path / "two", steps=steps, trainable=trainable, lr=lr,
-                       parallel=parallel, **QUICK)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                           "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
-                           "-m", "mtplm.cli", "train", *_settings(two), "--quiet"],
-                          capture_output=True, text=True, timeout=300, env=_env())
+    two = train_config(
+        base_dir,
+        data_file,
+        tmp_path / "two",
+        steps=steps,
+        trainable=trainable,
+        lr=lr,
+        parallel=parallel,
+        **QUICK,
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--master_addr=127.0.0.1",
+            f"--master_port={_free_port()}",
+            "-m",
+            "mtplm.cli",
+            "train",
+            *_settings(two),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("checkpoint:") == 1  # rank 0 alone reports (and writes) the checkpoint
 
@@ -108,15 +146,21 @@ def test_sigkilled_run_resumes_with_the_uninterrupted_losses(base_dir, data_file
     train(reference, progress=False)
 
     killed = train_config(base_dir, data_file, tmp_path / "killed", steps=10_000, **recipe)
-    proc = subprocess.Popen([sys.executable, "-m", "mtplm.cli", "train", *_settings(killed), "--quiet"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mtplm.cli", "train", *_settings(killed), "--quiet"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=_env(),
+    )
     try:
         deadline = time.monotonic() + 120
         while _saved_step(tmp_path / "killed") < 6:
             assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
             assert time.monotonic() < deadline, "no checkpoint within 120 s"
             time.sleep(0.05)
-        proc.send_signal(signal.SIGKILL)  # no chance to clean up: whatever is on disk now is what we resume from
+        proc.send_signal(
+            signal.SIGKILL
+        )  # no chance to clean up: whatever is on disk now is what we resume from
     finally:
         proc.kill()
         proc.wait()
@@ -128,7 +172,9 @@ def test_sigkilled_run_resumes_with_the_uninterrupted_losses(base_dir, data_file
     resumed = train_config(base_dir, data_file, tmp_path / "killed", steps=steps, resume="auto", **recipe)
     train(resumed, progress=False)
     expected, got = _losses(tmp_path / "reference"), _losses(tmp_path / "killed")
-    assert sorted(got) == list(range(1, steps + 1))  # steps logged after the checkpoint, before the kill, are gone
+    assert sorted(got) == list(
+        range(1, steps + 1)
+    )  # steps logged after the checkpoint, before the kill, are gone
     worst = max(abs(got[step] - expected[step]) for step in expected)
     assert worst <= RESUME_TOLERANCE, f"resumed losses differ by up to {worst:.3g}"
     assert (tmp_path / "killed" / "curves.png").is_file()

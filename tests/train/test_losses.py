@@ -10,7 +10,9 @@ from mtplm.train.losses import entropy, soft_teacher_loss
 
 
 def test_entropy_is_finite_with_the_mask_tokens_minus_infinity_logit():
-    logits = torch.tensor([[0.0, 0.0, float("-inf")], [0.0, 0.0, 0.0]])  # the last column: <mtp>, never predicted
+    logits = torch.tensor(
+        [[0.0, 0.0, float("-inf")], [0.0, 0.0, 0.0]]
+    )  # the last column: <mtp>, never predicted
     assert math.isclose(float(entropy(logits)), (math.log(2) + math.log(3)) / 2, rel_tol=1e-5)
 
 

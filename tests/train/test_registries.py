@@ -16,8 +16,18 @@ from mtplm.train.losses import top1
 from mtplm.train.objectives import Supervised, hard, objective
 from mtplm.train.trainer import train
 
-QUICK = dict(k_max=4, batch_size=8, seq_len=32, slots_per_seq=12, region_width=8, lora_rank=4, lora_alpha=8.0,
-             val_every=1000, warmup_steps=2, log_every=1)
+QUICK = dict(
+    k_max=4,
+    batch_size=8,
+    seq_len=32,
+    slots_per_seq=12,
+    region_width=8,
+    lora_rank=4,
+    lora_alpha=8.0,
+    val_every=1000,
+    warmup_steps=2,
+    log_every=1,
+)
 
 
 def test_the_registries_hold_the_documented_names():
@@ -25,7 +35,9 @@ def test_the_registries_hold_the_documented_names():
     assert set(TRAINABLE.names()) == {"gated-lora", "lora", "full"}
     cfg = TrainConfig(dtype="bf16")
     assert TRAINABLE.get("full")(cfg).compute_dtype == "fp32"  # fp32 master weights
-    assert TRAINABLE.get("gated-lora")(cfg).compute_dtype == TRAINABLE.get("lora")(cfg).compute_dtype == "bf16"
+    assert (
+        TRAINABLE.get("gated-lora")(cfg).compute_dtype == TRAINABLE.get("lora")(cfg).compute_dtype == "bf16"
+    )
 
 
 @pytest.fixture
@@ -55,8 +67,11 @@ def _first_loss(base_dir, data_file, out, objective_name: str) -> float:
     cfg = train_config(base_dir, data_file, out, objective=objective_name, steps=2, **QUICK)
     assert train(cfg, progress=False) == out / "checkpoint"
     assert json.loads((out / "config.json").read_text())["objective"] == objective_name
-    losses = [entry["loss"] for entry in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-              if "loss" in entry]
+    losses = [
+        entry["loss"]
+        for entry in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+        if "loss" in entry
+    ]
     assert len(losses) == 2
     return losses[0]
 
@@ -72,7 +87,9 @@ def test_a_registered_objective_trains(base_dir, data_file, tmp_path, toy_object
 
     truth = _first_loss(base_dir, data_file, tmp_path / "truth", "ground-truth")
     no_teacher = _first_loss(base_dir, data_file, tmp_path / "no-teacher", "no-teacher-hard")
-    assert all(s.out.teacher_logits is None for s in toy_objectives["no-teacher-hard"])  # the teacher never ran
+    assert all(
+        s.out.teacher_logits is None for s in toy_objectives["no-teacher-hard"]
+    )  # the teacher never ran
     assert no_teacher == pytest.approx(truth, rel=1e-6) and no_teacher != pytest.approx(hard_loss, rel=1e-3)
 
 
@@ -88,6 +105,8 @@ def test_training_statistics_take_top1_from_the_confidence_registry():
     confidence, argmax = top1(logits)
     assert confidence.shape == argmax.shape == (5, 3)
     torch.testing.assert_close(confidence, CONFIDENCE.get("top1")(logits), rtol=0, atol=0)
-    before_probs, before_argmax = torch.softmax(logits.float(), -1).max(-1)  # what losses.top1 computed itself
+    before_probs, before_argmax = torch.softmax(logits.float(), -1).max(
+        -1
+    )  # what losses.top1 computed itself
     torch.testing.assert_close(confidence, before_probs, rtol=0, atol=0)
     assert torch.equal(argmax, before_argmax)

@@ -18,9 +18,23 @@ from mtplm.train.predict import Answer, replay
 from mtplm.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = {"k_max": 4, "steps": 16, "batch_size": 16, "seq_len": 32, "slots_per_seq": 24, "region_width": 8,
-        "lr": 1e-2, "lora_rank": 8, "lora_alpha": 16.0, "dtype": "fp32", "val_every": 8, "warmup_steps": 2,
-        "save_every": 100, "predict_texts": 4, "predict_max_new_tokens": 24}
+TINY = {
+    "k_max": 4,
+    "steps": 16,
+    "batch_size": 16,
+    "seq_len": 32,
+    "slots_per_seq": 24,
+    "region_width": 8,
+    "lr": 1e-2,
+    "lora_rank": 8,
+    "lora_alpha": 16.0,
+    "dtype": "fp32",
+    "val_every": 8,
+    "warmup_steps": 2,
+    "save_every": 100,
+    "predict_texts": 4,
+    "predict_max_new_tokens": 24,
+}
 
 
 def _sweep_main():
@@ -38,24 +52,38 @@ def _toml(value) -> str:
 
 def _write_sweep(path: Path, base_dir: Path, data_file: Path, knobs: dict, score: dict | None = None) -> Path:
     held = write_rows(path.parent / "held.jsonl", chain_rows(12, seed=77))
-    lines = ['name = "tiny"', f'runs = "{path.parent / "runs"}"', "[base]", f'model = "{base_dir}"',
-             f'data = "jsonl:{data_file}"'] + [f"{k} = {_toml(v)}" for k, v in TINY.items()]
+    lines = [
+        'name = "tiny"',
+        f'runs = "{path.parent / "runs"}"',
+        "[base]",
+        f'model = "{base_dir}"',
+        f'data = "jsonl:{data_file}"',
+    ] + [f"{k} = {_toml(v)}" for k, v in TINY.items()]
     lines += ["[knobs]"] + [f"{k} = {json.dumps(v)}" for k, v in knobs.items()]
-    score = {"prompts": 6, "calibration": 6, "prompt_set": f"jsonl:{held}", "max_new_tokens": 24, "dtype": "fp32",
-             **(score or {})}
+    score = {
+        "prompts": 6,
+        "calibration": 6,
+        "prompt_set": f"jsonl:{held}",
+        "max_new_tokens": 24,
+        "dtype": "fp32",
+        **(score or {}),
+    }
     lines += ["[score]"] + [f"{k} = {_toml(v)}" for k, v in score.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
-@pytest.mark.parametrize("knobs, score, message", [
-    ({"learning_rate": [1e-3]}, None, "unknown knob 'learning_rate'"),
-    ({"out": ["elsewhere"]}, None, "unknown knob 'out'"),
-    ({"k_max": [1]}, None, "variant k_max=1: k_max must be >= 2"),
-    ({"schedule": ["linear"]}, None, "schedule"),
-    ({"data": ["gsm8k:eval=1"]}, None, "eval split"),
-    ({"lr": [1e-3]}, {"promts": 3}, "unknown score settings"),
-])
+@pytest.mark.parametrize(
+    "knobs, score, message",
+    [
+        ({"learning_rate": [1e-3]}, None, "unknown knob 'learning_rate'"),
+        ({"out": ["elsewhere"]}, None, "unknown knob 'out'"),
+        ({"k_max": [1]}, None, "variant k_max=1: k_max must be >= 2"),
+        ({"schedule": ["linear"]}, None, "schedule"),
+        ({"data": ["gsm8k:eval=1"]}, None, "eval split"),
+        ({"lr": [1e-3]}, {"promts": 3}, "unknown score settings"),
+    ],
+)
 def test_bad_sweeps_are_one_line_and_exit_2(base_dir, data_file, tmp_path, capsys, knobs, score, message):
     spec = _write_sweep(tmp_path / "sweep.toml", base_dir, data_file, knobs, score)
     assert _sweep_main()([str(spec), "--check"]) == 2
@@ -101,10 +129,12 @@ def test_sweep_trains_scores_resumes_and_writes_its_table(base_dir, data_file, t
     for row in rows:
         assert row["train_cpu_h"] > 0 and row["confadapt_agreement"]["confadapt"] > 0.9
         for mode in ("verified", "verified:quadratic"):  # the replay is the decoder's own rule: exact here
-            assert row["predicted_tokens_per_pass"][mode] == pytest.approx(row["measured_tokens_per_pass"][mode],
-                                                                           rel=0.02)
+            assert row["predicted_tokens_per_pass"][mode] == pytest.approx(
+                row["measured_tokens_per_pass"][mode], rel=0.02
+            )
         assert row["predicted_tokens_per_pass"]["confadapt"] == pytest.approx(
-            row["measured_tokens_per_pass"]["confadapt"], rel=0.1)
+            row["measured_tokens_per_pass"]["confadapt"], rel=0.1
+        )
     assert main([str(spec), "--results", str(results), "--quiet"]) == 0  # all done: scores are reused
 
 
@@ -115,8 +145,16 @@ def test_predictor_matches_the_decoders_on_the_synthetic_language(chain_checkpoi
     from mtplm.train.predict import predict
 
     model = MTPModel.load(chain_checkpoint)
-    modes = ["verified", "verified:quadratic", "verified:linear:adaptive", "verified:tree", "confadapt:0.9",
-             "verified:quadratic+lookup", "verified:linear+lookup:adaptive", "verified:lookup"]
+    modes = [
+        "verified",
+        "verified:quadratic",
+        "verified:linear:adaptive",
+        "verified:tree",
+        "confadapt:0.9",
+        "verified:quadratic+lookup",
+        "verified:linear+lookup:adaptive",
+        "verified:lookup",
+    ]
     texts, measured = [], {m: [0, 0] for m in modes}
     for row in chain_rows(10, seed=99):
         ids = chat_prompt_ids(model.tokenizer, row["prompt"])

@@ -48,8 +48,10 @@ def test_gated_lora_training_raises_tokens_per_forward_and_keeps_the_base_path(b
 def test_full_checkpoint_loads_with_plain_transformers(base_dir, data_file, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    checkpoint = train(train_config(base_dir, data_file, tmp_path / "run", trainable="full", steps=20, lr=1e-3),
-                       progress=False)
+    checkpoint = train(
+        train_config(base_dir, data_file, tmp_path / "run", trainable="full", steps=20, lr=1e-3),
+        progress=False,
+    )
     hf = AutoModelForCausalLM.from_pretrained(checkpoint)
     tok = AutoTokenizer.from_pretrained(checkpoint)
     mtp = MTPModel.load(checkpoint)
@@ -59,29 +61,71 @@ def test_full_checkpoint_loads_with_plain_transformers(base_dir, data_file, tmp_
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mtplm.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "mtplm.cli", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.mark.process
 def test_cli_train_then_generate_round_trip(base_dir, data_file, tmp_path):
     run = tmp_path / "cli-run"
-    done = _cli("train", f"model={base_dir}", f"out={run}", f"data=jsonl:{data_file}", "k_max=4", "steps=30",
-                "batch_size=8", "seq_len=32", "slots_per_seq=12", "region_width=8", "dtype=fp32", "lora_rank=4",
-                "val_every=15", "--quiet")
+    done = _cli(
+        "train",
+        f"model={base_dir}",
+        f"out={run}",
+        f"data=jsonl:{data_file}",
+        "k_max=4",
+        "steps=30",
+        "batch_size=8",
+        "seq_len=32",
+        "slots_per_seq=12",
+        "region_width=8",
+        "dtype=fp32",
+        "lora_rank=4",
+        "val_every=15",
+        "--quiet",
+    )
     assert done.returncode == 0, done.stderr
     checkpoint = run / "checkpoint"
     assert (checkpoint / "mtplm.json").is_file() and (run / "delta" / "delta.safetensors").is_file()
     assert (run / "metrics.jsonl").read_text().count('"val"') >= 2
 
     for mode in ("ntp", "confadapt"):
-        gen = _cli("generate", "t5 t9", "--model", str(checkpoint), "--mode", mode, "--tau", "0.5",
-                   "--max-new-tokens", "8", "--dtype", "fp32")
+        gen = _cli(
+            "generate",
+            "t5 t9",
+            "--model",
+            str(checkpoint),
+            "--mode",
+            mode,
+            "--tau",
+            "0.5",
+            "--max-new-tokens",
+            "8",
+            "--dtype",
+            "fp32",
+        )
         assert gen.returncode == 0, gen.stderr
         assert gen.stdout.strip() and "tokens/forward" in gen.stderr
     outputs = {}
-    for model, mode in [(checkpoint, ("--mode", "ntp")), (checkpoint, ()), (base_dir, ())]:  # () = the default
-        gen = _cli("generate", "t5 t9 t5 t9 t5", "--model", str(model), *mode, "--max-new-tokens", "12",
-                   "--dtype", "fp32", "--backend", "eager")
+    for model, mode in [
+        (checkpoint, ("--mode", "ntp")),
+        (checkpoint, ()),
+        (base_dir, ()),
+    ]:  # () = the default
+        gen = _cli(
+            "generate",
+            "t5 t9 t5 t9 t5",
+            "--model",
+            str(model),
+            *mode,
+            "--max-new-tokens",
+            "12",
+            "--dtype",
+            "fp32",
+            "--backend",
+            "eager",
+        )
         assert gen.returncode == 0, gen.stderr
         outputs[(str(model), mode)] = gen.stdout
     assert outputs[(str(checkpoint), ())] == outputs[(str(checkpoint), ("--mode", "ntp"))]  # lossless default
@@ -93,26 +137,34 @@ def test_cli_train_then_generate_round_trip(base_dir, data_file, tmp_path):
         torch.testing.assert_close(delta.logits(ids), full.logits(ids), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("args,message", [
-    (("generate", "hi", "--model", "/no/such/model"), "not found"),
-    (("generate", "hi", "--mode", "confadapt", "--k-max", "1"), "k_max must be >= 2"),
-    (("generate", "hi", "--tau", "1.5"), "tau must lie in (0, 1]"),
-    (("generate", "hi", "--tau", "0"), "tau must lie in (0, 1]"),
-    (("generate", "   "), "prompt is empty"),
-    (("generate", "hi", "--mode", "verified", "--drafting", "zigzag"), "unknown drafting"),
-    (("generate", "hi", "--mode", "verified", "--drafting", "tree", "--tree-widths", "2,0"), "tree_widths must be"),
-    (("generate", "hi", "--mode", "verified", "--window", "big"), "unknown window policy"),
-    (("generate", "hi", "--mode", "lossless"), "unknown decoding mode"),
-    (("generate", "hi", "--lookup", "-1"), "lookup must be >= 0"),
-    (("generate", "hi", "--drafting", "tree", "--lookup", "4"), "not tree"),
-    (("generate", "hi", "--backend", "turbo"),
-     "unknown backend 'turbo': choose one of eager, compiled, compiled-int8, static"),
-    (("calibrate", "--target", "1.5"), "--target must lie in (0, 1]"),
-    (("calibrate", "--model", "/no/such/checkpoint"), "not a converted checkpoint"),
-    (("train", "k_max=1"), "k_max must be >= 2"),
-    (("train", "stepz=3"), "unknown setting"),
-    (("train", "data=jsonl:/no/such/file.jsonl", "model=/no/such/model"), "not found"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("generate", "hi", "--model", "/no/such/model"), "not found"),
+        (("generate", "hi", "--mode", "confadapt", "--k-max", "1"), "k_max must be >= 2"),
+        (("generate", "hi", "--tau", "1.5"), "tau must lie in (0, 1]"),
+        (("generate", "hi", "--tau", "0"), "tau must lie in (0, 1]"),
+        (("generate", "   "), "prompt is empty"),
+        (("generate", "hi", "--mode", "verified", "--drafting", "zigzag"), "unknown drafting"),
+        (
+            ("generate", "hi", "--mode", "verified", "--drafting", "tree", "--tree-widths", "2,0"),
+            "tree_widths must be",
+        ),
+        (("generate", "hi", "--mode", "verified", "--window", "big"), "unknown window policy"),
+        (("generate", "hi", "--mode", "lossless"), "unknown decoding mode"),
+        (("generate", "hi", "--lookup", "-1"), "lookup must be >= 0"),
+        (("generate", "hi", "--drafting", "tree", "--lookup", "4"), "not tree"),
+        (
+            ("generate", "hi", "--backend", "turbo"),
+            "unknown backend 'turbo': choose one of eager, compiled, compiled-int8, static",
+        ),
+        (("calibrate", "--target", "1.5"), "--target must lie in (0, 1]"),
+        (("calibrate", "--model", "/no/such/checkpoint"), "not a converted checkpoint"),
+        (("train", "k_max=1"), "k_max must be >= 2"),
+        (("train", "stepz=3"), "unknown setting"),
+        (("train", "data=jsonl:/no/such/file.jsonl", "model=/no/such/model"), "not found"),
+    ],
+)
 @pytest.mark.process
 def test_cli_bad_input_is_a_clear_error_without_traceback(args, message):
     done = _cli(*args)
@@ -126,6 +178,8 @@ def test_cli_unreadable_data_is_a_clear_error(base_dir, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{not json\n")
     for spec in (f"jsonl:{bad}", f"jsonl:{tmp_path / 'missing.jsonl'}", "csv:whatever"):
-        done = _cli("train", f"model={base_dir}", f"out={tmp_path / 'r'}", f"data={spec}", "steps=1", "--quiet")
+        done = _cli(
+            "train", f"model={base_dir}", f"out={tmp_path / 'r'}", f"data={spec}", "steps=1", "--quiet"
+        )
         assert done.returncode == 2, done.stderr
         assert "Traceback" not in done.stderr and ("data" in done.stderr or "read" in done.stderr)

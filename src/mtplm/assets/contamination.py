@@ -92,7 +92,9 @@ def eval_texts() -> Iterator[tuple[str, str]]:
             continue
         for example in prompt_set(source, None, 0, split="eval"):
             yield example.id, example.prompt
-            if example.answer and source not in ("gsm8k",):  # GSM8K's answer is the bare number: its solution below
+            if example.answer and source not in (
+                "gsm8k",
+            ):  # GSM8K's answer is the bare number: its solution below
                 yield example.id, example.answer
     for example in gsm8k_solutions() + humaneval_solutions():
         if in_split(example.id, "eval") and example.answer:

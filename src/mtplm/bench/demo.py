@@ -24,28 +24,42 @@ PROMPTS = (
 )
 
 
-def run_demo(spec: str, dtype: str, max_new_tokens: int, tau: float | None, backend_name: str = "auto") -> None:
+def run_demo(
+    spec: str, dtype: str, max_new_tokens: int, tau: float | None, backend_name: str = "auto"
+) -> None:
     model = load_model(spec, dtype)
     if model.meta is None:
-        raise UserError(f"{spec} is not a converted model: the demo compares plain, ConfAdapt and verified decoding, "
-                        "so give a checkpoint made by `mtplm train`")
+        raise UserError(
+            f"{spec} is not a converted model: the demo compares plain, ConfAdapt and verified decoding, "
+            "so give a checkpoint made by `mtplm train`"
+        )
     tok = model.tokenizer
-    modes = {"plain": DecodeConfig(mode="ntp", max_new_tokens=max_new_tokens),
-             "confadapt": DecodeConfig(mode="confadapt", tau=tau, max_new_tokens=max_new_tokens),
-             "verified": DecodeConfig(mode="verified", max_new_tokens=max_new_tokens),
-             "lookup": DecodeConfig(mode="verified", drafting="lookup", max_new_tokens=max_new_tokens)}
+    modes = {
+        "plain": DecodeConfig(mode="ntp", max_new_tokens=max_new_tokens),
+        "confadapt": DecodeConfig(mode="confadapt", tau=tau, max_new_tokens=max_new_tokens),
+        "verified": DecodeConfig(mode="verified", max_new_tokens=max_new_tokens),
+        "lookup": DecodeConfig(mode="verified", drafting="lookup", max_new_tokens=max_new_tokens),
+    }
     backend = make_backend(backend_name, model, slots=1)
     prompts = [chat_prompt_ids(tok, prompt) for prompt in PROMPTS]
     warm = chat_prompt_ids(tok, "Repeat this list three times: red, green, blue, yellow.")
     lengths = [len(ids) for ids in [*prompts, warm]]
-    warm_up(backend, model, list(modes.values()), (min(lengths), max(lengths)), max(max_new_tokens, 48),
-            what="the demo")  # every bucket the rows below meet, compiled before any is timed
+    warm_up(
+        backend,
+        model,
+        list(modes.values()),
+        (min(lengths), max(lengths)),
+        max(max_new_tokens, 48),
+        what="the demo",
+    )  # every bucket the rows below meet, compiled before any is timed
     for cfg in modes.values():  # warm-up: first-call costs outside the compiled buckets
         generate(model, warm, dataclasses.replace(cfg, max_new_tokens=48), backend=backend)
     totals = {name: [0, 0.0, 0] for name in modes}
     identical = {"verified": 0, "lookup": 0}
     threshold = tau if tau is not None else model.meta.decode_thresholds().tau
-    print(f"model: {spec} ({dtype}, {resolve_backend(backend_name, model)} backend); ConfAdapt threshold {threshold}\n")
+    print(
+        f"model: {spec} ({dtype}, {resolve_backend(backend_name, model)} backend); ConfAdapt threshold {threshold}\n"
+    )
     for prompt, ids in zip(PROMPTS, prompts, strict=True):
         print("=" * 100 + f"\nPROMPT: {prompt}\n")
         for name, cfg in modes.items():
@@ -60,8 +74,10 @@ def run_demo(spec: str, dtype: str, max_new_tokens: int, tau: float | None, back
             total[1] += out.elapsed_s
             total[2] += out.forwards
             text = tok.decode(out.tokens, skip_special_tokens=True).strip()
-            print(f"--- {name}: {out.tokens_per_second:.1f} tokens/s, "
-                  f"{out.tokens_per_forward:.2f} tokens/forward\n{text}\n")
+            print(
+                f"--- {name}: {out.tokens_per_second:.1f} tokens/s, "
+                f"{out.tokens_per_forward:.2f} tokens/forward\n{text}\n"
+            )
     rate = {name: t[0] / max(t[1], 1e-9) for name, t in totals.items()}
     per_forward = {name: t[0] / max(t[2], 1) for name, t in totals.items()}
     print("=" * 100)
@@ -70,6 +86,11 @@ def run_demo(spec: str, dtype: str, max_new_tokens: int, tau: float | None, back
     for name in ("confadapt", "verified", "lookup"):
         print(f"   {name} speedup: {rate[name] / rate['plain']:.2f}x wall-clock over plain (same run)")
     for name, same in identical.items():
-        print(f"   {name} output identical to plain: {same}/{len(PROMPTS)} prompts"
-              + (" (bf16 rounding differs between one-row and multi-row passes; in fp32 it is always identical)"
-                 if same < len(PROMPTS) else ""))
+        print(
+            f"   {name} output identical to plain: {same}/{len(PROMPTS)} prompts"
+            + (
+                " (bf16 rounding differs between one-row and multi-row passes; in fp32 it is always identical)"
+                if same < len(PROMPTS)
+                else ""
+            )
+        )

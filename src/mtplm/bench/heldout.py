@@ -40,7 +40,9 @@ class ScoreSettings:
         from mtplm.train.predict import replay_mode  # every mode is decoded and replayed
 
         if self.prompts < 1 or self.calibration < 1 or self.max_new_tokens < 2 or not 0 < self.target <= 1:
-            raise UserError("score: prompts and calibration must be >= 1, max_new_tokens >= 2, target in (0, 1]")
+            raise UserError(
+                "score: prompts and calibration must be >= 1, max_new_tokens >= 2, target in (0, 1]"
+            )
         for mode in self.mode_list():
             replay_mode(mode)
         return self
@@ -63,11 +65,15 @@ def held_out_prompts(settings: ScoreSettings) -> list[str]:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise UserError(f"score prompt_set {settings.prompt_set}: cannot read prompts ({exc})") from None
     if len(texts) < wanted:
-        raise UserError(f"score prompt_set {settings.prompt_set} has {len(texts)} prompts; the score needs {wanted}")
+        raise UserError(
+            f"score prompt_set {settings.prompt_set} has {len(texts)} prompts; the score needs {wanted}"
+        )
     return texts[:wanted]
 
 
-def _decode_modes(model, settings: ScoreSettings, prompts: list[list[int]], taus: list[float], backend) -> dict:
+def _decode_modes(
+    model, settings: ScoreSettings, prompts: list[list[int]], taus: list[float], backend
+) -> dict:
     """Every mode on every prompt, plain first: totals per mode (tokens, passes, seconds, agreeing tokens)."""
     from mtplm.calibrate import token_agreement
     from mtplm.config import parse_mode
@@ -76,8 +82,10 @@ def _decode_modes(model, settings: ScoreSettings, prompts: list[list[int]], taus
 
     k_max = model.meta.k_max
     thresholds = Thresholds(k_max=k_max, tau_per_position=tuple(taus))
-    totals: dict[str, Any] = {name: {"tokens": 0, "passes": 0, "seconds": 0.0, "agreeing": 0}
-                               for name in ["ntp", *settings.mode_list()]}
+    totals: dict[str, Any] = {
+        name: {"tokens": 0, "passes": 0, "seconds": 0.0, "agreeing": 0}
+        for name in ["ntp", *settings.mode_list()]
+    }
     answers = []
     for ids in prompts:
         for name in totals:
@@ -113,28 +121,54 @@ def score(checkpoint: str, settings: ScoreSettings, progress: bool = True) -> di
     if model.meta is None or model.mask_id is None:
         raise UserError(f"{checkpoint} is not a mask-token checkpoint: the score decodes with <mtp> slots")
     ids = [eval_prompt_ids(model.tokenizer, text) for text in held_out_prompts(settings)]
-    held, calibration = ids[: settings.prompts], ids[settings.prompts:]
-    calibrated = calibrate(model, calibration, [], settings.target, False, settings.max_new_tokens, progress=progress)
+    held, calibration = ids[: settings.prompts], ids[settings.prompts :]
+    calibrated = calibrate(
+        model, calibration, [], settings.target, False, settings.max_new_tokens, progress=progress
+    )
     taus = calibrated["tau_per_position"]
     totals = _decode_modes(model, settings, held, taus, make_backend(settings.backend, model, slots=1))
     answers = totals.pop("answers")
     plain_rate = totals["ntp"]["tokens"] / max(1e-9, totals["ntp"]["seconds"])
     measured = {name: t["tokens"] / max(1, t["passes"]) for name, t in totals.items() if name != "ntp"}
-    speedup = {name: t["tokens"] / max(1e-9, t["seconds"]) / max(1e-9, plain_rate) for name, t in totals.items()
-               if name != "ntp"}
-    agreement = {name: t["agreeing"] / max(1, t["tokens"]) for name, t in totals.items()
-                 if name.startswith("confadapt")}
-    predicted = predict(model, list(zip(held, answers, strict=True)), settings.mode_list(), model.meta.k_max,
-                        settings.max_new_tokens, taus=taus)
+    speedup = {
+        name: t["tokens"] / max(1e-9, t["seconds"]) / max(1e-9, plain_rate)
+        for name, t in totals.items()
+        if name != "ntp"
+    }
+    agreement = {
+        name: t["agreeing"] / max(1, t["tokens"])
+        for name, t in totals.items()
+        if name.startswith("confadapt")
+    }
+    predicted = predict(
+        model,
+        list(zip(held, answers, strict=True)),
+        settings.mode_list(),
+        model.meta.k_max,
+        settings.max_new_tokens,
+        taus=taus,
+    )
     training = model.meta.training or {}
     final = training.get("final_val", {})
-    return {"checkpoint": str(checkpoint), "score_settings": dataclasses.asdict(settings), "k_max": model.meta.k_max,
-            "measured_tokens_per_pass": measured, "measured_speedup": speedup, "backend": settings.backend,
-            "confadapt_taus": taus, "confadapt_tau": calibrated["tau"], "confadapt_agreement": agreement,
-            "calibration": calibrated["calibration"], "predicted_tokens_per_pass": predicted["tokens_per_pass"],
-            "packed_estimate": {"verified": final.get("est_verified_per_forward"),
-                                f"confadapt:{training.get('config', {}).get('tau')}":
-                                    final.get("est_tokens_per_forward")},
-            "training_predicted": final.get("predicted"), "plain_tokens_per_s": plain_rate,
-            "commit": machine()["commit"],
-            "tokens": totals["ntp"]["tokens"], "prompts": len(held)}
+    return {
+        "checkpoint": str(checkpoint),
+        "score_settings": dataclasses.asdict(settings),
+        "k_max": model.meta.k_max,
+        "measured_tokens_per_pass": measured,
+        "measured_speedup": speedup,
+        "backend": settings.backend,
+        "confadapt_taus": taus,
+        "confadapt_tau": calibrated["tau"],
+        "confadapt_agreement": agreement,
+        "calibration": calibrated["calibration"],
+        "predicted_tokens_per_pass": predicted["tokens_per_pass"],
+        "packed_estimate": {
+            "verified": final.get("est_verified_per_forward"),
+            f"confadapt:{training.get('config', {}).get('tau')}": final.get("est_tokens_per_forward"),
+        },
+        "training_predicted": final.get("predicted"),
+        "plain_tokens_per_s": plain_rate,
+        "commit": machine()["commit"],
+        "tokens": totals["ntp"]["tokens"],
+        "prompts": len(held),
+    }

@@ -25,17 +25,29 @@ from mtplm.llamacpp.server import EAGLE3, LlamaServer, f16_gguf
 
 DEFAULT_VARIANTS = "q4,f16,f16+ngram-simple,f16+ngram-mod"
 WEIGHTS = ("q4", "f16")  # q4: the GGUF the model was converted from; f16: converted from its HF directory
-NGRAM_DRAFTERS = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")  # --spec-type values
+NGRAM_DRAFTERS = (
+    "ngram-simple",
+    "ngram-map-k",
+    "ngram-map-k4v",
+    "ngram-mod",
+    "ngram-cache",
+)  # --spec-type values
 DRAFTERS = (*NGRAM_DRAFTERS, EAGLE3)
 
 
 def add_argument(parser) -> None:
-    parser.add_argument("--llama-server", nargs="?", const=DEFAULT_VARIANTS, default=None, metavar="VARIANTS",
-                        help="also run llama.cpp's llama-server (scripts/install_llama_server.sh) on loopback: a "
-                             "comma list of q4|f16 with an optional +<drafter>: an n-gram drafter "
-                             f"({', '.join(NGRAM_DRAFTERS)}) or {EAGLE3}[@P] (the --model checkpoint's eagle3 "
-                             "drafter, converted for --spec-type draft-eagle3; @P: stop a draft at a token the "
-                             f"drafter gives less than P, --spec-draft-p-min); bare: {DEFAULT_VARIANTS}")
+    parser.add_argument(
+        "--llama-server",
+        nargs="?",
+        const=DEFAULT_VARIANTS,
+        default=None,
+        metavar="VARIANTS",
+        help="also run llama.cpp's llama-server (scripts/install_llama_server.sh) on loopback: a "
+        "comma list of q4|f16 with an optional +<drafter>: an n-gram drafter "
+        f"({', '.join(NGRAM_DRAFTERS)}) or {EAGLE3}[@P] (the --model checkpoint's eagle3 "
+        "drafter, converted for --spec-type draft-eagle3; @P: stop a draft at a token the "
+        f"drafter gives less than P, --spec-draft-p-min); bare: {DEFAULT_VARIANTS}",
+    )
 
 
 def check(spec: str | None, model: str) -> None:
@@ -77,9 +89,15 @@ def parse_variants(spec: str) -> list[Variant]:
     for item in (s.strip() for s in spec.split(",") if s.strip()):
         weights, plus, drafter = item.partition("+")
         drafter, at, p_min = drafter.partition("@")
-        if weights not in WEIGHTS or (plus and drafter not in DRAFTERS) or (at and not _probability(p_min, drafter)):
-            raise UserError(f"--llama-server: unknown variant {item!r}; use q4 or f16, optionally with "
-                            f"+{'|+'.join(DRAFTERS)} (eagle3@P with 0 <= P < 1; e.g. {DEFAULT_VARIANTS})")
+        if (
+            weights not in WEIGHTS
+            or (plus and drafter not in DRAFTERS)
+            or (at and not _probability(p_min, drafter))
+        ):
+            raise UserError(
+                f"--llama-server: unknown variant {item!r}; use q4 or f16, optionally with "
+                f"+{'|+'.join(DRAFTERS)} (eagle3@P with 0 <= P < 1; e.g. {DEFAULT_VARIANTS})"
+            )
         for variant in (Variant(weights), Variant(weights, drafter or None, float(p_min) if at else None)):
             if variant not in variants:
                 variants.append(variant)
@@ -124,8 +142,10 @@ class ServerBaselines:
 
     def runs(self) -> dict:
         """name -> (run(ids) -> BaselineOutput, the name of the row it is compared with)."""
+
         def runner(server: LlamaServer):
             return lambda ids: server.complete(ids, self.max_new_tokens, self.stops)
+
         return {v.name: (runner(s), v.plain.name if v.drafter else "ntp") for v, s in self.servers.items()}
 
     def summary(self) -> dict:
@@ -152,11 +172,14 @@ def summarize_timings(server: LlamaServer) -> dict:
     drafted = sum(t.get("draft_n", 0) for t in timed)
     decode_ms = sum(t.get("predicted_ms", 0.0) for t in timed)
     return {
-        "gguf": str(server.gguf), "gguf_mb": round(server.gguf.stat().st_size / 2**20, 1),
-        "flags": " ".join(server.flags()), "startup_s": round(server.startup_s or 0, 1),
+        "gguf": str(server.gguf),
+        "gguf_mb": round(server.gguf.stat().st_size / 2**20, 1),
+        "flags": " ".join(server.flags()),
+        "startup_s": round(server.startup_s or 0, 1),
         "draft_gguf_mb": server.draft_mb,
         "server_tokens_per_s": 1000 * predicted / decode_ms if decode_ms else None,
-        "draft_n": drafted, "draft_n_accepted": accepted,
+        "draft_n": drafted,
+        "draft_n_accepted": accepted,
         "acceptance": accepted / drafted if drafted else None,
         "tokens_per_pass": predicted / max(1, predicted - accepted) if predicted else None,
     }
@@ -169,15 +192,23 @@ def start_servers(args, model, prompts: list[list[int]], stops: list[int]) -> Se
 
     if not args.llama_server:
         return None
-    variants, threads, max_new_tokens = parse_variants(args.llama_server), torch.get_num_threads(), args.max_new_tokens
+    variants, threads, max_new_tokens = (
+        parse_variants(args.llama_server),
+        torch.get_num_threads(),
+        args.max_new_tokens,
+    )
     binary, base = server_binary(), base_dir(model)
-    ggufs = {"q4": source_gguf(base) if base and any(v.weights == "q4" for v in variants) else None,
-             "f16": f16_gguf(base) if base and any(v.weights == "f16" for v in variants) else None}
+    ggufs = {
+        "q4": source_gguf(base) if base and any(v.weights == "q4" for v in variants) else None,
+        "f16": f16_gguf(base) if base and any(v.weights == "f16" for v in variants) else None,
+    }
     # room for the longest prompt, the new tokens, and a drafter's longest draft (ngram-mod: 64)
     context = 256 * -(-(max(map(len, prompts)) + max_new_tokens + 80) // 256)
     started = ServerBaselines({}, max_new_tokens, stops)
     try:
-        drafter = eagle3_gguf(args.model, base, started) if any(v.drafter == EAGLE3 for v in variants) else None
+        drafter = (
+            eagle3_gguf(args.model, base, started) if any(v.drafter == EAGLE3 for v in variants) else None
+        )
         for variant in variants:
             gguf = ggufs[variant.weights]
             if gguf is None:
@@ -212,14 +243,23 @@ def markdown(summary: dict) -> list[str]:
     """The report's llama-server section: the servers' own decode speed and the drafters' acceptance."""
     if not summary:
         return []
-    lines = ["### llama-server (its own timings)", "",
-             "| variant | GGUF MB | server decode tokens/s | drafted | accepted | acceptance | tokens/pass | flags |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "### llama-server (its own timings)",
+        "",
+        "| variant | GGUF MB | server decode tokens/s | drafted | accepted | acceptance | tokens/pass | flags |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, s in summary.items():
         rate = f"{s['server_tokens_per_s']:.1f}" if s["server_tokens_per_s"] else "–"
         acceptance = f"{100 * s['acceptance']:.0f} %" if s["acceptance"] is not None else "–"
         per_pass = f"{s['tokens_per_pass']:.2f}" if s["tokens_per_pass"] else "–"
-        lines.append(f"| {name} | {s['gguf_mb']} | {rate} | {s['draft_n']} | {s['draft_n_accepted']} | "
-                     f"{acceptance} | {per_pass} | `{s['flags']}` |")
-    return lines + ["", "Server decode tokens/s excludes prompt processing and HTTP; the table above times the "
-                        "whole request. tokens/pass = predicted / (predicted - accepted drafts).", ""]
+        lines.append(
+            f"| {name} | {s['gguf_mb']} | {rate} | {s['draft_n']} | {s['draft_n_accepted']} | "
+            f"{acceptance} | {per_pass} | `{s['flags']}` |"
+        )
+    return lines + [
+        "",
+        "Server decode tokens/s excludes prompt processing and HTTP; the table above times the "
+        "whole request. tokens/pass = predicted / (predicted - accepted drafts).",
+        "",
+    ]

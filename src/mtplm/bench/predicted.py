@@ -26,8 +26,16 @@ def replayable(item: str, cfg: DecodeConfig) -> bool:
     return cfg.mode in ("static", "confadapt") and cfg.confidence == "top1"
 
 
-def predicted_rows(model, modes: list[tuple[str, DecodeConfig]], prompts: list[list[int]], plain: list,
-                   measured: dict[str, dict], backend, backend_name: str, max_new_tokens: int) -> dict:
+def predicted_rows(
+    model,
+    modes: list[tuple[str, DecodeConfig]],
+    prompts: list[list[int]],
+    plain: list,
+    measured: dict[str, dict],
+    backend,
+    backend_name: str,
+    max_new_tokens: int,
+) -> dict:
     """{"curve": the pass-cost curve's description, "rows": [{mode, predicted/measured tokens/pass and
     speedup}]} for the replayable modes; {} for a model without mask slots or with nothing to replay."""
     from mtplm.decode.passcost import measure
@@ -38,16 +46,25 @@ def predicted_rows(model, modes: list[tuple[str, DecodeConfig]], prompts: list[l
         return {}
     k_max = max(model.meta.k_max, *(cfg.k_max or 0 for _, cfg in modes))
     cost = measure(model, backend_name, rows=CURVE_ROWS, backend=backend)
-    answers = [answer_records(model, ids, record.tokens[:max_new_tokens], k_max)
-               for ids, record in zip(prompts, plain, strict=True) if record.tokens]
+    answers = [
+        answer_records(model, ids, record.tokens[:max_new_tokens], k_max)
+        for ids, record in zip(prompts, plain, strict=True)
+        if record.tokens
+    ]
     taus = _taus(model.meta.decode_thresholds())
     rows = []
     for item in chosen:
         tally = replay(answers, item, model.meta.k_max, max_new_tokens, taus)
         row = measured[item]
-        rows.append({"mode": item, "predicted_tokens_per_pass": tally.tokens_per_pass,
-                     "measured_tokens_per_pass": row["tokens_per_forward"],
-                     "predicted_speedup": tally.speedup(cost), "measured_speedup": row["speedup"]})
+        rows.append(
+            {
+                "mode": item,
+                "predicted_tokens_per_pass": tally.tokens_per_pass,
+                "measured_tokens_per_pass": row["tokens_per_forward"],
+                "predicted_speedup": tally.speedup(cost),
+                "measured_speedup": row["speedup"],
+            }
+        )
     return {"curve": cost.describe(), "rows": rows}
 
 
@@ -62,14 +79,20 @@ def markdown(predicted: dict) -> list[str]:
     """The report's section: predicted beside measured, and the relative errors."""
     if not predicted:
         return []
-    lines = ["### Predicted vs measured (decoder replay over the plain answers)", "",
-             f"Pass-cost curve of this run: {predicted['curve']}.", "",
-             "| mode | tokens/pass predicted | measured | error | speedup predicted | measured | error |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "### Predicted vs measured (decoder replay over the plain answers)",
+        "",
+        f"Pass-cost curve of this run: {predicted['curve']}.",
+        "",
+        "| mode | tokens/pass predicted | measured | error | speedup predicted | measured | error |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in predicted["rows"]:
         tpp, speed = _pair(row, "tokens_per_pass"), _pair(row, "speedup")
-        lines.append(f"| {row['mode']} | {tpp[0]:.2f} | {tpp[1]:.2f} | {tpp[2]} | "
-                     f"{speed[0]:.2f}× | {speed[1]:.2f}× | {speed[2]} |")
+        lines.append(
+            f"| {row['mode']} | {tpp[0]:.2f} | {tpp[1]:.2f} | {tpp[2]} | "
+            f"{speed[0]:.2f}× | {speed[1]:.2f}× | {speed[2]} |"
+        )
     return lines + [""]
 
 

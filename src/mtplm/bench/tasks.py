@@ -161,8 +161,11 @@ def run_program(program: str, timeout_s: float = 5.0, memory_mb: int = 1024) -> 
         path.write_text(program, encoding="utf-8")
         with open(Path(workdir) / "stderr.txt", "w+", encoding="utf-8", errors="replace") as stderr:
             process = subprocess.Popen(
-                [sys.executable, "-I", str(path)], cwd=workdir,
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
+                [sys.executable, "-I", str(path)],
+                cwd=workdir,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
                 env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},  # no inherited secrets or PYTHON*
                 start_new_session=True,  # its own process group, so a timeout kills its children too
                 preexec_fn=_resource_limits(memory_mb, math.ceil(timeout_s) + 1),
@@ -187,11 +190,17 @@ def humaneval_passes(problem: dict, completion: str, timeout_s: float = 5.0, mem
     return run_program(humaneval_program(problem, strip_code_fences(completion)), timeout_s, memory_mb)
 
 
-def humaneval_score(problem: dict, completion: str, timeout_s: float = 5.0, memory_mb: int = 1024) -> CodeScore:
+def humaneval_score(
+    problem: dict, completion: str, timeout_s: float = 5.0, memory_mb: int = 1024
+) -> CodeScore:
     """First-try (first code block) and final (last code block) correctness of one completion."""
     blocks = code_blocks(completion)
     first = run_program(humaneval_program(problem, blocks[0]), timeout_s, memory_mb)
-    last = run_program(humaneval_program(problem, blocks[-1]), timeout_s, memory_mb) if len(blocks) > 1 else first
+    last = (
+        run_program(humaneval_program(problem, blocks[-1]), timeout_s, memory_mb)
+        if len(blocks) > 1
+        else first
+    )
     return CodeScore(first, last)
 
 
@@ -222,7 +231,7 @@ def json_valid(completion: str) -> bool:
 def _first_sql_statement(completion: str) -> str:
     """The first SQL statement: from the first line that opens with a keyword to its ';' (or the end)."""
     text = strip_code_fences(completion)
-    text = text[found.start():] if (found := _SQL_START.search(text)) else text
+    text = text[found.start() :] if (found := _SQL_START.search(text)) else text
     for end in range(len(text)):
         # complete_statement knows about quotes, so a ';' inside a string literal does not end it
         if text[end] == ";" and sqlite3.complete_statement(text[: end + 1]):
@@ -252,7 +261,9 @@ def sql_valid(completion: str) -> bool:
 # ---- dispatch --------------------------------------------------------------------------------------
 
 
-def score_example(example: Example, completion: str, problems: dict[str, dict] | None = None) -> dict[str, float]:
+def score_example(
+    example: Example, completion: str, problems: dict[str, dict] | None = None
+) -> dict[str, float]:
     """The task metrics of one completion, keyed by metric; {} for prompts without a mechanical score.
 
     gsm8k: exact match; humaneval_first_try / humaneval_final: pass@1 of the first / last code block;

@@ -38,7 +38,29 @@ from mtplm.config.train import (
     lora_targets,
 )
 
-__all__ = ["BACKEND_ENV", "DEFAULT_LOAD_POLICY", "DEFAULT_MODE", "DRAFTING", "DecodeConfig",
-           "LOOKUP_TOKENS", "ModeDefaults", "Thresholds", "mode_grammar", "parse_mode", "Limits", "DEFAULT_TARGETS",
-           "DTYPES", "LORA_GROUPS", "METHODS", "SCHEDULES", "SELF_GEN_ENGINES", "TrainConfig",
-           "lora_targets", "as_dict", "load_train_config", "override", "to_toml", "field"]
+__all__ = [
+    "BACKEND_ENV",
+    "DEFAULT_LOAD_POLICY",
+    "DEFAULT_MODE",
+    "DRAFTING",
+    "DecodeConfig",
+    "LOOKUP_TOKENS",
+    "ModeDefaults",
+    "Thresholds",
+    "mode_grammar",
+    "parse_mode",
+    "Limits",
+    "DEFAULT_TARGETS",
+    "DTYPES",
+    "LORA_GROUPS",
+    "METHODS",
+    "SCHEDULES",
+    "SELF_GEN_ENGINES",
+    "TrainConfig",
+    "lora_targets",
+    "as_dict",
+    "load_train_config",
+    "override",
+    "to_toml",
+    "field",
+]

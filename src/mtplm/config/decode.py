@@ -8,7 +8,12 @@ from dataclasses import dataclass
 from mtplm.errors import UserError
 from mtplm.registry import CONFIDENCE, STRATEGIES, WINDOWS
 
-DRAFTING = ("linear", "quadratic", "tree", "lookup")  # lookup: drafts copied from the text alone (decode/lookup.py)
+DRAFTING = (
+    "linear",
+    "quadratic",
+    "tree",
+    "lookup",
+)  # lookup: drafts copied from the text alone (decode/lookup.py)
 LOOKUP_TOKENS = 8  # copied drafts per pass when a mode asks for lookup without a number
 
 
@@ -30,10 +35,13 @@ class Thresholds:
     @classmethod
     def from_json(cls, raw: dict, k_max: int) -> Thresholds:
         taus = raw.get("tau_per_position")
-        return cls(tau=float(raw.get("tau", cls.tau)), k_max=int(raw.get("k_max", k_max)),
-                   confidence=str(raw.get("confidence", cls.confidence)),
-                   tau_per_position=tuple(float(t) for t in taus) if taus else None,
-                   calibration=raw.get("calibration"))
+        return cls(
+            tau=float(raw.get("tau", cls.tau)),
+            k_max=int(raw.get("k_max", k_max)),
+            confidence=str(raw.get("confidence", cls.confidence)),
+            tau_per_position=tuple(float(t) for t in taus) if taus else None,
+            calibration=raw.get("calibration"),
+        )
 
     def to_json(self) -> dict:
         """The `thresholds` table of mtplm.json (k_max lives once, beside it)."""
@@ -50,7 +58,9 @@ class DecodeConfig:
     # a STRATEGIES registry name: ntp | static | confadapt | verified (lossless); the CLI and server: DEFAULT_MODE
     mode: str = "ntp"
     k: int = 4  # static mode: tokens emitted per forward
-    k_max: int | None = None  # confadapt: block size; verified: most tokens per pass; None -> the checkpoint's
+    k_max: int | None = (
+        None  # confadapt: block size; verified: most tokens per pass; None -> the checkpoint's
+    )
     tau: float | None = None  # confadapt threshold; None -> the checkpoint's calibrated value
     confidence: str = "top1"  # a CONFIDENCE registry name
     backoff: bool = False  # lower k_max after repeated single-token steps, raise it when confidence returns
@@ -58,7 +68,9 @@ class DecodeConfig:
     backoff_floor: int = 2
     # verified mode; defaults = the fastest wall-clock setting measured on this CPU (README, Benchmark).
     # Where extra rows in a pass are nearly free (GPU), quadratic drafting accepts the most tokens per pass.
-    drafting: str = "linear"  # linear (one mask block, after the last draft) | quadratic (a block after every draft)
+    drafting: str = (
+        "linear"  # linear (one mask block, after the last draft) | quadratic (a block after every draft)
+    )
     #                           | tree (candidates from the heads' or mask slots' top choices, verified at once)
     tree_widths: str = "2,2"  # tree drafting: candidates per depth from the top choices; deeper depths 1
     lookup: int = 0  # drafts copied from the text per pass (decode/lookup.py) beside mask drafts; 0: none
@@ -83,24 +95,31 @@ class DecodeConfig:
 
     def _check_lookup(self) -> None:
         if self.mode == "confadapt" and self.drafting not in ("linear", "quadratic"):
-            raise UserError(f"confadapt verifies its leftover slots with linear or quadratic drafting, not "
-                            f"{self.drafting!r}: use confadapt+quadratic, confadapt+lookup or confadapt")
+            raise UserError(
+                f"confadapt verifies its leftover slots with linear or quadratic drafting, not "
+                f"{self.drafting!r}: use confadapt+quadratic, confadapt+lookup or confadapt"
+            )
         if self.lookup < 0:
             raise UserError(f"lookup must be >= 0 (copied drafts per pass; 0: none), got {self.lookup}")
         if self.lookup and self.drafting == "tree":
-            raise UserError("lookup drafts join linear or quadratic drafting, not tree: use --drafting quadratic "
-                            "--lookup N, or drop --lookup")
+            raise UserError(
+                "lookup drafts join linear or quadratic drafting, not tree: use --drafting quadratic "
+                "--lookup N, or drop --lookup"
+            )
         if self.lookup and self.drafting != "lookup" and self.temperature > 0:
-            raise UserError("lookup beside mask drafts verifies greedy decoding only: send temperature 0, or "
-                            "sample with drafting lookup alone")
+            raise UserError(
+                "lookup beside mask drafts verifies greedy decoding only: send temperature 0, or "
+                "sample with drafting lookup alone"
+            )
 
     def validate(self) -> DecodeConfig:
         STRATEGIES.check(self.mode)
         if self.k < 1:
             raise UserError(f"k must be >= 1, got {self.k}")
         if self.k_max is not None and self.k_max < 2:
-            raise UserError("k_max must be >= 2 (it counts the next token plus at least one mask slot), "
-                            f"got {self.k_max}")
+            raise UserError(
+                f"k_max must be >= 2 (it counts the next token plus at least one mask slot), got {self.k_max}"
+            )
         if self.tau is not None and not 0.0 < self.tau <= 1.0:
             raise UserError(f"tau must lie in (0, 1], got {self.tau}")
         CONFIDENCE.check(self.confidence)
@@ -114,8 +133,10 @@ class DecodeConfig:
             if not widths or min(widths) < 1:
                 raise UserError(f"tree_widths must be positive integers like 2,2, got {self.tree_widths!r}")
             if self.temperature > 0:
-                raise UserError("tree drafting verifies greedy decoding only: use --drafting linear or quadratic "
-                                "to sample with --temperature")
+                raise UserError(
+                    "tree drafting verifies greedy decoding only: use --drafting linear or quadratic "
+                    "to sample with --temperature"
+                )
         self._check_lookup()
         WINDOWS.check(self.window)
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
@@ -147,8 +168,9 @@ class ModeDefaults:
     confidence: str = "top1"
 
 
-def parse_mode(spec: str, window: str = "adaptive", k_max: int | None = None,
-               confidence: str = "top1") -> DecodeConfig:
+def parse_mode(
+    spec: str, window: str = "adaptive", k_max: int | None = None, confidence: str = "top1"
+) -> DecodeConfig:
     """A decoding mode written as one string (mode_grammar()), e.g. `confadapt:0.9@8` or `verified:tree`.
 
     The name (up to the first `:` or `+`) picks the registered strategy, whose own parser reads the rest
@@ -163,7 +185,7 @@ def parse_mode(spec: str, window: str = "adaptive", k_max: int | None = None,
         parse = getattr(STRATEGIES.get(entry), "parse", None)
         if parse is None and body != name:
             raise ValueError
-        cfg = parse(body[len(name):], defaults) if parse is not None else DecodeConfig(mode=entry)
+        cfg = parse(body[len(name) :], defaults) if parse is not None else DecodeConfig(mode=entry)
         return cfg.validate()
     except (ValueError, UserError, StopIteration):  # StopIteration: no strategy of that name or alias
         raise UserError(f"bad decoding mode {spec!r}: use {mode_grammar()}") from None

@@ -35,8 +35,10 @@ def load_train_config(path: Path | None, pairs: list[str]) -> TrainConfig:
             raise UserError(f"cannot read config {path}: {exc}") from None
         nested = [key for key, value in table.items() if isinstance(value, (dict, list))]
         if nested:
-            raise UserError(f"config {path}: {', '.join(nested)} must be plain settings (key = value), "
-                            "not tables or lists")
+            raise UserError(
+                f"config {path}: {', '.join(nested)} must be plain settings (key = value), "
+                "not tables or lists"
+            )
         try:
             cfg = override(cfg, [f"{key}={value}" for key, value in table.items()])
         except UserError as exc:

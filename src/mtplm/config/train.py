@@ -7,11 +7,22 @@ from dataclasses import dataclass
 from mtplm.errors import UserError
 from mtplm.registry import HEAD_FORMS, OBJECTIVES, TRAINABLE
 
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # LoRA wraps these
+DEFAULT_TARGETS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)  # LoRA wraps these
 METHODS = ("mask", "heads")
 DTYPES = ("fp32", "bf16")
 SCHEDULES = ("cosine", "constant")  # the learning rate after warm-up: cosine to 0.1x, or constant
-SELF_GEN_ENGINES = ("hf", "llama-server")  # TrainConfig.self_gen_engine: what generates the model's own answers
+SELF_GEN_ENGINES = (
+    "hf",
+    "llama-server",
+)  # TrainConfig.self_gen_engine: what generates the model's own answers
 
 
 @dataclass
@@ -59,7 +70,9 @@ class TrainConfig:
     predict_modes: str = "verified,verified:quadratic,confadapt"  # bench mode strings (config.parse_mode)
     predict_texts: int = 16  # held-out texts it reads (0: off)
     predict_max_new_tokens: int = 128  # answers cut where the bench stops decoding
-    pass_cost: str = "measure"  # pass-cost curve for the served speedup: measure (eager, at start) | a JSON file | ""
+    pass_cost: str = (
+        "measure"  # pass-cost curve for the served speedup: measure (eager, at start) | a JSON file | ""
+    )
     seed: int = 0
     threads: int = 0  # torch threads; 0 = leave torch's default
     device: str = "auto"  # auto (this rank's GPU when CUDA is available, else CPU) | cpu | cuda
@@ -67,7 +80,9 @@ class TrainConfig:
     resume: str = ""  # "" fresh start | auto (out/train_state if present) | a train_state folder
     # method=heads (headtrain.py); k_max is K, the heads are 2..K
     head_form: str = "medusa"  # medusa (residual MLP) | sequential (DeepSeek-V3-style chain) | eagle3
-    head_alpha: str = "decay"  # loss weights: decay (0.9^k) | a number r (r^k) | deepseek (lambda/D, 0.3 -> 0.1)
+    head_alpha: str = (
+        "decay"  # loss weights: decay (0.9^k) | a number r (r^k) | deepseek (lambda/D, 0.3 -> 0.1)
+    )
     head_lr: str = "distance"  # distance (heads 4-6 x0.8, 7-9 x0.5, ...) | flat
     curriculum: bool = True  # dynamic masking: supervise heads s..K, s ~ U[1, s_hi], s_hi: K -> 1
     curriculum_fraction: float = 0.5  # share of training over which s_hi falls to 1
@@ -75,7 +90,9 @@ class TrainConfig:
     far_heads_bf16: bool = True  # heads 5+ compute their logits in bfloat16
     head_window: int = 64  # response rows per sequence and step (heads read one row each); 0 = whole rows
     # head_form=eagle3 (heads/eagle3.py): K-1 drafting steps unrolled in training; whole rows, not windows
-    eagle3_layers: str = "auto"  # target layers whose inputs it reads: auto (2, L//2, L-3, as speculators) | a,b,c
+    eagle3_layers: str = (
+        "auto"  # target layers whose inputs it reads: auto (2, L//2, L-3, as speculators) | a,b,c
+    )
     draft_vocab: int = 32000  # its vocabulary: this many of the target tokens the training labels use most
 
     def validate(self) -> TrainConfig:
@@ -87,8 +104,9 @@ class TrainConfig:
                 if not 0.0 < float(self.head_alpha) <= 1.0:
                     raise ValueError
             except ValueError:
-                raise UserError("head_alpha must be decay, deepseek or a number in (0, 1], "
-                                f"got {self.head_alpha!r}") from None
+                raise UserError(
+                    f"head_alpha must be decay, deepseek or a number in (0, 1], got {self.head_alpha!r}"
+                ) from None
         if self.head_lr not in ("distance", "flat"):
             raise UserError(f"head_lr must be distance or flat, got {self.head_lr!r}")
         if self.draft_vocab < 1:
@@ -97,11 +115,15 @@ class TrainConfig:
             raise UserError("curriculum_fraction must lie in (0, 1] and consistency_weight be >= 0")
         TRAINABLE.check(self.trainable)
         if self.ntp_weight and (self.method != "mask" or not TRAINABLE.get(self.trainable).trains_real_rows):
-            raise UserError("ntp_weight trains the real rows: use method=mask with trainable=lora or full, not "
-                            f"method={self.method} trainable={self.trainable}")  # heads: the trunk is frozen
+            raise UserError(
+                "ntp_weight trains the real rows: use method=mask with trainable=lora or full, not "
+                f"method={self.method} trainable={self.trainable}"
+            )  # heads: the trunk is frozen
         OBJECTIVES.check(self.objective)
         if self.k_max < 2:
-            raise UserError(f"k_max must be >= 2 (the next token plus at least one mask slot), got {self.k_max}")
+            raise UserError(
+                f"k_max must be >= 2 (the next token plus at least one mask slot), got {self.k_max}"
+            )
         if self.region_width <= self.k_max:
             raise UserError(f"region_width ({self.region_width}) must exceed k_max ({self.k_max})")
         if not 0.0 < self.tau <= 1.0:
@@ -115,13 +137,16 @@ class TrainConfig:
         if self.device not in ("auto", "cpu", "cuda"):
             raise UserError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.self_gen_engine not in SELF_GEN_ENGINES:
-            raise UserError(f"self_gen_engine must be one of {', '.join(SELF_GEN_ENGINES)}, "
-                            f"got {self.self_gen_engine!r}")
+            raise UserError(
+                f"self_gen_engine must be one of {', '.join(SELF_GEN_ENGINES)}, got {self.self_gen_engine!r}"
+            )
         if self.parallel not in ("ddp", "fsdp"):
             raise UserError(f"parallel must be ddp or fsdp, got {self.parallel!r}")
         if self.parallel == "fsdp" and self.trainable != "full":
-            raise UserError(f"parallel=fsdp shards a full fine-tune; trainable={self.trainable} trains small "
-                            "adapters that fit every device: use parallel=ddp")
+            raise UserError(
+                f"parallel=fsdp shards a full fine-tune; trainable={self.trainable} trains small "
+                "adapters that fit every device: use parallel=ddp"
+            )
         if self.save_every < 1 or self.log_every < 1 or self.val_every < 1:
             raise UserError("save_every, log_every and val_every must be >= 1")
         if self.data_texts < 0 or self.predict_texts < 0 or self.predict_max_new_tokens < 1:
@@ -138,5 +163,7 @@ def lora_targets(spec: str) -> tuple[str, ...]:
     names = LORA_GROUPS.get(spec.strip()) or tuple(n.strip() for n in spec.split(",") if n.strip())
     unknown = [n for n in names if n not in DEFAULT_TARGETS]
     if unknown or not names:
-        raise UserError(f"lora_targets {spec!r}: use all, attn, mlp or a comma list of {', '.join(DEFAULT_TARGETS)}")
+        raise UserError(
+            f"lora_targets {spec!r}: use all, attn, mlp or a comma list of {', '.join(DEFAULT_TARGETS)}"
+        )
     return names

@@ -87,7 +87,9 @@ class Backend(Protocol):
 class EagerBackend:
     """The model's unmodified Hugging Face forward, one ragged pass over a RaggedCache (ragged.py)."""
 
-    prefill_chunk = PREFILL_CHUNK  # a wider feed (a prompt) runs in chunks of this many rows (decode/chunked.py)
+    prefill_chunk = (
+        PREFILL_CHUNK  # a wider feed (a prompt) runs in chunks of this many rows (decode/chunked.py)
+    )
 
     def __init__(self, model: MTPModel, slots: int = 1) -> None:
         self.model, self.slots = model, slots
@@ -150,8 +152,10 @@ def require_compiler() -> None:
 
     compiler = config.cpp.cxx[1]
     if not torch.cuda.is_available() and shutil.which(compiler) is None:
-        raise UserError(f"the compiled backend needs a C++ compiler ({compiler} not found: apt-get install g++, "
-                        f"or set CXX before starting), or run with --backend eager")
+        raise UserError(
+            f"the compiled backend needs a C++ compiler ({compiler} not found: apt-get install g++, "
+            f"or set CXX before starting), or run with --backend eager"
+        )
 
 
 def describe(model: MTPModel, backend: Backend) -> DecodeModel:
@@ -169,7 +173,9 @@ def describe(model: MTPModel, backend: Backend) -> DecodeModel:
     return DecodeModel(head, mask_id, drafter, frozenset(stop_ids(model)), thresholds)
 
 
-def _final_columns(head: Callable[[torch.Tensor], torch.Tensor], dim: int, rows: torch.Tensor) -> torch.Tensor:
+def _final_columns(
+    head: Callable[[torch.Tensor], torch.Tensor], dim: int, rows: torch.Tensor
+) -> torch.Tensor:
     return head(rows[..., :dim].contiguous())
 
 

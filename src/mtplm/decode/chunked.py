@@ -17,7 +17,9 @@ import torch
 
 from mtplm.decode.protocol import Feed
 
-PREFILL_CHUNK = 512  # rows per run: measured best of 32 (compiled buckets), 256, 512 (scripts/prompt_sweep.py)
+PREFILL_CHUNK = (
+    512  # rows per run: measured best of 32 (compiled buckets), 256, 512 (scripts/prompt_sweep.py)
+)
 
 
 def split_feed(feed: Feed, chunk: int) -> tuple[list[list[int]], Feed]:
@@ -25,8 +27,8 @@ def split_feed(feed: Feed, chunk: int) -> tuple[list[list[int]], Feed]:
     (at least one pending token, then every draft and mask block)."""
     keep = (feed.pending - 1) % chunk + 1
     head = feed.tokens[: feed.pending - keep]
-    runs = [head[i: i + chunk] for i in range(0, len(head), chunk)]
-    return runs, replace(feed, tokens=feed.tokens[feed.pending - keep:], pending=keep)
+    runs = [head[i : i + chunk] for i in range(0, len(head), chunk)]
+    return runs, replace(feed, tokens=feed.tokens[feed.pending - keep :], pending=keep)
 
 
 def run_chunked(feed: Feed, past: int, chunk: int, run: Callable[[Feed, int], torch.Tensor]) -> torch.Tensor:

@@ -363,7 +363,9 @@ class ConstrainedLogits(PassLogits):
         """How many of the first `emitted` tokens of this pass (kept drafts, then the new tokens) the grammar
         forced: chosen at a next-token row where it allows exactly one token."""
         _ = self.next_token  # computes forced_rows
-        rows = [0] + [i + 1 for i in outcome.path]  # the row each kept draft, then the first new token, came from
+        rows = [0] + [
+            i + 1 for i in outcome.path
+        ]  # the row each kept draft, then the first new token, came from
         return sum(self.forced_rows[r] for r in rows[: min(emitted, len(rows))])
 
     def candidates(self) -> torch.Tensor:

@@ -11,8 +11,10 @@ def constraint_spec(args):
     """The constraint the options ask for (a decode.constraint.Spec), or None; UserError for a bad one."""
     if getattr(args, "regex", None) is not None:
         return Spec("regex", args.regex, "--regex")
-    for option, path in (("--json-schema", getattr(args, "json_schema", None)),
-                         ("--grammar", getattr(args, "grammar", None))):
+    for option, path in (
+        ("--json-schema", getattr(args, "json_schema", None)),
+        ("--grammar", getattr(args, "grammar", None)),
+    ):
         if path is None:
             continue
         try:

@@ -66,9 +66,14 @@ class PassStats:
 
 
 class Engine:
-    def __init__(self, model: MTPModel, max_batch: int = 8,
-                 on_pass: Callable[[PassStats], None] | None = None,
-                 k_by_batch: dict[int, int] | str | None = None, backend: Backend | None = None) -> None:
+    def __init__(
+        self,
+        model: MTPModel,
+        max_batch: int = 8,
+        on_pass: Callable[[PassStats], None] | None = None,
+        k_by_batch: dict[int, int] | str | None = None,
+        backend: Backend | None = None,
+    ) -> None:
         if max_batch < 1:
             raise UserError(f"max_batch must be >= 1, got {max_batch}")
         self.model, self.max_batch, self.on_pass = model, max_batch, on_pass
@@ -87,9 +92,17 @@ class Engine:
     def submit(self, job: Job) -> Job:
         """Queue a job; raises UserError for a bad configuration, EngineClosed while shutting down."""
         strategy = make_strategy(job.cfg, self.spec.thresholds)
-        job.decoding = Decoding(self.spec, job.prompt_ids, strategy, job.cfg.max_new_tokens,
-                                set() if job.ignore_eos else self.spec.stop_ids, job.cfg.seed,
-                                logprobs=job.logprobs, echo=job.echo, constraint=job.constraint)
+        job.decoding = Decoding(
+            self.spec,
+            job.prompt_ids,
+            strategy,
+            job.cfg.max_new_tokens,
+            set() if job.ignore_eos else self.spec.stop_ids,
+            job.cfg.seed,
+            logprobs=job.logprobs,
+            echo=job.echo,
+            constraint=job.constraint,
+        )
         with self._wake:
             if self.closing:
                 raise EngineClosed("the server is shutting down")
@@ -182,7 +195,7 @@ class Engine:
             hidden = self.backend.run(start, feeds, lengths)  # [b, Q, D]
             # the LM head once for every sequence's tail rows (the last pending token onwards): one read
             # of its weights per pass, not one per sequence
-            tails = [hidden[i, feed.pending - 1: len(feed.tokens)] for i, feed in enumerate(feeds)]
+            tails = [hidden[i, feed.pending - 1 : len(feed.tokens)] for i, feed in enumerate(feeds)]
             logits = self.spec.head(torch.cat(tails)).split([len(t) for t in tails])
             steps = []
             for i, (job, feed) in enumerate(zip(jobs, feeds, strict=False)):
@@ -197,8 +210,17 @@ class Engine:
             self.policy.observe(*self._measure, seconds, sum(len(s.tokens) for s in steps) / len(jobs))
         if self.on_pass is not None:
             rows = hidden.shape[1] * len(jobs)
-            self.on_pass(PassStats(kind, len(jobs), rows, rows - sum(len(f.tokens) for f in feeds),
-                                   seconds, tuple(steps), tuple(job.label for job in jobs)))
+            self.on_pass(
+                PassStats(
+                    kind,
+                    len(jobs),
+                    rows,
+                    rows - sum(len(f.tokens) for f in feeds),
+                    seconds,
+                    tuple(steps),
+                    tuple(job.label for job in jobs),
+                )
+            )
         for job, step in zip(jobs, steps, strict=False):
             job.emit(step, None)
 
@@ -215,4 +237,3 @@ class Engine:
                 self.backend.move(last.kv.slot, slot, last.decoding.past)
                 last.kv.slot = slot
                 self.running[slot] = last
-

@@ -30,7 +30,9 @@ class TokenLogprob:
     exact: bool = True  # False: read from a mask slot's logits, not the model's next-token path
 
 
-def rows_logprobs(logits: torch.Tensor, tokens: list[int], top: int, exact: bool = True) -> list[TokenLogprob]:
+def rows_logprobs(
+    logits: torch.Tensor, tokens: list[int], top: int, exact: bool = True
+) -> list[TokenLogprob]:
     """One TokenLogprob per row of logits [R, V] and its chosen token (len(tokens) == R)."""
     if not tokens:
         return []
@@ -39,18 +41,23 @@ def rows_logprobs(logits: torch.Tensor, tokens: list[int], top: int, exact: bool
     if top:
         values, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)  # [R, top]
         # a constraint's masked rows (decode/constraint.py) hold -inf: such tokens are no alternatives
-        alternatives = [tuple((t, x) for t, x in zip(i, v, strict=True) if x != float("-inf"))
-                        for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+        alternatives = [
+            tuple((t, x) for t, x in zip(i, v, strict=True) if x != float("-inf"))
+            for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+        ]
     else:
         alternatives = [() for _ in tokens]
     return [TokenLogprob(t, lp, alt, exact) for t, lp, alt in zip(tokens, chosen, alternatives, strict=True)]
 
 
-def step_logprobs(rows: PassLogits, outcome: Outcome, kept: list[int], top: int,
-                  block: torch.Tensor | None = None) -> list[TokenLogprob]:
+def step_logprobs(
+    rows: PassLogits, outcome: Outcome, kept: list[int], top: int, block: torch.Tensor | None = None
+) -> list[TokenLogprob]:
     """The kept drafts and the outcome's new tokens, in emission order (before any stop or budget cut);
     `block`: the block [n, V] whose leading tokens the pass emitted after its first new token, if it did."""
-    before = [0] + [row + 1 for row in outcome.path]  # next_token row before each kept draft, then the new one
+    before = [0] + [
+        row + 1 for row in outcome.path
+    ]  # next_token row before each kept draft, then the new one
     tokens = kept + list(outcome.new[:1])
     exact = rows_logprobs(rows.next_token[before[: len(tokens)]], tokens, top)
     rest = list(outcome.new[1:])

@@ -31,16 +31,16 @@ class NgramLookup:
             return []
         self._index(text)
         for n in range(min(self.longest, len(text) - 1), self.shortest - 1, -1):
-            start = self.starts.get(tuple(text[len(text) - n:]))
+            start = self.starts.get(tuple(text[len(text) - n :]))
             if start is not None:
-                return list(text[start: start + most])
+                return list(text[start : start + most])
         return []
 
     def _index(self, text: Sequence[int]) -> None:
         """Register, for every new position i < len(text), the n-grams that end just before it."""
         for i in range(self.indexed, len(text)):
             for n in range(self.shortest, min(self.longest, i) + 1):
-                self.starts[tuple(text[i - n: i])] = i
+                self.starts[tuple(text[i - n : i])] = i
         self.indexed = max(self.indexed, len(text))
 
 

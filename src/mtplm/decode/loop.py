@@ -40,9 +40,13 @@ class Step:
     drafted: int = 0  # drafts verified by this pass (verified mode)
     accepted: int = 0  # of which kept
     last: bool = False  # the generation ends here (a stop token, or max_new_tokens reached)
-    logprobs: tuple[TokenLogprob, ...] | None = None  # one per emitted token, when the Decoding asked for them
+    logprobs: tuple[TokenLogprob, ...] | None = (
+        None  # one per emitted token, when the Decoding asked for them
+    )
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # prompt tokens 1.. (first step, when asked)
-    forced: int = 0  # tokens the constraint forced: taken without a pass, or chosen where it allowed one token
+    forced: int = (
+        0  # tokens the constraint forced: taken without a pass, or chosen where it allowed one token
+    )
     complete: bool | None = None  # under a constraint: the output so far is complete (None: no constraint)
 
 
@@ -51,7 +55,9 @@ class Generation:
     prompt_len: int
     tokens: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)  # tokens emitted per forward pass
-    drafts: list[tuple[int, int]] = field(default_factory=list)  # (drafted, kept) per pass that verified drafts
+    drafts: list[tuple[int, int]] = field(
+        default_factory=list
+    )  # (drafted, kept) per pass that verified drafts
     forced: int = 0  # tokens a constraint forced (in `tokens` and `accepted`, but chosen by no pass)
     complete: bool | None = None  # under a constraint: stopped with the output complete (None: no constraint)
     ttft_s: float = 0.0
@@ -82,9 +88,18 @@ class Decoding:
     batch engine (engine.py) drive the same object, so a sequence decodes the same tokens alone or batched.
     """
 
-    def __init__(self, model: DecodeModel, prompt_ids: list[int], strategy: Strategy, max_new_tokens: int,
-                 stop_ids: set[int] | frozenset[int], seed: int = 0, logprobs: int | None = None,
-                 echo: bool = False, constraint: Constraint | None = None) -> None:
+    def __init__(
+        self,
+        model: DecodeModel,
+        prompt_ids: list[int],
+        strategy: Strategy,
+        max_new_tokens: int,
+        stop_ids: set[int] | frozenset[int],
+        seed: int = 0,
+        logprobs: int | None = None,
+        echo: bool = False,
+        constraint: Constraint | None = None,
+    ) -> None:
         if not prompt_ids:
             raise UserError("the prompt is empty: give at least one token of input")
         self.model, self.strategy, self.stop_ids = model, strategy, stop_ids
@@ -99,11 +114,15 @@ class Decoding:
         self.plan: Plan | None = None  # this pass's plan and rows (feed() sets them, advance() reads them)
         self.fed: Feed | None = None
         self.budget = 0  # tokens this pass may emit
-        self.cap: int | None = None  # most tokens one pass may emit, set from outside (the engine's load policy)
+        self.cap: int | None = (
+            None  # most tokens one pass may emit, set from outside (the engine's load policy)
+        )
         # opt-in (decode/logprobs.py): top-N alternatives per emitted token (None: no logprobs at all),
         # and the prompt's own token logprobs from the prefill pass
         self.logprobs, self.echo = logprobs, echo
-        self.drafter = model.drafter() if model.drafter is not None else None  # head-based: this sequence's own
+        self.drafter = (
+            model.drafter() if model.drafter is not None else None
+        )  # head-based: this sequence's own
         # constraint.py: the grammar the output must match; the tokens it forces ride in the next pass as
         # committed tokens (no logprobs for them, so not when logprobs are asked for)
         self.constraint, self.forced = constraint, list[int]()
@@ -152,9 +171,12 @@ class Decoding:
         LM head's logits for rows pending-1 onwards); commit it in `kv`."""
         plan, feed = self.plan, self.fed
         assert plan is not None and feed is not None, "advance() follows feed()"
-        tail = hidden[feed.pending - 1:]
-        rows = (PassLogits(self.model.head, tail, feed, logits) if self.constraint is None
-                else ConstrainedLogits(self.constraint, plan.drafts, self.model.head, tail, feed, logits))
+        tail = hidden[feed.pending - 1 :]
+        rows = (
+            PassLogits(self.model.head, tail, feed, logits)
+            if self.constraint is None
+            else ConstrainedLogits(self.constraint, plan.drafts, self.model.head, tail, feed, logits)
+        )
         block = None  # the block whose tokens this pass emits or drafts from
         if plan.emits_block and plan.slots and self.drafter is not None:  # heads draft it before choose
             block = self._heads(hidden, [], int(rows.next_token[0].argmax()), plan.slots)
@@ -162,8 +184,11 @@ class Decoding:
         outcome = self.strategy.choose(plan, rows, self.generator)
         if plan.slots and not plan.emits_block:  # it drafts the next pass from the block after the kept path
             path = outcome.path
-            block = (rows.block(path[-1] if path else -1) if self.drafter is None
-                     else self._heads(hidden, path, outcome.new[0], plan.slots))
+            block = (
+                rows.block(path[-1] if path else -1)
+                if self.drafter is None
+                else self._heads(hidden, path, outcome.new[0], plan.slots)
+            )
             if self.constraint is not None and block is not None:  # drafts the grammar rejects are not fed
                 chain = [plan.drafts[i] for i in path] + [outcome.new[0]]
                 block = self.constraint.mask_chain(block, chain)
@@ -187,8 +212,15 @@ class Decoding:
         fed = self.pending + [self.plan.drafts[i] for i in path]
         return hidden[index], fed[1:] + [token]
 
-    def _commit(self, plan: Plan, outcome: Outcome, kv: KV, hidden: torch.Tensor, rows: PassLogits,
-                block: torch.Tensor | None) -> Step:
+    def _commit(
+        self,
+        plan: Plan,
+        outcome: Outcome,
+        kv: KV,
+        hidden: torch.Tensor,
+        rows: PassLogits,
+        block: torch.Tensor | None,
+    ) -> Step:
         """Keep the outcome's drafts in the cache, emit them and its new tokens (up to a stop token or the
         budget), and make the new tokens the next pass's pending ones."""
         pending = len(self.pending)
@@ -219,13 +251,31 @@ class Decoding:
             complete = stopped and rows.constraint.accepting
             chosen_forced = rows.forced_among(outcome, len(new))  # kept drafts and tokens the grammar forced
         forced, self.forced = self.forced, []
-        return Step(forced + new, plan.k, self.past, stopped, len(plan.drafts), outcome.accepted, self.done, scored,
-                    prompt, len(forced) + chosen_forced, complete)
+        return Step(
+            forced + new,
+            plan.k,
+            self.past,
+            stopped,
+            len(plan.drafts),
+            outcome.accepted,
+            self.done,
+            scored,
+            prompt,
+            len(forced) + chosen_forced,
+            complete,
+        )
 
 
-def stream(model: MTPModel, prompt_ids: list[int], strategy: Strategy, max_new_tokens: int,
-           stop_ids: set[int], seed: int = 0, backend: Backend | None = None,
-           constraint: Constraint | None = None) -> Iterator[Step]:
+def stream(
+    model: MTPModel,
+    prompt_ids: list[int],
+    strategy: Strategy,
+    max_new_tokens: int,
+    stop_ids: set[int],
+    seed: int = 0,
+    backend: Backend | None = None,
+    constraint: Constraint | None = None,
+) -> Iterator[Step]:
     """Yield each step's emitted tokens as soon as they are chosen (one sequence in slot 0 of `backend`)."""
     backend = backend or EagerBackend(model, slots=1)
     spec = describe(model, backend)
@@ -236,20 +286,30 @@ def stream(model: MTPModel, prompt_ids: list[int], strategy: Strategy, max_new_t
             feed = sequence.feed()
             hidden = backend.run(0, [feed], [sequence.past])[0, : len(feed.tokens)]  # [Q, D]
             # the LM head once over the tail rows (last pending token onwards): one read of its weights a pass
-            logits = spec.head(hidden[feed.pending - 1:])  # [Q - pending + 1, V]
+            logits = spec.head(hidden[feed.pending - 1 :])  # [Q - pending + 1, V]
             yield sequence.advance(hidden, kv, logits)
 
 
-def generate(model: MTPModel, prompt_ids: list[int], cfg: DecodeConfig, strategy: Strategy | None = None,
-             on_step: Callable[[Step], None] | None = None, backend: Backend | None = None,
-             constraint: Constraint | None = None) -> Generation:
+def generate(
+    model: MTPModel,
+    prompt_ids: list[int],
+    cfg: DecodeConfig,
+    strategy: Strategy | None = None,
+    on_step: Callable[[Step], None] | None = None,
+    backend: Backend | None = None,
+    constraint: Constraint | None = None,
+) -> Generation:
     """Run the loop to the end (calling `on_step` as each block arrives); TTFT and wall-clock measured here.
     `constraint` (constraint.py: `compile(spec, model.tokenizer, stop_ids(model)).start()`) makes the output
     match a grammar."""
-    strategy = strategy or make_strategy(cfg, model.meta.decode_thresholds() if model.meta is not None else None)
+    strategy = strategy or make_strategy(
+        cfg, model.meta.decode_thresholds() if model.meta is not None else None
+    )
     result = Generation(prompt_len=len(prompt_ids))
     start = time.perf_counter()
-    steps = stream(model, prompt_ids, strategy, cfg.max_new_tokens, stop_ids(model), cfg.seed, backend, constraint)
+    steps = stream(
+        model, prompt_ids, strategy, cfg.max_new_tokens, stop_ids(model), cfg.seed, backend, constraint
+    )
     for step in steps:
         if not result.tokens:
             result.ttft_s = time.perf_counter() - start

@@ -44,13 +44,16 @@ class PassCost:
         return max(secs[0], secs[i - 1] + slope * (n - rows[i - 1]))
 
     def describe(self) -> str:
-        ratios = ", ".join(f"c({n})/c(1) {s / self.seconds[0]:.2f}" for n, s in zip(self.rows[1:], self.seconds[1:],
-                                                                                      strict=True))
+        ratios = ", ".join(
+            f"c({n})/c(1) {s / self.seconds[0]:.2f}"
+            for n, s in zip(self.rows[1:], self.seconds[1:], strict=True)
+        )
         line = f"{self.backend} pass, context {self.context}: c(1) {1e3 * self.seconds[0]:.1f} ms, {ratios}"
         if self.plain_seconds is not None:
             line += "; real rows only: " + ", ".join(
-                f"c({n})/c(1) {s / self.plain_seconds[0]:.2f}" for n, s in zip(self.rows[1:], self.plain_seconds[1:],
-                                                                                strict=True))
+                f"c({n})/c(1) {s / self.plain_seconds[0]:.2f}"
+                for n, s in zip(self.rows[1:], self.plain_seconds[1:], strict=True)
+            )
         return line
 
     def save(self, path: Path) -> Path:
@@ -62,21 +65,39 @@ class PassCost:
         try:
             raw = json.loads(Path(path).read_text())
             plain = raw.get("plain_seconds")
-            curve = cls(tuple(int(r) for r in raw["rows"]), tuple(float(s) for s in raw["seconds"]),
-                        str(raw.get("backend", "?")), int(raw.get("context", 0)),
-                        tuple(float(s) for s in plain) if plain is not None else None)
+            curve = cls(
+                tuple(int(r) for r in raw["rows"]),
+                tuple(float(s) for s in raw["seconds"]),
+                str(raw.get("backend", "?")),
+                int(raw.get("context", 0)),
+                tuple(float(s) for s in plain) if plain is not None else None,
+            )
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise UserError(f"pass_cost {path}: not a pass-cost curve ({exc}); write one with "
-                            "scripts/pass_cost.py --json FILE, or use pass_cost=measure") from None
-        if not curve.rows or curve.rows[0] != 1 or len(curve.rows) != len(curve.seconds) or (
-                curve.plain_seconds is not None and len(curve.plain_seconds) != len(curve.rows)):
-            raise UserError(f"pass_cost {path}: the curve must start at 1 row and give one time per row count")
+            raise UserError(
+                f"pass_cost {path}: not a pass-cost curve ({exc}); write one with "
+                "scripts/pass_cost.py --json FILE, or use pass_cost=measure"
+            ) from None
+        if (
+            not curve.rows
+            or curve.rows[0] != 1
+            or len(curve.rows) != len(curve.seconds)
+            or (curve.plain_seconds is not None and len(curve.plain_seconds) != len(curve.rows))
+        ):
+            raise UserError(
+                f"pass_cost {path}: the curve must start at 1 row and give one time per row count"
+            )
         return curve
 
 
 @torch.inference_mode()
-def measure(model, backend_name: str = "eager", rows: tuple[int, ...] = ROWS, context: int = 200,
-            repeats: int = 10, backend=None) -> PassCost:
+def measure(
+    model,
+    backend_name: str = "eager",
+    rows: tuple[int, ...] = ROWS,
+    context: int = 200,
+    repeats: int = 10,
+    backend=None,
+) -> PassCost:
     """Time one pass per row count (best of `repeats`, row counts interleaved) on `model` (an MTPModel), on
     `backend` if given (its slot 0 is overwritten; a compiled one keeps its compiled buckets), else a new one."""
     from mtplm.decode.backends import make_backend
@@ -100,7 +121,9 @@ def measure(model, backend_name: str = "eager", rows: tuple[int, ...] = ROWS, co
                 best[key] = min(best[key], time.perf_counter() - began)
     model.hf.train(was_training)
     # a pass with more rows never costs less: the running maximum removes what noise made look cheaper
-    curve = {masked: tuple(itertools.accumulate((best[n, masked] for n in rows), max)) for masked in (True, False)}
+    curve = {
+        masked: tuple(itertools.accumulate((best[n, masked] for n in rows), max)) for masked in (True, False)
+    }
     return PassCost(tuple(rows), curve[True], backend_name, context, curve[False])
 
 

@@ -64,8 +64,10 @@ class Measured:
             self.rates[key] = _Rate(seconds, tokens_per_sequence)
         else:
             keep = self.smoothing
-            self.rates[key] = _Rate(keep * old.seconds + (1 - keep) * seconds,
-                                    keep * old.tokens + (1 - keep) * tokens_per_sequence)
+            self.rates[key] = _Rate(
+                keep * old.seconds + (1 - keep) * seconds,
+                keep * old.tokens + (1 - keep) * tokens_per_sequence,
+            )
 
 
 def make_policy(spec: dict[int, int] | str | None) -> KByBatch | Measured | None:

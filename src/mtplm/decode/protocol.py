@@ -38,7 +38,9 @@ class Plan:
     slots: int = 0  # mask slots per block
     quadratic: bool = False  # a block after every prefix of the drafts (else one after the last fed token)
     parents: tuple[int, ...] | None = None  # a draft tree: each draft's parent (-1: the last committed token)
-    anchors: tuple[int, ...] | None = None  # a tree's drafts a mask block follows (-1: the last committed token)
+    anchors: tuple[int, ...] | None = (
+        None  # a tree's drafts a mask block follows (-1: the last committed token)
+    )
     # [m, V] what sampled drafts were drawn from (None: greedy, or copied drafts)
     proposal: torch.Tensor | None = field(default=None, compare=False)
     drafted: int = 0  # drafts per path from the drafter's block (the window policy learns from them)
@@ -49,7 +51,9 @@ class Plan:
 class Outcome:
     accepted: int  # drafts kept: their KV stays cached
     new: tuple[int, ...]  # tokens chosen after them (fed, and cached, next step)
-    rows: tuple[int, ...] | None = None  # which drafts were kept, when they are not the first `accepted` (a tree)
+    rows: tuple[int, ...] | None = (
+        None  # which drafts were kept, when they are not the first `accepted` (a tree)
+    )
     drafts: tuple[int, ...] = ()  # the next pass's guesses (draft())
     proposal: torch.Tensor | None = field(default=None, compare=False)  # [len(drafts), V]: sampled from
     block: torch.Tensor | None = field(default=None, compare=False)  # [n, V] their block (tree drafting)
@@ -134,8 +138,14 @@ class PassLogits:
     block (Plan.emits_block) the loop drafts it with the heads first and passes it as `block`.
     """
 
-    def __init__(self, head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, feed: Feed,
-                 logits: torch.Tensor | None = None, block: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        head: Callable[[torch.Tensor], torch.Tensor],
+        hidden: torch.Tensor,
+        feed: Feed,
+        logits: torch.Tensor | None = None,
+        block: torch.Tensor | None = None,
+    ) -> None:
         self._head, self._hidden, self.feed, self._logits, self._block = head, hidden, feed, logits, block
 
     def _rows(self, start: int, stop: int) -> torch.Tensor:
@@ -180,8 +190,9 @@ class Drafting(Strategy, Protocol):
     """A strategy whose plans verify drafts (slots > 0, not emits_block): after choose, the loop hands it the
     block after the kept drafts and the chosen token, and it returns the outcome with the next drafts."""
 
-    def draft(self, outcome: Outcome, block: torch.Tensor | None, room: int,
-              generator: torch.Generator) -> Outcome:
+    def draft(
+        self, outcome: Outcome, block: torch.Tensor | None, room: int, generator: torch.Generator
+    ) -> Outcome:
         """`room`: tokens this pass may still emit beyond outcome's (a strategy that emits block tokens)."""
         ...
 

@@ -81,13 +81,15 @@ class RaggedCache(Cache):
         index = torch.tensor([start + r for r in rows], dtype=torch.long)
         for store in (self.keys, self.values):
             for layer in store:
-                layer[slot, :, start: start + len(rows)] = layer[slot, :, index]
+                layer[slot, :, start : start + len(rows)] = layer[slot, :, index]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
 
-def ragged_pass(model: MTPModel, cache: RaggedCache, start: int, feeds: list, lengths: list[int]) -> torch.Tensor:
+def ragged_pass(
+    model: MTPModel, cache: RaggedCache, start: int, feeds: list, lengths: list[int]
+) -> torch.Tensor:
     """Run slots [start, start + len(feeds)) in one pass; each feed is a decode.Feed behind its slot's
     cached `lengths[i]` positions. Returns hidden states [b, Q, D] (plus the drafter's features, if it reads
     any: MTPModel.decoder_states); sequence i's rows are [i, :len(tokens)]."""
@@ -104,6 +106,6 @@ def ragged_pass(model: MTPModel, cache: RaggedCache, start: int, feeds: list, le
         ids[i, :q] = torch.tensor(feed.tokens)
         positions[i, :q] = offsets + past
         allowed[i, :q, :past] = True
-        allowed[i, :q, past: past + q] = local
+        allowed[i, :q, past : past + q] = local
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
     return model.decoder_states(ids, positions, cache, mask.unsqueeze(1), layers=model.feature_layers)

@@ -136,7 +136,9 @@ class _Text:
             index = {token: FIRST_ID + i for i, token in enumerate(sorted(set(record.text)))}
             self.ids = [index[t] for t in record.text]
         if FIRST_ID + len(set(self.ids)) > VOCAB:
-            raise ValueError(f"a record of {len(set(self.ids))} distinct tokens exceeds the replay's vocabulary")
+            raise ValueError(
+                f"a record of {len(set(self.ids))} distinct tokens exceeds the replay's vocabulary"
+            )
 
     def truth(self, position: int) -> int:
         """Answer token `position` (END past the answer's end)."""
@@ -176,8 +178,12 @@ class RecordLogits(PassLogits):
         if self.feed.block_start(anchor) is None:
             return None
         depth, on = (0, True) if anchor < 0 else self._nodes[anchor]
-        return _logits([self._slot(self.r + depth, j) if on else Prediction(FILLERS[0], 0.0)
-                        for j in range(1, 1 + self.feed.slots)])
+        return _logits(
+            [
+                self._slot(self.r + depth, j) if on else Prediction(FILLERS[0], 0.0)
+                for j in range(1, 1 + self.feed.slots)
+            ]
+        )
 
     def _slot(self, row: int, j: int) -> Prediction:
         """Prediction j of record row `row` (past the answer's end: its END, agreeing, as the records say)."""
@@ -217,7 +223,7 @@ def _logits(rows: list[Prediction]) -> torch.Tensor:
         out[i] = level + _REST
         order = [f for f in FILLERS if f != row.top][: RANKED - 1]
         if 0 < row.rank < RANKED:
-            order = [*order[: row.rank - 1], row.truth, *order[row.rank - 1:]][: RANKED - 1]
+            order = [*order[: row.rank - 1], row.truth, *order[row.rank - 1 :]][: RANKED - 1]
         out[i, order] = level + _OFFSETS[: len(order)]
         out[i, row.top] = 0.0
     return out
@@ -231,7 +237,17 @@ def _level(confidence: float) -> float:
     return max(-80.0, min(-1e-3, value))
 
 
-GRID = tuple(round(0.05 * i, 2) for i in range(1, 19)) + (0.92, 0.94, 0.96, 0.97, 0.98, 0.99, 0.995, 0.999, 1.0)
+GRID = tuple(round(0.05 * i, 2) for i in range(1, 19)) + (
+    0.92,
+    0.94,
+    0.96,
+    0.97,
+    0.98,
+    0.99,
+    0.995,
+    0.999,
+    1.0,
+)
 
 
 def confadapt(records: Sequence[Record], taus: Sequence[float]) -> Tally:
@@ -242,8 +258,9 @@ def confadapt(records: Sequence[Record], taus: Sequence[float]) -> Tally:
     return replay(lambda: ConfAdapt(cfg, list(taus)), records, max(r.length for r in records))
 
 
-def choose_thresholds(records: Sequence[Record], target: float,
-                      per_position: bool) -> tuple[float, list[float]]:
+def choose_thresholds(
+    records: Sequence[Record], target: float, per_position: bool
+) -> tuple[float, list[float]]:
     """The fastest single tau, and the fastest thresholds [k] (per position, if asked), whose replayed token
     agreement (Tally.agreement) reaches `target`."""
     k = records[0].agree.shape[1]
@@ -257,7 +274,7 @@ def choose_thresholds(records: Sequence[Record], target: float,
     if per_position:
         for _ in range(2):  # coordinate search, position by position
             for j in range(k):
-                options = [(meets(taus[:j] + [tau] + taus[j + 1:]), tau) for tau in GRID]
+                options = [(meets(taus[:j] + [tau] + taus[j + 1 :]), tau) for tau in GRID]
                 feasible = [(speed, -tau, tau) for (ok, speed), tau in options if ok]
                 if feasible:
                     taus[j] = max(feasible)[2]

@@ -23,7 +23,9 @@ def warp(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: 
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
         drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p
-        drop[..., 0] = False  # a top_p below float32's resolution (1e-300 rounds to 0) must not drop it: no NaN
+        drop[..., 0] = (
+            False  # a top_p below float32's resolution (1e-300 rounds to 0) must not drop it: no NaN
+        )
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum(-1, keepdim=True)
@@ -33,7 +35,9 @@ def warp(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One draw per row of probs [..., V] -> token ids [...]."""
     flat = probs.reshape(-1, probs.shape[-1])
-    if generator is not None:  # drawn where the generator lives (the CPU), so a seed means the same draws anywhere
+    if (
+        generator is not None
+    ):  # drawn where the generator lives (the CPU), so a seed means the same draws anywhere
         flat = flat.to(generator.device)
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1]).to(probs.device)
 
@@ -58,8 +62,12 @@ def leading_run(passed: torch.Tensor) -> int:
     return int(failed[0]) if len(failed) else int(passed.numel())
 
 
-def speculative_accept(target: torch.Tensor, drafts: torch.Tensor, proposal: torch.Tensor,
-                       generator: torch.Generator | None = None) -> tuple[int, int]:
+def speculative_accept(
+    target: torch.Tensor,
+    drafts: torch.Tensor,
+    proposal: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[int, int]:
     """The speculative-sampling rule: how many drafts to keep, and the token that follows them.
 
     target [m+1, V]: the model's (warped) next-token distributions at the last committed token and at
@@ -73,7 +81,9 @@ def speculative_accept(target: torch.Tensor, drafts: torch.Tensor, proposal: tor
         rows = torch.arange(m)
         p, q = target[rows, drafts], proposal[rows, drafts]
         ratio = torch.where(q > 0, p / q.clamp_min(1e-30), torch.ones_like(p)).clamp(max=1.0)
-        draws = torch.rand(m, generator=generator, device=generator.device if generator else None).to(ratio.device)
+        draws = torch.rand(m, generator=generator, device=generator.device if generator else None).to(
+            ratio.device
+        )
         rejected = (draws >= ratio).nonzero()
         if len(rejected):
             j = int(rejected[0])

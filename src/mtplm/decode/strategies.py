@@ -122,11 +122,12 @@ class ConfidentVerified(Verified):
         super().__init__(cfg)
         self.taus, self.confidence = block_taus(cfg, taus), CONFIDENCE.get(cfg.confidence)
 
-    def draft(self, outcome: Outcome, block: torch.Tensor | None, room: int,
-              generator: torch.Generator) -> Outcome:
+    def draft(
+        self, outcome: Outcome, block: torch.Tensor | None, room: int, generator: torch.Generator
+    ) -> Outcome:
         out = super().draft(outcome, block, room, generator)
         slots = 0 if block is None else len(block)  # block position j + 1 follows the token just chosen
-        sure = leading_run(self.confidence(block) >= self.taus[1: 1 + slots]) if slots else 0
+        sure = leading_run(self.confidence(block) >= self.taus[1 : 1 + slots]) if slots else 0
         n = max(0, min(sure, room))  # sure <= len(drafts): one block
         if not n:
             return out
@@ -154,8 +155,14 @@ def parse_confadapt(tail: str, defaults: ModeDefaults) -> DecodeConfig:
     if drafts == "linear":
         raise ValueError(tail)
     drafting, lookup = parse_drafting(drafts or "linear", plus)
-    return DecodeConfig(mode="confadapt", tau=float(value) if value else None, k_max=defaults.k_max,
-                        confidence=measure or defaults.confidence, drafting=drafting, lookup=lookup)
+    return DecodeConfig(
+        mode="confadapt",
+        tau=float(value) if value else None,
+        k_max=defaults.k_max,
+        confidence=measure or defaults.confidence,
+        drafting=drafting,
+        lookup=lookup,
+    )
 
 
 def confadapt_grammar() -> str:
@@ -173,17 +180,28 @@ def _static(cfg: DecodeConfig, taus: tuple[float, ...] | None) -> Strategy:
     return StaticK(cfg)
 
 
-@register_mode("confadapt", "emit the confident leading run of a k_max block (lossy; +quadratic or +lookup: "
-               "verify the rest as drafts)", parse=parse_confadapt, grammar=confadapt_grammar, capped=True,
-               defaults=("k_max", "tau"))
+@register_mode(
+    "confadapt",
+    "emit the confident leading run of a k_max block (lossy; +quadratic or +lookup: "
+    "verify the rest as drafts)",
+    parse=parse_confadapt,
+    grammar=confadapt_grammar,
+    capped=True,
+    defaults=("k_max", "tau"),
+)
 def _confadapt(cfg: DecodeConfig, taus: tuple[float, ...] | None) -> Strategy:
     hybrid = ConfidentVerified if cfg.verifies_rest() else ConfAdapt
     return hybrid(cfg, list(taus) if taus else None)
 
 
-register_mode("verified", "lossless: drafts from mask slots or heads, kept where the model agrees",
-              parse=parse_verified, grammar=verified_grammar, capped=True,
-              defaults=("k_max", "tau"))(build_verified)
+register_mode(
+    "verified",
+    "lossless: drafts from mask slots or heads, kept where the model agrees",
+    parse=parse_verified,
+    grammar=verified_grammar,
+    capped=True,
+    defaults=("k_max", "tau"),
+)(build_verified)
 
 
 def make_strategy(cfg: DecodeConfig, thresholds: Thresholds | None = None) -> Strategy:
@@ -194,7 +212,9 @@ def make_strategy(cfg: DecodeConfig, thresholds: Thresholds | None = None) -> St
     they were calibrated with."""
     cfg.validate()
     if cfg.needs_conversion() and thresholds is None:
-        raise UserError(f"mode {cfg.mode!r} needs a converted model (one with an <mtp> token): run `mtplm train` first")
+        raise UserError(
+            f"mode {cfg.mode!r} needs a converted model (one with an <mtp> token): run `mtplm train` first"
+        )
     thresholds, user_tau = thresholds or Thresholds(), cfg.tau
     entry = mode_entry(cfg.mode)
     unset = {name: getattr(thresholds, name) for name in entry.defaults if getattr(cfg, name) is None}

@@ -59,8 +59,9 @@ class Verified:
             return plain
         blocks = block_anchors(fed, self.quadratic, False) if slots else ()
         pending = len(last.new) if last is not None else 1  # committed tokens fed before the drafts
-        copied = self.lookup.propose(text, copy_room(self.cfg.lookup_tokens(), budget,
-                                                     pending + len(chain) + len(blocks) * slots))
+        copied = self.lookup.propose(
+            text, copy_room(self.cfg.lookup_tokens(), budget, pending + len(chain) + len(blocks) * slots)
+        )
         tokens, parents = merge_chain(chain, copied)
         if not tokens:
             return plain
@@ -96,8 +97,9 @@ class Verified:
         token = target[path[-1] + 1 if path else 0]
         return Outcome(len(path), (token,), rows=None if on_chain else tuple(path))
 
-    def draft(self, outcome: Outcome, block: torch.Tensor | None, room: int,
-              generator: torch.Generator) -> Outcome:
+    def draft(
+        self, outcome: Outcome, block: torch.Tensor | None, room: int, generator: torch.Generator
+    ) -> Outcome:
         """The next pass's drafts: the block conditioned on exactly the committed text (if any)."""
         if block is None or not len(block):
             return outcome
@@ -110,7 +112,9 @@ class Verified:
         """[m, V]: what each draft was drawn from (one-hot rows for copied drafts)."""
         if len(drafts) and plan.proposal is not None:
             return plan.proposal
-        return torch.zeros(len(drafts), probs.shape[-1], dtype=probs.dtype).scatter_(1, drafts.view(-1, 1), 1.0)
+        return torch.zeros(len(drafts), probs.shape[-1], dtype=probs.dtype).scatter_(
+            1, drafts.view(-1, 1), 1.0
+        )
 
     def _warp(self, logits: torch.Tensor) -> torch.Tensor:
         return warp(logits, self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
@@ -150,8 +154,14 @@ class TreeVerified:
             assert block is not None
             top = block[d].topk(tree_width(self.widths, d)).indices.tolist()
             frontier = [_add(tokens, parents, token, parent) for parent in frontier for token in top]
-        return Plan(k, tuple(tokens), depth, quadratic=True, parents=tuple(parents) if tokens else None,
-                    drafted=levels)
+        return Plan(
+            k,
+            tuple(tokens),
+            depth,
+            quadratic=True,
+            parents=tuple(parents) if tokens else None,
+            drafted=levels,
+        )
 
     def choose(self, plan: Plan, logits: PassLogits, generator: torch.Generator) -> Outcome:
         self.mask_blocks = logits.mask_rows
@@ -161,8 +171,9 @@ class TreeVerified:
             self.window.update(plan.drafted, len(path))
         return Outcome(len(path), (target[path[-1] + 1 if path else 0],), rows=tuple(path))
 
-    def draft(self, outcome: Outcome, block: torch.Tensor | None, room: int,
-              generator: torch.Generator) -> Outcome:
+    def draft(
+        self, outcome: Outcome, block: torch.Tensor | None, room: int, generator: torch.Generator
+    ) -> Outcome:
         return outcome.replace(block=block)
 
 
@@ -176,8 +187,12 @@ def greedy_path(tokens: Sequence[int], parents: Sequence[int], target: Sequence[
     """The draft tree's nodes (token i after node parents[i], -1: the last committed token) that greedy
     decoding keeps: from the root, the child whose token is its parent's argmax target[parent + 1]."""
     path, current = [], -1
-    while (child := next((i for i, parent in enumerate(parents)
-                          if parent == current and tokens[i] == target[current + 1]), None)) is not None:
+    while (
+        child := next(
+            (i for i, parent in enumerate(parents) if parent == current and tokens[i] == target[current + 1]),
+            None,
+        )
+    ) is not None:
         path.append(child)
         current = child
     return path
@@ -232,8 +247,13 @@ def parse_verified(tail: str, defaults: ModeDefaults) -> DecodeConfig:
     if plus:
         raise ValueError(tail)
     drafting, lookup = parse_drafting(value or "linear")
-    return DecodeConfig(mode="verified", k_max=defaults.k_max, drafting=drafting,
-                        window=window or defaults.window, lookup=lookup)
+    return DecodeConfig(
+        mode="verified",
+        k_max=defaults.k_max,
+        drafting=drafting,
+        window=window or defaults.window,
+        lookup=lookup,
+    )
 
 
 def verified_grammar() -> str:

@@ -37,8 +37,14 @@ MARGIN = 64  # key positions past prompt + new tokens a pass may still feed (dra
 ONE_SHOT_COMPILED_TOKENS = 512  # `auto` compiles a one-shot generation from this many new tokens on
 
 
-def buckets(backend, model: MTPModel, cfgs: Sequence[DecodeConfig], prompt_lengths: tuple[int, int],
-            max_new_tokens: int, max_batch: int = 1) -> tuple[list[tuple[int, int, int, bool]], int]:
+def buckets(
+    backend,
+    model: MTPModel,
+    cfgs: Sequence[DecodeConfig],
+    prompt_lengths: tuple[int, int],
+    max_new_tokens: int,
+    max_batch: int = 1,
+) -> tuple[list[tuple[int, int, int, bool]], int]:
     """(every bucket the workload can meet, the store capacity it needs)."""
     shortest, longest = prompt_lengths
     capacity = longest + max_new_tokens + MARGIN
@@ -66,8 +72,15 @@ def one_shot_backend(name: str, model: MTPModel, cfg: DecodeConfig) -> str:
     return resolved
 
 
-def warm_up(backend: Backend, model: MTPModel, cfgs: Sequence[DecodeConfig], prompt_lengths: tuple[int, int],
-            max_new_tokens: int, max_batch: int = 1, what: str = "") -> float:
+def warm_up(
+    backend: Backend,
+    model: MTPModel,
+    cfgs: Sequence[DecodeConfig],
+    prompt_lengths: tuple[int, int],
+    max_new_tokens: int,
+    max_batch: int = 1,
+    what: str = "",
+) -> float:
     """Compile every bucket the workload can meet (`buckets`), one line on stderr; seconds it took."""
     warm = getattr(backend, "warm", None)
     if warm is None:
@@ -75,18 +88,31 @@ def warm_up(backend: Backend, model: MTPModel, cfgs: Sequence[DecodeConfig], pro
     todo, capacity = buckets(backend, model, cfgs, prompt_lengths, max_new_tokens, max_batch)
     fresh = len(set(todo) - set(getattr(backend, "compiled_buckets", {})))
     if fresh > 8:  # long enough to wonder about
-        print(f"mtplm: compiling {fresh} decode buckets{' for ' + what if what else ''} (reused from the compile "
-              f"cache where it has them)...", file=sys.stderr, flush=True)
+        print(
+            f"mtplm: compiling {fresh} decode buckets{' for ' + what if what else ''} (reused from the compile "
+            f"cache where it has them)...",
+            file=sys.stderr,
+            flush=True,
+        )
     count, seconds = warm(todo, capacity)
     if count:
-        print(f"mtplm: compiled {count} decode buckets{' for ' + what if what else ''} in {seconds:.1f} s "
-              f"(up to {max_batch} sequences x {ROW_BUCKETS[-1]} rows x {capacity} keys; cached for next time)",
-              file=sys.stderr, flush=True)
+        print(
+            f"mtplm: compiled {count} decode buckets{' for ' + what if what else ''} in {seconds:.1f} s "
+            f"(up to {max_batch} sequences x {ROW_BUCKETS[-1]} rows x {capacity} keys; cached for next time)",
+            file=sys.stderr,
+            flush=True,
+        )
     return seconds
 
 
-def warm_runners(model: MTPModel, modes: Sequence[tuple[str, DecodeConfig]], runners: dict, prompts: list[list[int]],
-                 max_new_tokens: int, what: str) -> float:
+def warm_runners(
+    model: MTPModel,
+    modes: Sequence[tuple[str, DecodeConfig]],
+    runners: dict,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    what: str,
+) -> float:
     """warm_up for each distinct backend of `runners` (mode name -> backend) with the modes it runs, then
     a short untimed generation per mode (first-call costs outside the compiled buckets); seconds taken."""
     began = time.perf_counter()
@@ -123,6 +149,9 @@ def untimed_compiles(run: Callable[[], T], backend: object) -> T:
         result = run()
     if not seen.count:
         return result
-    print(f"mtplm: {seen.count} decode bucket(s) compiled inside a timed run: timing it again", file=sys.stderr,
-          flush=True)
+    print(
+        f"mtplm: {seen.count} decode bucket(s) compiled inside a timed run: timing it again",
+        file=sys.stderr,
+        flush=True,
+    )
     return run()

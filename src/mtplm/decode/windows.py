@@ -1,8 +1,8 @@
 """Window policies: how many tokens one verified pass may emit (its k), from the context and past acceptance.
 
-    fixed      k_max
-    context    min(k_max, len(context) // 2 + 1)  (doc 002 §4.1)
-    adaptive   one more after a pass that keeps all its drafts, back to kept + 2 after a rejection
+fixed      k_max
+context    min(k_max, len(context) // 2 + 1)  (doc 002 §4.1)
+adaptive   one more after a pass that keeps all its drafts, back to kept + 2 after a rejection
 """
 
 from __future__ import annotations

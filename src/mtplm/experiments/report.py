@@ -19,9 +19,15 @@ def modes_of(rows: list[dict]) -> list[str]:
 def flatten(row: dict, modes: list[str]) -> dict:
     """A variant's row for the CSV: settings, compute, and per mode measured / predicted / wall speedup."""
     packed = row.get("packed_estimate") or {}
-    flat = {"variant": row["variant"], "steps": row["steps"], "k_max": row["k_max"],
-            "train_cpu_h": round(row["train_cpu_h"], 4), "train_wall_h": round(row["train_wall_h"], 4),
-            "confadapt_tau": row["confadapt_tau"], "packed_est_verified": packed.get("verified")}
+    flat = {
+        "variant": row["variant"],
+        "steps": row["steps"],
+        "k_max": row["k_max"],
+        "train_cpu_h": round(row["train_cpu_h"], 4),
+        "train_wall_h": round(row["train_wall_h"], 4),
+        "confadapt_tau": row["confadapt_tau"],
+        "packed_est_verified": packed.get("verified"),
+    }
     for mode in modes:
         flat[f"{mode} tokens/pass"] = round(row["measured_tokens_per_pass"].get(mode, float("nan")), 3)
         flat[f"{mode} predicted"] = round(row["predicted_tokens_per_pass"].get(mode, float("nan")), 3)
@@ -42,13 +48,23 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
 
 
 def table_markdown(flat_rows: list[dict], modes: list[str]) -> str:
-    head = ["variant", "steps", "CPU-h", "packed est (verified)"] + [f"{m} measured / predicted / speedup"
-                                                                    for m in modes] + ["ConfAdapt tau / agreement"]
+    head = (
+        ["variant", "steps", "CPU-h", "packed est (verified)"]
+        + [f"{m} measured / predicted / speedup" for m in modes]
+        + ["ConfAdapt tau / agreement"]
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in flat_rows:
-        cells = [r["variant"], str(r["steps"]), f"{r['train_cpu_h']:.3f}",
-                 "–" if r["packed_est_verified"] is None else f"{r['packed_est_verified']:.2f}"]
-        cells += [f"{r[f'{m} tokens/pass']:.2f} / {r[f'{m} predicted']:.2f} / {r[f'{m} speedup']:.2f}x" for m in modes]
+        cells = [
+            r["variant"],
+            str(r["steps"]),
+            f"{r['train_cpu_h']:.3f}",
+            "–" if r["packed_est_verified"] is None else f"{r['packed_est_verified']:.2f}",
+        ]
+        cells += [
+            f"{r[f'{m} tokens/pass']:.2f} / {r[f'{m} predicted']:.2f} / {r[f'{m} speedup']:.2f}x"
+            for m in modes
+        ]
         agreements = [v for k, v in r.items() if k.endswith(" agreement")]
         cells.append(f"{r['confadapt_tau']:.2f} / " + (f"{100 * agreements[0]:.1f} %" if agreements else "–"))
         lines.append("| " + " | ".join(cells) + " |")
@@ -64,20 +80,34 @@ def plot(rows: list[dict], modes: list[str], path: Path) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(10, 4.5))
     for mode, marker in zip(modes, "oDs^v", strict=False):
-        points = [(r["train_cpu_h"], r["measured_tokens_per_pass"][mode]) for r in rows
-                  if mode in r["measured_tokens_per_pass"]]
-        line = ax.plot([x for x, _ in points], [y for _, y in points], marker=marker, linestyle="none", label=mode)
+        points = [
+            (r["train_cpu_h"], r["measured_tokens_per_pass"][mode])
+            for r in rows
+            if mode in r["measured_tokens_per_pass"]
+        ]
+        line = ax.plot(
+            [x for x, _ in points], [y for _, y in points], marker=marker, linestyle="none", label=mode
+        )
         trend = fit(points)
         if trend:
             xs = [min(x for x, _ in points), max(x for x, _ in points)]
-            ax.plot(xs, [trend[0] + trend[1] * math.log10(x) for x in xs], linestyle="--",
-                    color=line[0].get_color(), label=f"{mode} fit: {trend[0]:.2f} + {trend[1]:.2f} log10(h)")
+            ax.plot(
+                xs,
+                [trend[0] + trend[1] * math.log10(x) for x in xs],
+                linestyle="--",
+                color=line[0].get_color(),
+                label=f"{mode} fit: {trend[0]:.2f} + {trend[1]:.2f} log10(h)",
+            )
     for r in rows:
         first = modes[0]
         if first in r["measured_tokens_per_pass"]:
             ax.annotate(r["variant"], (r["train_cpu_h"], r["measured_tokens_per_pass"][first]), fontsize=7)
-    ax.set(xscale="log", xlabel="training CPU-hours (log)", ylabel="held-out tokens/pass",
-           title="acceptance vs compute")
+    ax.set(
+        xscale="log",
+        xlabel="training CPU-hours (log)",
+        ylabel="held-out tokens/pass",
+        title="acceptance vs compute",
+    )
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return save(plt, fig, path)
 
@@ -91,33 +121,69 @@ def write_results(name: str, rows: list[dict], out: Path, spec: Path) -> Path:
     flat = [flatten(r, modes) for r in rows]
     write_csv(flat, out / "sweep.csv", list(dict.fromkeys(k for r in flat for k in r)))
     (out / "rows.json").write_text(json.dumps(rows, indent=2) + "\n")
-    compared = [c for r in rows for c in compare_table(r["predicted_tokens_per_pass"], r["measured_tokens_per_pass"],
-                                                       r["variant"])]
-    during = [c for r in rows if r.get("training_predicted")
-              for c in compare_table(r["training_predicted"], r["measured_tokens_per_pass"], r["variant"])]
-    fits = {m: fit([(r["train_cpu_h"], r["measured_tokens_per_pass"][m]) for r in rows
-                    if m in r["measured_tokens_per_pass"]]) for m in modes}
+    compared = [
+        c
+        for r in rows
+        for c in compare_table(r["predicted_tokens_per_pass"], r["measured_tokens_per_pass"], r["variant"])
+    ]
+    during = [
+        c
+        for r in rows
+        if r.get("training_predicted")
+        for c in compare_table(r["training_predicted"], r["measured_tokens_per_pass"], r["variant"])
+    ]
+    fits = {
+        m: fit(
+            [
+                (r["train_cpu_h"], r["measured_tokens_per_pass"][m])
+                for r in rows
+                if m in r["measured_tokens_per_pass"]
+            ]
+        )
+        for m in modes
+    }
     m, first = machine(), rows[0] if rows else {}
     commits = ", ".join(dict.fromkeys(str(r.get("commit", "?")) for r in rows))
-    text = [f"# Sweep `{name}`", "", f"Spec: `{spec}`. Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}; "
-            f"measured at commit {commits}.", "",
-            "Compute: wall and CPU time (all threads) of each variant's training sessions, from loading the model "
-            "to the saved checkpoint; answers self-generated into the sweep's shared cache count in the variant "
-            "that generated them (the first to run).", "",
-            f"Held-out: {first.get('prompts')} held-out prompts ({first.get('tokens')} plain tokens), decoded on the "
-            f"`{first.get('backend')}` backend; score settings `{json.dumps(first.get('score_settings'))}`.",
-            "", "Each cell: measured tokens/pass / predicted (decoder replay, train/predict.py) / wall-clock "
-            "speedup over plain in the same run. `confadapt` = thresholds calibrated to 99 % token agreement.", "",
-            table_markdown(flat, modes), "", "## Predicted vs measured", "",
-            "Replay (train/predict.py) over the plain answers to the same held-out prompts:", "",
-            compare_markdown(compared), "",
-            "The training log's last prediction (own answers to held-out training prompts, thresholds calibrated on "
-            "them), against the same measurement:", "", compare_markdown(during) if during else "(none logged)", "",
-            "## Acceptance vs compute", "", "![acceptance vs compute](acceptance_vs_compute.png)", ""]
+    text = [
+        f"# Sweep `{name}`",
+        "",
+        f"Spec: `{spec}`. Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}; "
+        f"measured at commit {commits}.",
+        "",
+        "Compute: wall and CPU time (all threads) of each variant's training sessions, from loading the model "
+        "to the saved checkpoint; answers self-generated into the sweep's shared cache count in the variant "
+        "that generated them (the first to run).",
+        "",
+        f"Held-out: {first.get('prompts')} held-out prompts ({first.get('tokens')} plain tokens), decoded on the "
+        f"`{first.get('backend')}` backend; score settings `{json.dumps(first.get('score_settings'))}`.",
+        "",
+        "Each cell: measured tokens/pass / predicted (decoder replay, train/predict.py) / wall-clock "
+        "speedup over plain in the same run. `confadapt` = thresholds calibrated to 99 % token agreement.",
+        "",
+        table_markdown(flat, modes),
+        "",
+        "## Predicted vs measured",
+        "",
+        "Replay (train/predict.py) over the plain answers to the same held-out prompts:",
+        "",
+        compare_markdown(compared),
+        "",
+        "The training log's last prediction (own answers to held-out training prompts, thresholds calibrated on "
+        "them), against the same measurement:",
+        "",
+        compare_markdown(during) if during else "(none logged)",
+        "",
+        "## Acceptance vs compute",
+        "",
+        "![acceptance vs compute](acceptance_vs_compute.png)",
+        "",
+    ]
     for mode, trend in fits.items():
         if trend:
-            text.append(f"- {mode}: tokens/pass = {trend[0]:.3f} + {trend[1]:.3f} log10(CPU-hours) (fit over "
-                        f"{len(rows)} variants; extrapolating it is an estimate)")
+            text.append(
+                f"- {mode}: tokens/pass = {trend[0]:.3f} + {trend[1]:.3f} log10(CPU-hours) (fit over "
+                f"{len(rows)} variants; extrapolating it is an estimate)"
+            )
     (out / "README.md").write_text("\n".join(text) + "\n")
     plot(rows, modes, out / "acceptance_vs_compute.png")
     return out

@@ -39,7 +39,15 @@ from mtplm.errors import UserError
 from mtplm.train.checks import check_train_config
 
 ALIASES = {"texts": "data_texts", "rank": "lora_rank", "projections": "lora_targets", "teacher": "objective"}
-NOT_KNOBS = ("out", "resume", "model", "method", "device", "parallel", "threads")  # the sweep or the machine sets these
+NOT_KNOBS = (
+    "out",
+    "resume",
+    "model",
+    "method",
+    "device",
+    "parallel",
+    "threads",
+)  # the sweep or the machine sets these
 GRIDS = ("one-at-a-time", "product")
 
 
@@ -86,7 +94,9 @@ def variants(knobs: dict, grid: str, explicit: list[dict]) -> list[Variant]:
     found = [Variant("base", {})] + [Variant(_label(c), {knob(k): v for k, v in c.items()}) for c in combos]
     for entry in explicit:
         chosen = {k: v for k, v in entry.items() if k != "name"}
-        found.append(Variant(str(entry.get("name") or _label(chosen)), {knob(k): v for k, v in chosen.items()}))
+        found.append(
+            Variant(str(entry.get("name") or _label(chosen)), {knob(k): v for k, v in chosen.items()})
+        )
     unique: dict[str, Variant] = {}
     for variant in found:
         unique.setdefault(variant.name, variant)
@@ -103,18 +113,26 @@ def load_sweep(path: Path) -> Sweep:
         raise UserError(f"cannot read sweep {path}: {exc}") from None
     unknown = set(raw) - {"name", "runs", "grid", "base", "knobs", "variant", "score"}
     if unknown:
-        raise UserError(f"sweep {path}: unknown entries {', '.join(sorted(unknown))}: use name, runs, grid, base, "
-                        "knobs, variant, score")
+        raise UserError(
+            f"sweep {path}: unknown entries {', '.join(sorted(unknown))}: use name, runs, grid, base, "
+            "knobs, variant, score"
+        )
     name = str(raw.get("name") or Path(path).stem)
-    sweep = Sweep(name, Path(raw.get("runs", "runs/sweeps")) / name, dict(raw.get("base", {})),
-                  variants(dict(raw.get("knobs", {})), str(raw.get("grid", GRIDS[0])), list(raw.get("variant", []))),
-                  dict(raw.get("score", {})))
+    sweep = Sweep(
+        name,
+        Path(raw.get("runs", "runs/sweeps")) / name,
+        dict(raw.get("base", {})),
+        variants(dict(raw.get("knobs", {})), str(raw.get("grid", GRIDS[0])), list(raw.get("variant", []))),
+        dict(raw.get("score", {})),
+    )
     for variant in sweep.variants:
         config(sweep, variant)  # every variant's settings must make a valid TrainConfig
     fields = {f.name for f in dataclasses.fields(ScoreSettings)}
     if set(sweep.score) - fields:
-        raise UserError(f"sweep {path}: unknown score settings {sorted(set(sweep.score) - fields)}: use "
-                        f"{', '.join(sorted(fields))}")
+        raise UserError(
+            f"sweep {path}: unknown score settings {sorted(set(sweep.score) - fields)}: use "
+            f"{', '.join(sorted(fields))}"
+        )
     ScoreSettings(**sweep.score).validate()
     return sweep
 
@@ -148,14 +166,22 @@ def run_variant(sweep: Sweep, variant: Variant, progress: bool = True) -> dict:
         trained.write_text(json.dumps({"checkpoint": str(checkpoint)}) + "\n")
     checkpoint = json.loads(trained.read_text())["checkpoint"]
     compute = json.loads((out / ComputeClock.FILE).read_text())
-    row = {"variant": variant.name, "settings": variant.settings, "steps": cfg.steps, "k_max": cfg.k_max,
-           "train_wall_h": compute["wall_s"] / 3600, "train_cpu_h": compute["cpu_s"] / 3600,
-           **score(checkpoint, ScoreSettings(**sweep.score), progress)}
+    row = {
+        "variant": variant.name,
+        "settings": variant.settings,
+        "steps": cfg.steps,
+        "k_max": cfg.k_max,
+        "train_wall_h": compute["wall_s"] / 3600,
+        "train_cpu_h": compute["cpu_s"] / 3600,
+        **score(checkpoint, ScoreSettings(**sweep.score), progress),
+    }
     done.write_text(json.dumps(row, indent=2) + "\n")
     return row
 
 
-def run_sweep(path: Path, results: Path | None = None, progress: bool = True, only: list[str] | None = None) -> Path:
+def run_sweep(
+    path: Path, results: Path | None = None, progress: bool = True, only: list[str] | None = None
+) -> Path:
     """Every variant of the sweep file (or those named in `only`), then the table and plot; the results folder."""
     from mtplm.experiments.report import write_results
 

@@ -43,13 +43,21 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     d = x.shape[-1]
     inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)  # [d/2]
     angles = positions.float()[:, None] * inv_freq  # [R, d/2]
-    cos, sin = torch.cat([angles, angles], -1).cos().to(x.dtype), torch.cat([angles, angles], -1).sin().to(x.dtype)
-    first, second = x[..., : d // 2], x[..., d // 2:]
+    cos, sin = (
+        torch.cat([angles, angles], -1).cos().to(x.dtype),
+        torch.cat([angles, angles], -1).sin().to(x.dtype),
+    )
+    first, second = x[..., : d // 2], x[..., d // 2 :]
     return x * cos + torch.cat([-second, first], -1) * sin
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
-           own: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    allowed: torch.Tensor,
+    own: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> torch.Tensor:
     """Attention of q [B, H, Q, d] over keys/values [B, G, S, d] where allowed [B, Q, S], plus each query row's
     own extra keys (`own`: per chain step, [B, G, Q, d] each, key i of row r seen by row r only). [B, H, Q, d]."""
     repeat = q.shape[1] // keys.shape[1]  # grouped-query attention: G heads serve H
@@ -63,7 +71,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: t
     span = keys.shape[2]
     out = weights[..., :span] @ values
     for i, (_, v) in enumerate(extra):
-        out = out + weights[..., span + i: span + i + 1] * v
+        out = out + weights[..., span + i : span + i + 1] * v
     return out
 
 
@@ -78,6 +86,7 @@ class Attention(nn.Module):
 
     def project(self, x: torch.Tensor, positions: torch.Tensor, theta: float):
         """q [B, H, R, d], k and v [B, G, R, d] of x [B, R, 2D] at positions [R]."""
+
         def split(t: torch.Tensor, heads: int) -> torch.Tensor:
             return t.view(*t.shape[:2], heads, self.head_dim).transpose(1, 2)
 
@@ -100,7 +109,9 @@ class MLP(nn.Module):
 class Layer(nn.Module):
     """The one decoder layer; speculators' names (layers.0.input_layernorm, .hidden_norm, .self_attn.*, ...)."""
 
-    def __init__(self, dim: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, eps: float) -> None:
+    def __init__(
+        self, dim: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, eps: float
+    ) -> None:
         super().__init__()
         self.input_layernorm, self.hidden_norm = RMSNorm(dim, eps), RMSNorm(dim, eps)
         self.self_attn = Attention(dim, heads, kv_heads, head_dim)
@@ -124,16 +135,38 @@ class Eagle3Drafter(nn.Module):
     d2t: torch.Tensor  # buffers (registered in __init__)
     t2d: torch.Tensor
 
-    def __init__(self, k: int, dim: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
-                 eps: float, rope_theta: float, layers: list[int], vocab: int, draft_vocab: int,
-                 max_positions: int = 8192) -> None:
+    def __init__(
+        self,
+        k: int,
+        dim: int,
+        intermediate: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        eps: float,
+        rope_theta: float,
+        layers: list[int],
+        vocab: int,
+        draft_vocab: int,
+        max_positions: int = 8192,
+    ) -> None:
         super().__init__()
         self.k, self.dim, self.theta = k, dim, float(rope_theta)
         self.feature_layers = tuple(int(i) for i in layers)
-        self.settings = dict(k=k, dim=dim, intermediate=intermediate, heads=heads, kv_heads=kv_heads,
-                             head_dim=head_dim, eps=float(eps), rope_theta=float(rope_theta),
-                             layers=list(self.feature_layers), vocab=vocab, draft_vocab=draft_vocab,
-                             max_positions=max_positions)
+        self.settings = dict(
+            k=k,
+            dim=dim,
+            intermediate=intermediate,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            eps=float(eps),
+            rope_theta=float(rope_theta),
+            layers=list(self.feature_layers),
+            vocab=vocab,
+            draft_vocab=draft_vocab,
+            max_positions=max_positions,
+        )
         self.fc = nn.Linear(len(self.feature_layers) * dim, dim, bias=False)
         self.layers = nn.ModuleList([Layer(dim, intermediate, heads, kv_heads, head_dim, eps)])
         self.norm = RMSNorm(dim, eps)
@@ -179,8 +212,9 @@ class Eagle3Drafter(nn.Module):
         full[..., self.draft_ids] = logits
         return full
 
-    def unroll(self, features: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor, steps: int,
-               embed) -> list[torch.Tensor]:
+    def unroll(
+        self, features: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor, steps: int, embed
+    ) -> list[torch.Tensor]:
         """Training: the layer outputs [B, T, D] of drafting steps 0..steps-1 at every row (training-time test).
 
         features [B, T, 3D] of the text, tokens [B, T]; step j at row t reads token t+1+j (the text's; past the
@@ -194,7 +228,9 @@ class Eagle3Drafter(nn.Module):
         own: list[tuple[torch.Tensor, torch.Tensor]] = []
         outs = []
         for j in range(steps):
-            ahead = torch.cat([tokens[:, 1 + j:], tokens[:, -1:].expand(-1, min(width, 1 + j))], 1)[:, :width]
+            ahead = torch.cat([tokens[:, 1 + j :], tokens[:, -1:].expand(-1, min(width, 1 + j))], 1)[
+                :, :width
+            ]
             q, k, v = self.layer.qkv(g, embed(ahead), rows + j, self.theta)
             if k0 is None:
                 k0, v0 = k, v
@@ -218,7 +254,9 @@ class Eagle3Sequence:
     def __init__(self, drafter: Eagle3Drafter, embed: nn.Module) -> None:
         self.drafter, self.embed = drafter, embed
         layer = drafter.layer.self_attn
-        self.keys = torch.zeros(1, layer.kv_heads, 64, layer.head_dim, dtype=drafter.fc.weight.dtype)  # [1, G, C, d]
+        self.keys = torch.zeros(
+            1, layer.kv_heads, 64, layer.head_dim, dtype=drafter.fc.weight.dtype
+        )  # [1, G, C, d]
         self.values = torch.zeros_like(self.keys)
         self.length = 0  # committed rows cached
         self.extended: tuple[int, tuple[int, ...]] | None = None  # (start, tokens) of the last extension
@@ -227,8 +265,9 @@ class Eagle3Sequence:
     def commit(self, start: int, rows: torch.Tensor, tokens: list[int]) -> None:
         self._extend(start, rows, tokens)
 
-    def block(self, start: int, rows: torch.Tensor, tokens: list[int], n: int,
-              chain: list[int] | None = None) -> torch.Tensor:
+    def block(
+        self, start: int, rows: torch.Tensor, tokens: list[int], n: int, chain: list[int] | None = None
+    ) -> torch.Tensor:
         """[n, V]: step 0 from the last committed row, then n-1 chained steps, each fed the previous step's
         greedy draft (or `chain`'s tokens, for tests)."""
         out = self._extend(start, rows, tokens)
@@ -248,7 +287,7 @@ class Eagle3Sequence:
             return self.last
         if start > self.length:
             raise RuntimeError(f"the drafter holds {self.length} rows and was given rows from {start}")
-        features = rows[:, self.drafter.dim:].to(self.keys.dtype)  # [R, 3D]
+        features = rows[:, self.drafter.dim :].to(self.keys.dtype)  # [R, 3D]
         out = self._rows(self.drafter.fc(features), tokens, start)
         self.length, self.extended, self.last = start + len(tokens), key, out[-1]
         return out[-1]
@@ -261,7 +300,7 @@ class Eagle3Sequence:
         emb = self.embed(torch.tensor(tokens)).to(g.dtype)
         positions = torch.arange(at, at + count)
         q, k, v = self.drafter.layer.qkv(g[None], emb[None], positions, self.drafter.theta)
-        self.keys[:, :, at: at + count], self.values[:, :, at: at + count] = k, v
+        self.keys[:, :, at : at + count], self.values[:, :, at : at + count] = k, v
         span = at + count
         allowed = torch.arange(span)[None, :] <= positions[:, None]  # [R, S]
         attended = attend(q, self.keys[:, :, :span], self.values[:, :, :span], allowed[None])
@@ -285,8 +324,10 @@ def resolve_layers(spec: str, num_layers: int) -> list[int]:
     except ValueError:
         raise UserError(f"eagle3_layers must be auto or three layer ids like 2,15,27, got {spec!r}") from None
     if len(ids) != 3 or len(set(ids)) != 3 or min(ids) < 0 or max(ids) >= num_layers:
-        raise UserError(f"eagle3_layers: {ids} are not three distinct layer ids in [0, {num_layers}) for a target "
-                        f"with {num_layers} layers; give them explicitly, e.g. eagle3_layers=0,1,2")
+        raise UserError(
+            f"eagle3_layers: {ids} are not three distinct layer ids in [0, {num_layers}) for a target "
+            f"with {num_layers} layers; give them explicitly, e.g. eagle3_layers=0,1,2"
+        )
     return ids
 
 
@@ -302,12 +343,19 @@ def for_target(hf, k: int, layers: list[int], draft_ids: list[int]) -> Eagle3Dra
     heads = config.num_attention_heads
     rope = getattr(config, "rope_parameters", None) or {}
     drafter = Eagle3Drafter(
-        k=k, dim=config.hidden_size, intermediate=config.intermediate_size, heads=heads,
+        k=k,
+        dim=config.hidden_size,
+        intermediate=config.intermediate_size,
+        heads=heads,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, eps=config.rms_norm_eps,
-        rope_theta=rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)), layers=layers,
-        vocab=hf.get_input_embeddings().weight.shape[0], draft_vocab=len(draft_ids),
-        max_positions=getattr(config, "max_position_embeddings", 8192))
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        eps=config.rms_norm_eps,
+        rope_theta=rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)),
+        layers=layers,
+        vocab=hf.get_input_embeddings().weight.shape[0],
+        draft_vocab=len(draft_ids),
+        max_positions=getattr(config, "max_position_embeddings", 8192),
+    )
     drafter.set_vocabulary(draft_ids)
     with torch.no_grad():
         drafter.lm_head.weight.copy_(hf.get_output_embeddings().weight[drafter.draft_ids].float())
@@ -317,8 +365,11 @@ def for_target(hf, k: int, layers: list[int], draft_ids: list[int]) -> Eagle3Dra
     return drafter
 
 
-@HEAD_FORMS.register("eagle3", "EAGLE-3: one decoder layer over three target layers' features, own KV cache, "
-                               "reduced draft vocabulary; exports to speculators / vLLM / llama.cpp")
+@HEAD_FORMS.register(
+    "eagle3",
+    "EAGLE-3: one decoder layer over three target layers' features, own KV cache, "
+    "reduced draft vocabulary; exports to speculators / vLLM / llama.cpp",
+)
 class Eagle3Form:
     @staticmethod
     def build(config: dict) -> nn.Module:

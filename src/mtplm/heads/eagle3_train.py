@@ -44,7 +44,9 @@ class Eagle3Trainer:
 
     def unroll(self, batch: HeadBatch) -> list[torch.Tensor]:
         assert batch.features is not None, "EAGLE-3 trains on cached feature layers"
-        return self.drafter.unroll(batch.features, batch.tokens, batch.lengths, self.drafter.k - 1, self._embed)
+        return self.drafter.unroll(
+            batch.features, batch.tokens, batch.lengths, self.drafter.k - 1, self._embed
+        )
 
     def step(self, batch: HeadBatch, step: int) -> dict:
         cfg = self.cfg
@@ -53,7 +55,9 @@ class Eagle3Trainer:
         weights = head_weights(self.drafter.k, cfg.head_alpha, step / max(1, cfg.steps))
         total, losses = torch.zeros(()), []
         for j, out in enumerate(self.unroll(batch)):
-            term = checkpoint(self._loss, out, batch, j + 2, use_reentrant=False)  # logits rebuilt in backward
+            term = checkpoint(
+                self._loss, out, batch, j + 2, use_reentrant=False
+            )  # logits rebuilt in backward
             total = total + weights[j] * term
             losses.append(round(float(term.detach()), 4))
         self.opt.zero_grad(set_to_none=True)
@@ -66,12 +70,16 @@ class Eagle3Trainer:
         valid = batch.valid(k)
         if self.cfg.objective == "soft":
             logits = self.drafter.logits(out[valid])  # [M, N]
-            with torch.no_grad():  # the target's distribution over token t+k (read at row t+k-1), draft tokens only
-                source = torch.cat([batch.hidden[:, k - 1:], batch.hidden[:, -1:].expand(-1, k - 1, -1)], 1)
+            with (
+                torch.no_grad()
+            ):  # the target's distribution over token t+k (read at row t+k-1), draft tokens only
+                source = torch.cat([batch.hidden[:, k - 1 :], batch.hidden[:, -1:].expand(-1, k - 1, -1)], 1)
                 teacher = F.log_softmax(source[valid] @ self.lm[self.drafter.draft_ids].T, -1)
             per_row = F.kl_div(F.log_softmax(logits, -1), teacher, log_target=True, reduction="none").sum(-1)
             return per_row.mean() if len(per_row) else out.sum() * 0.0
-        target = self.index[batch.targets(k, self.cfg.objective)]  # [B, T] draft ids, -1 outside the vocabulary
+        target = self.index[
+            batch.targets(k, self.cfg.objective)
+        ]  # [B, T] draft ids, -1 outside the vocabulary
         chosen = valid & (target >= 0)
         if not bool(chosen.any()):
             return out.sum() * 0.0
@@ -93,7 +101,9 @@ class Eagle3Trainer:
                 correct.append(hit[rows])
             if correct:
                 runs.append(1.0 + torch.stack(correct, -1).int().cumprod(-1).sum(-1).float())
-        agreement = [1.0] + [float(torch.cat(r).mean()) if r and torch.cat(r).numel() else 0.0 for r in right[2:]]
+        agreement = [1.0] + [
+            float(torch.cat(r).mean()) if r and torch.cat(r).numel() else 0.0 for r in right[2:]
+        ]
         est = float(torch.cat(runs).mean()) if runs and torch.cat(runs).numel() else 1.0
         return {"agreement": agreement, "est_verified_per_forward": est, "est_tokens_per_forward": est}
 
@@ -110,14 +120,22 @@ class Eagle3Training:
     @staticmethod
     def setup(cfg: TrainConfig, model: MTPModel, rows: list[TrunkRow]):
         if cfg.consistency_weight:
-            raise UserError("consistency_weight applies to the block head forms (medusa, sequential), not eagle3")
+            raise UserError(
+                "consistency_weight applies to the block head forms (medusa, sequential), not eagle3"
+            )
         vocab = model.hf.get_input_embeddings().weight.shape[0]
         counts = torch.zeros(vocab, dtype=torch.long)
         for row in rows:  # the labels the drafter learns: the target's greedy tokens (or the text's)
-            labels = row.tokens[row.start + 2:] if cfg.objective == "ground-truth" else row.greedy[row.start + 1:-1]
+            labels = (
+                row.tokens[row.start + 2 :]
+                if cfg.objective == "ground-truth"
+                else row.greedy[row.start + 1 : -1]
+            )
             counts += torch.bincount(labels, minlength=vocab)[:vocab]
         layers = list(Eagle3Training.layers(cfg, model))
-        drafter = for_target(model.hf, cfg.k_max, layers, draft_vocabulary(counts, min(cfg.draft_vocab, vocab)))
+        drafter = for_target(
+            model.hf, cfg.k_max, layers, draft_vocabulary(counts, min(cfg.draft_vocab, vocab))
+        )
         return drafter, Eagle3Trainer(cfg, model, drafter)
 
 

@@ -43,18 +43,27 @@ WEIGHTS = "model.safetensors"
 def export_medusa(checkpoint: str, out: str | os.PathLike) -> Path:
     model = load_model(checkpoint, "fp32")
     if model.heads is None or model.heads.form != "medusa":
-        raise UserError(f"{checkpoint} has no medusa-form heads: train them with `mtplm train method=heads "
-                        "head_form=medusa` (sequential heads have no Medusa equivalent)")
+        raise UserError(
+            f"{checkpoint} has no medusa-form heads: train them with `mtplm train method=heads "
+            "head_form=medusa` (sequential heads have no Medusa equivalent)"
+        )
     lm = model.hf.get_output_embeddings().weight
     tensors = {"lm_heads.0.weight": lm.detach().float().contiguous()}
     for i, block in enumerate(model.heads.blocks):
         tensors[f"blocks.{i}.layers.0.weight"] = block.linear.weight.detach().float().contiguous()
         tensors[f"blocks.{i}.layers.0.bias"] = block.linear.bias.detach().float().contiguous()
     config = {
-        "architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": int(lm.shape[1]),
-        "vocab_size": int(lm.shape[0]), "truncated_vocab_size": int(lm.shape[0]),
-        "num_heads": len(model.heads.blocks), "num_hidden_layers": 1, "max_paths": 64, "topk": 10,
-        "medusa_fc_bias": True, "original_lm_head": True,
+        "architectures": ["MedusaModel"],
+        "model_type": "medusa",
+        "hidden_size": int(lm.shape[1]),
+        "vocab_size": int(lm.shape[0]),
+        "truncated_vocab_size": int(lm.shape[0]),
+        "num_heads": len(model.heads.blocks),
+        "num_hidden_layers": 1,
+        "max_paths": 64,
+        "topk": 10,
+        "medusa_fc_bias": True,
+        "original_lm_head": True,
         "base_model_name_or_path": model.meta.base_model.get("spec", "") if model.meta else "",
     }
 
@@ -80,8 +89,11 @@ def load_medusa(directory: str | os.PathLike) -> tuple[Heads, torch.Tensor]:
     if config.get("model_type") != "medusa" or config.get("num_hidden_layers") != 1:
         raise UserError(f"{directory}: only single-layer Medusa heads (model_type medusa) can be read")
     heads = Heads("medusa", config["num_heads"] + 1, config["hidden_size"])
-    state = {f"blocks.{i}.linear.{kind}": tensors[f"blocks.{i}.layers.0.{kind}"]
-             for i in range(config["num_heads"]) for kind in ("weight", "bias")}
+    state = {
+        f"blocks.{i}.linear.{kind}": tensors[f"blocks.{i}.layers.0.{kind}"]
+        for i in range(config["num_heads"])
+        for kind in ("weight", "bias")
+    }
     heads.load_state_dict(state)
     return heads, tensors["lm_heads.0.weight"]
 
@@ -96,8 +108,11 @@ def export_eagle3(checkpoint: str, out: str | os.PathLike, verifier: str | None 
     model = load_model(checkpoint, "fp32")
     drafter = model.heads
     tensors = {name: value.detach().contiguous() for name, value in drafter.state_dict().items()}
-    config = speculators_config(drafter.config(), verifier or meta.base_model.get("spec", ""),
-                                list(getattr(model.hf.config, "architectures", None) or [type(model.hf).__name__]))
+    config = speculators_config(
+        drafter.config(),
+        verifier or meta.base_model.get("spec", ""),
+        list(getattr(model.hf.config, "architectures", None) or [type(model.hf).__name__]),
+    )
 
     def write(tmp: Path) -> None:
         save_file(tensors, tmp / WEIGHTS)
@@ -111,17 +126,23 @@ def eagle3_meta(checkpoint: str) -> MTPMeta:
     meta = read_meta(checkpoint_dir(checkpoint))
     if meta.method != "heads" or meta.heads.get("form") != "eagle3":
         form = meta.heads.get("form", "no heads") if meta.method == "heads" else f"a {meta.method} checkpoint"
-        raise UserError(f"{checkpoint} is not an eagle3 drafter ({form}): train one with `mtplm train "
-                        "method=heads head_form=eagle3`")
+        raise UserError(
+            f"{checkpoint} is not an eagle3 drafter ({form}): train one with `mtplm train "
+            "method=heads head_form=eagle3`"
+        )
     return meta
 
 
-def export_gguf_eagle3(checkpoint: str, out: str | os.PathLike, target_dir: str | os.PathLike | None = None) -> Path:
+def export_gguf_eagle3(
+    checkpoint: str, out: str | os.PathLike, target_dir: str | os.PathLike | None = None
+) -> Path:
     """A draft-eagle3 GGUF for llama-server (`--spec-type draft-eagle3 --model-draft OUT`): the speculators
     export, in a temporary folder, run through the installed llama.cpp converter with `--target-model-dir`
     (default: the HF directory the checkpoint was trained on), whose tokenizer and config it reads."""
     meta = eagle3_meta(checkpoint)
-    target = Path(target_dir) if target_dir else base_model_dir(meta.base_model) or Path(meta.base_model["spec"])
+    target = (
+        Path(target_dir) if target_dir else base_model_dir(meta.base_model) or Path(meta.base_model["spec"])
+    )
     check_target(target, meta.heads)
     converter()  # before any work: a missing install is one line
     with tempfile.TemporaryDirectory(prefix="mtplm-eagle3-") as tmp:
@@ -137,11 +158,16 @@ def check_target(target: Path, settings: dict) -> None:
         raise UserError(f"--target-model-dir {target}: no readable config.json ({exc})") from None
     config = {**config, **config.get("text_config", {})}
     wanted = {"hidden_size": settings["dim"], "vocab_size": settings["vocab"]}
-    wrong = [f"{key} {config.get(key)} (the drafter's: {value})" for key, value in wanted.items()
-             if config.get(key) != value]
+    wrong = [
+        f"{key} {config.get(key)} (the drafter's: {value})"
+        for key, value in wanted.items()
+        if config.get(key) != value
+    ]
     if not wrong and int(config.get("num_hidden_layers", 0)) <= max(settings["layers"]):
-        wrong = [f"num_hidden_layers {config.get('num_hidden_layers')} (the drafter reads layer "
-                 f"{max(settings['layers'])})"]
+        wrong = [
+            f"num_hidden_layers {config.get('num_hidden_layers')} (the drafter reads layer "
+            f"{max(settings['layers'])})"
+        ]
     if wrong:
         raise UserError(f"--target-model-dir {target} does not match the drafter: {', '.join(wrong)}")
 
@@ -150,26 +176,51 @@ def speculators_config(settings: dict, verifier: str, architectures: list[str]) 
     """The config.json of an Eagle3Speculator for a drafter built from `settings` (Eagle3Drafter.config())."""
     theta = float(settings["rope_theta"])
     layer = {
-        "model_type": "llama", "vocab_size": settings["vocab"], "hidden_size": settings["dim"],
-        "intermediate_size": settings["intermediate"], "num_hidden_layers": 1,
-        "num_attention_heads": settings["heads"], "num_key_value_heads": settings["kv_heads"],
-        "head_dim": settings["head_dim"], "hidden_act": "silu", "rms_norm_eps": settings["eps"],
-        "max_position_embeddings": settings["max_positions"], "rope_theta": theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "rope_scaling": None,
-        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False, "torch_dtype": "float32",
+        "model_type": "llama",
+        "vocab_size": settings["vocab"],
+        "hidden_size": settings["dim"],
+        "intermediate_size": settings["intermediate"],
+        "num_hidden_layers": 1,
+        "num_attention_heads": settings["heads"],
+        "num_key_value_heads": settings["kv_heads"],
+        "head_dim": settings["head_dim"],
+        "hidden_act": "silu",
+        "rms_norm_eps": settings["eps"],
+        "max_position_embeddings": settings["max_positions"],
+        "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "rope_scaling": None,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
     }
-    proposal = {"proposal_type": "greedy", "speculative_tokens": settings["k"] - 1, "verifier_accept_k": 1,
-                "accept_tolerance": 0.0}
+    proposal = {
+        "proposal_type": "greedy",
+        "speculative_tokens": settings["k"] - 1,
+        "verifier_accept_k": 1,
+        "accept_tolerance": 0.0,
+    }
     return {
-        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
         "speculators_version": SPECULATORS_VERSION,
-        "speculators_config": {"algorithm": "eagle3", "proposal_methods": [proposal],
-                               "default_proposal_method": "greedy",
-                               "verifier": {"name_or_path": verifier, "architectures": architectures}},
-        "transformer_layer_config": layer, "draft_vocab_size": settings["draft_vocab"],
-        "target_hidden_size": settings["dim"], "eagle_aux_hidden_state_layer_ids": list(settings["layers"]),
-        "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
-        "embed_requires_grad": False, "torch_dtype": "float32",
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [proposal],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": architectures},
+        },
+        "transformer_layer_config": layer,
+        "draft_vocab_size": settings["draft_vocab"],
+        "target_hidden_size": settings["dim"],
+        "eagle_aux_hidden_state_layer_ids": list(settings["layers"]),
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "embed_requires_grad": False,
+        "torch_dtype": "float32",
     }
 
 
@@ -181,22 +232,39 @@ def load_eagle3(directory: str | os.PathLike) -> tuple[Eagle3Drafter, dict]:
     layer = config.get("transformer_layer_config") or {}
     if config.get("speculators_model_type") != "eagle3" or layer.get("num_hidden_layers") != 1:
         raise UserError(f"{directory}: only single-layer speculators eagle3 drafters can be read")
-    flags = [flag for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output") if config.get(flag)]
+    flags = [
+        flag
+        for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+        if config.get(flag)
+    ]
     if flags or layer.get("attention_bias") or layer.get("mlp_bias"):
-        raise UserError(f"{directory}: {', '.join(flags) or 'biases'} not supported by mtplm's eagle3 drafter")
+        raise UserError(
+            f"{directory}: {', '.join(flags) or 'biases'} not supported by mtplm's eagle3 drafter"
+        )
     rope = layer.get("rope_parameters") or {}
     heads = layer["num_attention_heads"]
     drafter = Eagle3Drafter(
-        k=config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] + 1, dim=layer["hidden_size"],
-        intermediate=layer["intermediate_size"], heads=heads, kv_heads=layer.get("num_key_value_heads", heads),
-        head_dim=layer.get("head_dim") or layer["hidden_size"] // heads, eps=layer["rms_norm_eps"],
+        k=config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] + 1,
+        dim=layer["hidden_size"],
+        intermediate=layer["intermediate_size"],
+        heads=heads,
+        kv_heads=layer.get("num_key_value_heads", heads),
+        head_dim=layer.get("head_dim") or layer["hidden_size"] // heads,
+        eps=layer["rms_norm_eps"],
         rope_theta=rope.get("rope_theta", layer.get("rope_theta", 10000.0)),
-        layers=config["eagle_aux_hidden_state_layer_ids"], vocab=layer["vocab_size"],
-        draft_vocab=config["draft_vocab_size"], max_positions=layer.get("max_position_embeddings", 8192))
-    if "d2t" not in tensors and drafter.settings["draft_vocab"] == drafter.settings["vocab"]:  # no reduced vocabulary
+        layers=config["eagle_aux_hidden_state_layer_ids"],
+        vocab=layer["vocab_size"],
+        draft_vocab=config["draft_vocab_size"],
+        max_positions=layer.get("max_position_embeddings", 8192),
+    )
+    if (
+        "d2t" not in tensors and drafter.settings["draft_vocab"] == drafter.settings["vocab"]
+    ):  # no reduced vocabulary
         tensors.update(d2t=drafter.d2t.clone(), t2d=drafter.t2d.clone())
     try:
         drafter.load_state_dict(tensors)
     except RuntimeError as exc:
-        raise UserError(f"{directory / WEIGHTS} does not hold the drafter its config.json describes: {exc}") from None
+        raise UserError(
+            f"{directory / WEIGHTS} does not hold the drafter its config.json describes: {exc}"
+        ) from None
     return drafter.eval(), config

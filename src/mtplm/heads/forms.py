@@ -59,7 +59,10 @@ class Depth(nn.Module):
             self.proj.weight[:, :dim] = torch.eye(dim)
         self.attn_norm, self.mlp_norm = RMSNorm(dim), RMSNorm(dim)
         self.value, self.out = nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=False)
-        self.gate, self.up = nn.Linear(dim, intermediate, bias=False), nn.Linear(dim, intermediate, bias=False)
+        self.gate, self.up = (
+            nn.Linear(dim, intermediate, bias=False),
+            nn.Linear(dim, intermediate, bias=False),
+        )
         self.down = nn.Linear(intermediate, dim, bias=False)
         nn.init.zeros_(self.out.weight)
         nn.init.zeros_(self.down.weight)
@@ -92,7 +95,9 @@ class Medusa(BlockForm):
         return ResidualBlock(dim)
 
     @staticmethod
-    def states(blocks: nn.ModuleList, h: torch.Tensor, tokens: torch.Tensor, embed: Callable) -> list[torch.Tensor]:
+    def states(
+        blocks: nn.ModuleList, h: torch.Tensor, tokens: torch.Tensor, embed: Callable
+    ) -> list[torch.Tensor]:
         return [block(h) for block in blocks]
 
     @staticmethod
@@ -108,7 +113,9 @@ class Sequential(BlockForm):
         return Depth(dim, intermediate)
 
     @staticmethod
-    def states(blocks: nn.ModuleList, h: torch.Tensor, tokens: torch.Tensor, embed: Callable) -> list[torch.Tensor]:
+    def states(
+        blocks: nn.ModuleList, h: torch.Tensor, tokens: torch.Tensor, embed: Callable
+    ) -> list[torch.Tensor]:
         out, x = [], h
         for d, block in enumerate(blocks, start=1):
             ahead = torch.cat([tokens[:, d:], tokens[:, -1:].expand(-1, d)], 1)  # [B, T]: token t+d
@@ -140,7 +147,9 @@ class Heads(nn.Module):
         self.shape = HEAD_FORMS.get(form)  # the form's block, training states and drafting
         self.form, self.k, self.dim = form, k, dim
         self.intermediate = intermediate or 2 * dim
-        self.blocks = nn.ModuleList(self.shape.block(dim, self.intermediate) for _ in range(k - 1))  # head i + 2
+        self.blocks = nn.ModuleList(
+            self.shape.block(dim, self.intermediate) for _ in range(k - 1)
+        )  # head i + 2
 
     def config(self) -> dict:
         return {"form": self.form, "k": self.k, "dim": self.dim, "intermediate": self.intermediate}
@@ -195,4 +204,4 @@ def head_weights(k: int, alpha: str, progress: float) -> list[float]:
         lam = 0.3 if progress < 10 / 14.8 else 0.1
         return [lam / (k - 1)] * (k - 1)
     rate = 0.9 if alpha == "decay" else float(alpha)
-    return [rate ** j for j in range(2, k + 1)]
+    return [rate**j for j in range(2, k + 1)]

@@ -41,7 +41,7 @@ class Loop:
             self.rng.shuffle(self.order)
             self.position = 0
         self.position += size
-        return self.order[self.position - size: self.position]
+        return self.order[self.position - size : self.position]
 
 
 def _trained(trainer) -> list[torch.Tensor]:
@@ -53,10 +53,17 @@ def save(cfg: TrainConfig, trainer, loop: Loop, step: int, val: dict) -> None:
     from mtplm.train.checkpoint import write_train_state
 
     generator = getattr(trainer, "generator", None)
-    state = {"step": step, "params": [p.detach().clone() for p in _trained(trainer)],
-             "optimizer": trainer.opt.state_dict(), "order": loop.order, "position": loop.position,
-             "loop_rng": loop.rng.getstate(), "generator": generator.get_state() if generator else None,
-             "torch_rng": torch.get_rng_state(), "val": val}
+    state = {
+        "step": step,
+        "params": [p.detach().clone() for p in _trained(trainer)],
+        "optimizer": trainer.opt.state_dict(),
+        "order": loop.order,
+        "position": loop.position,
+        "loop_rng": loop.rng.getstate(),
+        "generator": generator.get_state() if generator else None,
+        "torch_rng": torch.get_rng_state(),
+        "val": val,
+    }
     write_train_state(Path(cfg.out), cfg, state)
 
 

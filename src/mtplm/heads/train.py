@@ -62,8 +62,14 @@ class TrunkRow:
 
 
 @torch.inference_mode()
-def trunk_states(model: MTPModel, samples: list[Sample], seq_len: int, progress: bool = True,
-                 cache: Path | None = None, layers: tuple[int, ...] = ()) -> list[TrunkRow]:
+def trunk_states(
+    model: MTPModel,
+    samples: list[Sample],
+    seq_len: int,
+    progress: bool = True,
+    cache: Path | None = None,
+    layers: tuple[int, ...] = (),
+) -> list[TrunkRow]:
     """One frozen-trunk forward per sample, kept for every epoch (hidden states in the model's dtype).
 
     With `layers`, each row also keeps the inputs of those decoder layers, concatenated (`features`; EAGLE-3).
@@ -72,9 +78,17 @@ def trunk_states(model: MTPModel, samples: list[Sample], seq_len: int, progress:
     """
     path = None
     if cache is not None:
-        key = hashlib.sha256(json.dumps([model.meta_key(), str(model.dtype), seq_len,
-                                         [(s.prompt_ids, s.response_ids) for s in samples]]
-                                        + ([list(layers)] if layers else [])).encode())
+        key = hashlib.sha256(
+            json.dumps(
+                [
+                    model.meta_key(),
+                    str(model.dtype),
+                    seq_len,
+                    [(s.prompt_ids, s.response_ids) for s in samples],
+                ]
+                + ([list(layers)] if layers else [])
+            ).encode()
+        )
         path = cache / f"trunk-{key.hexdigest()[:16]}.pt"
         if path.is_file():
             return [TrunkRow(**row) for row in torch.load(path)]
@@ -83,7 +97,7 @@ def trunk_states(model: MTPModel, samples: list[Sample], seq_len: int, progress:
         ids, prompt_len = row_ids(sample, seq_len)
         states = model.decoder_states(torch.tensor([ids]), layers=layers)[0]  # [L, D * (1 + len(layers))]
         hidden = states[:, : states.shape[1] // (1 + len(layers))]
-        features = states[:, hidden.shape[1]:].clone() if layers else None
+        features = states[:, hidden.shape[1] :].clone() if layers else None
         greedy = torch.cat([model.head(chunk).argmax(-1) for chunk in hidden.split(256)])
         rows.append(TrunkRow(hidden.clone(), torch.tensor(ids), greedy, max(0, prompt_len - 1), features))
     if path is not None:
@@ -139,8 +153,10 @@ class HeadTrainer:
         self.embed = model.hf.get_input_embeddings()
         self.embed_weight = self.embed.weight.detach().float()
         self.embed_scale = float(self.embed_weight.pow(2).mean())  # consistency MSE is relative to this
-        groups = [{"params": list(block.parameters()), "lr": cfg.lr * self._lr_scale(k), "head": k}
-                  for k, block in enumerate(heads.blocks, start=2)]
+        groups = [
+            {"params": list(block.parameters()), "lr": cfg.lr * self._lr_scale(k), "head": k}
+            for k, block in enumerate(heads.blocks, start=2)
+        ]
         self.opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.generator = torch.Generator().manual_seed(cfg.seed)
 
@@ -162,14 +178,17 @@ class HeadTrainer:
         if not self.cfg.curriculum:
             return torch.ones(len(batch.lengths), dtype=torch.long)
         s_hi = round(k - (k - 1) * min(1.0, progress / self.cfg.curriculum_fraction))
-        return torch.randint(1, max(1, s_hi) + 1, (len(batch.lengths),), generator=self.generator,
-                             device=self.generator.device)
+        return torch.randint(
+            1, max(1, s_hi) + 1, (len(batch.lengths),), generator=self.generator, device=self.generator.device
+        )
 
     def step(self, batch: HeadBatch, step: int) -> dict:
         cfg, k_max = self.cfg, self.heads.k
         progress = step / max(1, cfg.steps)
         for group in self.opt.param_groups:
-            group["lr"] = cfg.lr * self._lr_scale(group["head"]) * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
+            group["lr"] = (
+                cfg.lr * self._lr_scale(group["head"]) * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
+            )
         start = self.supervised(batch, progress)
         weights = head_weights(k_max, cfg.head_alpha, progress)
         states = self.heads.states(batch.hidden, batch.tokens, self._embed)
@@ -197,7 +216,9 @@ class HeadTrainer:
                 previous = expected.detach()
             grads.append(torch.autograd.grad(loss, x)[0])
             stats["loss"] += float(loss.detach())
-            stats["agreement"].append(float((logits.argmax(-1) == target).float().mean()) if len(target) else 0.0)
+            stats["agreement"].append(
+                float((logits.argmax(-1) == target).float().mean()) if len(target) else 0.0
+            )
             stats["supervised"].append(int(chosen.sum()))
             del logits, per_row, expected
         self.opt.zero_grad(set_to_none=True)
@@ -205,12 +226,13 @@ class HeadTrainer:
         self.opt.step()
         return stats
 
-    def _loss(self, logits: torch.Tensor, target: torch.Tensor, batch: HeadBatch, k: int,
-              valid: torch.Tensor) -> torch.Tensor:
+    def _loss(
+        self, logits: torch.Tensor, target: torch.Tensor, batch: HeadBatch, k: int, valid: torch.Tensor
+    ) -> torch.Tensor:
         if self.cfg.objective != "soft":
             return F.cross_entropy(logits, target, reduction="none")
         with torch.no_grad():  # the trunk's distribution over token t+k, read at row t+k-1
-            source = torch.cat([batch.hidden[:, k - 1:], batch.hidden[:, -1:].expand(-1, k - 1, -1)], 1)
+            source = torch.cat([batch.hidden[:, k - 1 :], batch.hidden[:, -1:].expand(-1, k - 1, -1)], 1)
             teacher = F.log_softmax(source[valid] @ self.lm.T, -1)
         return F.kl_div(F.log_softmax(logits, -1), teacher, log_target=True, reduction="none").sum(-1)
 
@@ -241,11 +263,17 @@ class HeadTrainer:
             if correct:
                 run = torch.stack(correct, -1).int().cumprod(-1).sum(-1)
                 runs.append(1.0 + run.float())
-        agreement = [1.0] + [float(torch.cat(r).mean()) if r and torch.cat(r).numel() else 0.0 for r in right[2:]]
+        agreement = [1.0] + [
+            float(torch.cat(r).mean()) if r and torch.cat(r).numel() else 0.0 for r in right[2:]
+        ]
         est = float(torch.cat(runs).mean()) if runs else 1.0
         consistency = float(torch.cat(gaps).mean()) if gaps else 0.0
-        return {"agreement": agreement, "est_verified_per_forward": est, "est_tokens_per_forward": est,
-                "consistency_mse": consistency}
+        return {
+            "agreement": agreement,
+            "est_verified_per_forward": est,
+            "est_tokens_per_forward": est,
+            "consistency_mse": consistency,
+        }
 
 
 class BlockTraining:
@@ -287,27 +315,50 @@ def _train_heads(cfg: TrainConfig, progress: bool, form, clock: ComputeClock) ->
     rows = trunk_states(model, samples, cfg.seq_len, progress, home() / "trunk", form.layers(cfg, model))
     num_val = max(1, int(len(rows) * cfg.val_fraction))
     train_rows, val_rows = (rows[:-num_val] or rows), rows[-num_val:]
-    val_batches = [HeadBatch.of(val_rows[i: i + cfg.batch_size]) for i in range(0, len(val_rows), cfg.batch_size)]
+    val_batches = [
+        HeadBatch.of(val_rows[i : i + cfg.batch_size]) for i in range(0, len(val_rows), cfg.batch_size)
+    ]
     heads, trainer = form.setup(cfg, model, train_rows)
     state = saved_state(cfg)  # before the log opens: resuming first cuts the metrics after the saved step
     if state is None:
         clock.fresh()
     log = MetricsLog(run_dir, clock)
-    val = _fit(cfg, trainer, train_rows, val_batches, log.record, cfg.head_window if form.windows else 0, progress,
-               state)
+    val = _fit(
+        cfg,
+        trainer,
+        train_rows,
+        val_batches,
+        log.record,
+        cfg.head_window if form.windows else 0,
+        progress,
+        state,
+    )
     log.close()
     model.attach_heads(heads, model_identity(resolve_model(cfg.model)), spec=cfg.model)
     assert model.meta is not None  # attach_heads sets it
-    model.meta.training = {"config": as_dict(cfg), "steps": cfg.steps, "samples": len(samples),
-                           "compute": clock.totals(), "final_val": val,
-                           "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+    model.meta.training = {
+        "config": as_dict(cfg),
+        "steps": cfg.steps,
+        "samples": len(samples),
+        "compute": clock.totals(),
+        "final_val": val,
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+    }
     out = model.save_heads(run_dir / "checkpoint")
     training_curves(run_dir)
     return out
 
 
-def _fit(cfg: TrainConfig, trainer, train_rows: list[TrunkRow], val_batches: list[HeadBatch], record,
-         window: int, progress: bool, state: dict | None = None) -> dict:
+def _fit(
+    cfg: TrainConfig,
+    trainer,
+    train_rows: list[TrunkRow],
+    val_batches: list[HeadBatch],
+    record,
+    window: int,
+    progress: bool,
+    state: dict | None = None,
+) -> dict:
     """`cfg.steps` updates over shuffled batches (windows of `window` rows, 0 = whole rows); the last validation.
     Saves out/train_state every `save_every` steps and when a SIGTERM / SIGINT stops it; `state` continues one."""
     from mtplm.train import checkpoint
@@ -318,11 +369,19 @@ def _fit(cfg: TrainConfig, trainer, train_rows: list[TrunkRow], val_batches: lis
     else:
         start, val = 0, trainer.validate(val_batches)
         record({"step": 0, "val": val})
-    bar = tqdm(range(start, cfg.steps), desc="train heads", unit="step", disable=not progress, initial=start,
-               total=cfg.steps)
+    bar = tqdm(
+        range(start, cfg.steps),
+        desc="train heads",
+        unit="step",
+        disable=not progress,
+        initial=start,
+        total=cfg.steps,
+    )
     with checkpoint.stop_requests(True) as stop:
         for step in bar:
-            batch = HeadBatch.of([train_rows[i].window(window, cfg.k_max, loop.rng) for i in loop.next(cfg.batch_size)])
+            batch = HeadBatch.of(
+                [train_rows[i].window(window, cfg.k_max, loop.rng) for i in loop.next(cfg.batch_size)]
+            )
             stats = trainer.step(batch, step)
             if step % cfg.log_every == 0 or step == cfg.steps - 1:
                 record({"step": step + 1, **stats})
@@ -330,14 +389,18 @@ def _fit(cfg: TrainConfig, trainer, train_rows: list[TrunkRow], val_batches: lis
             if (step + 1) % cfg.val_every == 0 or step == cfg.steps - 1:
                 val = trainer.validate(val_batches)
                 record({"step": step + 1, "val": val})
-                tqdm.write(f"[step {step + 1}] held-out head agreement "
-                           + " ".join(f"h{k}={a:.2f}" for k, a in enumerate(val["agreement"][1:], start=2))
-                           + f"; verified tokens/forward (est.) {val['est_verified_per_forward']:.2f}")
+                tqdm.write(
+                    f"[step {step + 1}] held-out head agreement "
+                    + " ".join(f"h{k}={a:.2f}" for k, a in enumerate(val["agreement"][1:], start=2))
+                    + f"; verified tokens/forward (est.) {val['est_verified_per_forward']:.2f}"
+                )
             if stop.signal is not None or ((step + 1) % cfg.save_every == 0 and step != cfg.steps - 1):
                 save(cfg, trainer, loop, step + 1, val)
             if stop.signal is not None:
-                tqdm.write(f"stopped by signal {stop.signal} after step {step + 1}; its train_state is saved: "
-                           "continue with resume=auto")
+                tqdm.write(
+                    f"stopped by signal {stop.signal} after step {step + 1}; its train_state is saved: "
+                    "continue with resume=auto"
+                )
                 raise KeyboardInterrupt
     return val
 

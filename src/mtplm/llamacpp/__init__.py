@@ -43,9 +43,14 @@ def convert(source: Path, out: Path, *options: str) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def run(tmp: Path) -> None:
-        result = subprocess.run([sys.executable, str(script), str(source), *options, "--outfile", str(tmp)],
-                                capture_output=True, text=True, check=False)
+        result = subprocess.run(
+            [sys.executable, str(script), str(source), *options, "--outfile", str(tmp)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if result.returncode != 0:
             tail = "\n".join((result.stdout + result.stderr).splitlines()[-10:])
             raise UserError(f"convert_hf_to_gguf.py failed on {source} (exit {result.returncode}):\n{tail}")
+
     return atomic_file(out, run)

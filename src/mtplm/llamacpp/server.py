@@ -63,7 +63,9 @@ class LlamaServer:
     draft_model: Path | None = None  # the draft-eagle3 GGUF
     draft_max: int = 3  # tokens an eagle3 drafter proposes per pass (llama.cpp's default: 3)
     draft_p_min: float | None = None  # --spec-draft-p-min (None: llama.cpp's default)
-    draft_mb: float | None = None  # its size, read at start (the scratch copy is gone when the report is made)
+    draft_mb: float | None = (
+        None  # its size, read at start (the scratch copy is gone when the report is made)
+    )
     startup_timeout_s: float = STARTUP_TIMEOUT_S
     parallel: int = 1  # request slots decoded together (continuous batching); the context is split among them
     timings: list[dict] = field(default_factory=list)  # the server's own timings, one per request
@@ -74,16 +76,41 @@ class LlamaServer:
 
     def flags(self) -> list[str]:
         """Everything but the binary, the model and the address; llama.cpp's defaults for the rest."""
-        flags = ["--threads", str(self.threads), "--ctx-size", str(self.context), "--parallel", str(self.parallel)]
+        flags = [
+            "--threads",
+            str(self.threads),
+            "--ctx-size",
+            str(self.context),
+            "--parallel",
+            str(self.parallel),
+        ]
         if self.drafter == EAGLE3:
-            return flags + ["--spec-type", "draft-eagle3", "--model-draft", str(self.draft_model),
-                            "--spec-draft-n-max", str(self.draft_max)] + (
-                ["--spec-draft-p-min", str(self.draft_p_min)] if self.draft_p_min is not None else [])
+            return (
+                flags
+                + [
+                    "--spec-type",
+                    "draft-eagle3",
+                    "--model-draft",
+                    str(self.draft_model),
+                    "--spec-draft-n-max",
+                    str(self.draft_max),
+                ]
+                + (["--spec-draft-p-min", str(self.draft_p_min)] if self.draft_p_min is not None else [])
+            )
         return flags + (["--spec-type", self.drafter] if self.drafter else [])
 
     def command(self, port: int) -> list[str]:
         binary = self.binary or server_binary()
-        return [str(binary), "--model", str(self.gguf), "--host", "127.0.0.1", "--port", str(port), *self.flags()]
+        return [
+            str(binary),
+            "--model",
+            str(self.gguf),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *self.flags(),
+        ]
 
     def start(self) -> LlamaServer:
         """Start the process and wait (bounded) until /health answers; on failure stop it and raise."""
@@ -93,8 +120,13 @@ class LlamaServer:
         self.log = Path(log_name)
         started = time.perf_counter()
         with os.fdopen(descriptor, "wb") as log:
-            process = subprocess.Popen(self.command(port), stdout=log, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, start_new_session=True)
+            process = subprocess.Popen(
+                self.command(port),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self.process = process
         atexit.register(self.close)
         while not self._healthy():
@@ -115,22 +147,38 @@ class LlamaServer:
 
     def _fail(self, what: str) -> NoReturn:
         self.close(keep_log=True)
-        raise LlamaServerError(f"llama-server ({self.gguf.name}) {what}; last lines of {self.log}:\n"
-                               f"{self.log_tail()}")
+        raise LlamaServerError(
+            f"llama-server ({self.gguf.name}) {what}; last lines of {self.log}:\n{self.log_tail()}"
+        )
 
     def log_tail(self, lines: int = 15) -> str:
         try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:]) if self.log else "(no log)"
+            return (
+                "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+                if self.log
+                else "(no log)"
+            )
         except OSError:
             return "(no log)"
 
     def complete(self, ids: list[int], max_new_tokens: int, stops: list[int] | None = None) -> BaselineOutput:
         """Greedy decoding of `ids` (prompt as token ids, no prompt cache); output cut after the first stop id."""
-        body = {"prompt": list(ids), "n_predict": max_new_tokens, "temperature": 0.0, "top_k": 1,
-                "samplers": ["top_k"], "cache_prompt": False, "return_tokens": True, "stream": False,
-                "response_fields": ["tokens", "timings"]}
-        request = urllib.request.Request(f"{self.url}/completion", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+        body = {
+            "prompt": list(ids),
+            "n_predict": max_new_tokens,
+            "temperature": 0.0,
+            "top_k": 1,
+            "samplers": ["top_k"],
+            "cache_prompt": False,
+            "return_tokens": True,
+            "stream": False,
+            "response_fields": ["tokens", "timings"],
+        }
+        request = urllib.request.Request(
+            f"{self.url}/completion",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         start = time.perf_counter()
         try:
             with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as reply:
@@ -142,8 +190,9 @@ class LlamaServer:
         timings = answer.get("timings", {})
         self.timings.append(timings)
         passes = timings.get("predicted_n", len(tokens)) - timings.get("draft_n_accepted", 0)
-        return BaselineOutput(tokens, seconds, max(1, passes), timings.get("prompt_ms", 0.0) / 1000,
-                              self.rss_mb())
+        return BaselineOutput(
+            tokens, seconds, max(1, passes), timings.get("prompt_ms", 0.0) / 1000, self.rss_mb()
+        )
 
     def rss_mb(self) -> float | None:
         """The server process's resident memory now (its weights are mapped in after the first request)."""

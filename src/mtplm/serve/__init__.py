@@ -26,9 +26,16 @@ from mtplm.serve.repository import Entry, Repository, check_entry, read_manifest
 __all__ = ["Settings", "create_app", "Repository", "Entry", "read_manifest", "serve", "build_repository"]
 
 
-def build_repository(models: list[str], repository: Path | None, dtype: str, max_batch: int, budget_gb: float,
-                     default_mode: str | None, k_by_batch: str | None = DEFAULT_LOAD_POLICY,
-                     backend: str = "auto") -> Repository:
+def build_repository(
+    models: list[str],
+    repository: Path | None,
+    dtype: str,
+    max_batch: int,
+    budget_gb: float,
+    default_mode: str | None,
+    k_by_batch: str | None = DEFAULT_LOAD_POLICY,
+    backend: str = "auto",
+) -> Repository:
     """The models to offer: a repository directory, and/or `--model` specs (id = the spec's last part)."""
     entries = read_manifest(repository, dtype) if repository else []
     for spec in models:
@@ -49,8 +56,14 @@ def build_repository(models: list[str], repository: Path | None, dtype: str, max
         from mtplm.registry import BACKENDS
 
         BACKENDS.check(backend)  # a bad name fails at start, not on the first request
-    return Repository(entries, int(budget_gb * 2**30), max_batch, default_mode,
-                      k_by_batch=parse_k_by_batch(k_by_batch), backend=backend)
+    return Repository(
+        entries,
+        int(budget_gb * 2**30),
+        max_batch,
+        default_mode,
+        k_by_batch=parse_k_by_batch(k_by_batch),
+        backend=backend,
+    )
 
 
 def parse_k_by_batch(spec: str | None) -> dict[int, int] | str | None:
@@ -66,23 +79,44 @@ def parse_k_by_batch(spec: str | None) -> dict[int, int] | str | None:
         if not table or min(table) < 1 or min(table.values()) < 1:
             raise ValueError
     except ValueError:
-        raise UserError(f"bad --k-by-batch {spec!r}: give auto, off, or batch-size:k pairs such as 1:8,4:4,8:1 "
-                        "(sizes and k >= 1)") from None
+        raise UserError(
+            f"bad --k-by-batch {spec!r}: give auto, off, or batch-size:k pairs such as 1:8,4:4,8:1 "
+            "(sizes and k >= 1)"
+        ) from None
     return table
 
 
-def serve(repository: Repository, host: str, port: int, settings: Settings, shutdown_grace_s: float,
-          log_level: str = "info") -> None:
+def serve(
+    repository: Repository,
+    host: str,
+    port: int,
+    settings: Settings,
+    shutdown_grace_s: float,
+    log_level: str = "info",
+) -> None:
     import uvicorn
 
     _check_exposure(host, settings)
     listener = bind(host, port)  # a port in use is one line and exit 2, before anything says "serving"
-    repository.warm(settings.limits.context)  # nothing is served (/health included) before every bucket compiled
+    repository.warm(
+        settings.limits.context
+    )  # nothing is served (/health included) before every bucket compiled
     app = create_app(repository, settings)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=int(shutdown_grace_s) + 5, lifespan="off")
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        timeout_graceful_shutdown=int(shutdown_grace_s) + 5,
+        lifespan="off",
+    )
     server = _graceful_server(config, repository, shutdown_grace_s)
-    print(f"mtplm: serving {', '.join(repository.entries)} on http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    print(
+        f"mtplm: serving {', '.join(repository.entries)} on http://{host}:{port}/v1",
+        file=sys.stderr,
+        flush=True,
+    )
     server.run(sockets=[listener])
     repository.close(0)
 
@@ -102,7 +136,11 @@ def bind(host: str, port: int) -> socket.socket:
         sock.listen(2048)
     except OSError as exc:
         sock.close()
-        hint = ": another process is listening there; choose another --port" if exc.errno == errno.EADDRINUSE else ""
+        hint = (
+            ": another process is listening there; choose another --port"
+            if exc.errno == errno.EADDRINUSE
+            else ""
+        )
         raise UserError(f"cannot listen on {host}:{port}: {exc.strerror}{hint}") from None
     sock.set_inheritable(True)
     return sock
@@ -126,16 +164,20 @@ def _graceful_server(config, repository: Repository, grace_s: float):
         def _drain(self) -> None:
             waiting, started = repository.in_flight, time.monotonic()
             if waiting:
-                say(f"shutting down: refusing new requests; waiting up to {grace_s:g} s for {waiting} in-flight "
-                    f"request{'s' * (waiting != 1)} to finish (signal again to stop at once)")
+                say(
+                    f"shutting down: refusing new requests; waiting up to {grace_s:g} s for {waiting} in-flight "
+                    f"request{'s' * (waiting != 1)} to finish (signal again to stop at once)"
+                )
             else:
                 say("shutting down: no requests in flight")
             while repository.in_flight and time.monotonic() - started < grace_s:
                 time.sleep(0.02)
             elapsed, left = time.monotonic() - started, repository.in_flight
             if left:
-                say(f"{left} request{'s' * (left != 1)} still running after {elapsed:.1f} s: ending "
-                    f"{'them' if left != 1 else 'it'} with a shutdown error")
+                say(
+                    f"{left} request{'s' * (left != 1)} still running after {elapsed:.1f} s: ending "
+                    f"{'them' if left != 1 else 'it'} with a shutdown error"
+                )
             elif waiting:
                 say(f"every in-flight request finished ({elapsed:.1f} s)")
             repository.close(max(0.0, grace_s - elapsed))
@@ -157,8 +199,11 @@ def _check_exposure(host: str, settings: Settings) -> None:
     except ValueError:
         loopback = host == "localhost"
     if not loopback and settings.api_key is None:
-        print(f"mtplm: warning: serving on {host} without an API key: anyone who can reach this port can use it "
-              "(set --api-key or MTPLM_API_KEY)", file=sys.stderr)
+        print(
+            f"mtplm: warning: serving on {host} without an API key: anyone who can reach this port can use it "
+            "(set --api-key or MTPLM_API_KEY)",
+            file=sys.stderr,
+        )
 
 
 def limits(max_tokens: int, default_max_tokens: int, context: int) -> Limits:

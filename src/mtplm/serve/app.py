@@ -42,10 +42,16 @@ def create_app(repository: Repository, settings: Settings, metrics: Metrics | No
         req: CompletionRequest = await _parse(request, CompletionRequest, settings, repository)
         loaded = await repository.get(req.model)
         prompts = _completion_prompts(req.prompt, loaded)
-        budget = max(checks.max_tokens(req, len(ids), settings.limits, _context(loaded),
-                                       COMPLETIONS_DEFAULT_MAX_TOKENS) for ids in prompts)
+        budget = max(
+            checks.max_tokens(
+                req, len(ids), settings.limits, _context(loaded), COMPLETIONS_DEFAULT_MAX_TOKENS
+            )
+            for ids in prompts
+        )
         echo = [_echo_text(req.prompt, ids, i, loaded) for i, ids in enumerate(prompts)] if req.echo else None
-        options = Options(checks.stops(req), req.ignore_eos, checks.logprobs(req), echo, **_grammar(req, loaded))
+        options = Options(
+            checks.stops(req), req.ignore_eos, checks.logprobs(req), echo, **_grammar(req, loaded)
+        )
         return await _respond(request, "completions", req, loaded, prompts, budget, options, settings)
 
     @app.post("/v1/chat/completions")
@@ -53,24 +59,38 @@ def create_app(repository: Repository, settings: Settings, metrics: Metrics | No
         req: ChatRequest = await _parse(request, ChatRequest, settings, repository)
         loaded = await repository.get(req.model)
         ids = _chat_prompt(req, loaded)
-        budget = checks.max_tokens(req, len(ids), settings.limits, _context(loaded),
-                                   settings.limits.default_max_tokens)
-        options = Options(checks.stops(req), req.ignore_eos, checks.logprobs(req), chat=True,
-                          **_grammar(req, loaded))
+        budget = checks.max_tokens(
+            req, len(ids), settings.limits, _context(loaded), settings.limits.default_max_tokens
+        )
+        options = Options(
+            checks.stops(req), req.ignore_eos, checks.logprobs(req), chat=True, **_grammar(req, loaded)
+        )
         return await _respond(request, "chat", req, loaded, [ids], budget, options, settings)
 
     @app.post("/v1/responses")
     async def responses_api(request: Request):
-        req: responses.ResponsesRequest = await _parse(request, responses.ResponsesRequest, settings, repository)
+        req: responses.ResponsesRequest = await _parse(
+            request, responses.ResponsesRequest, settings, repository
+        )
         with responses.renamed():  # the chat checks' refusals name this API's fields
             chat = responses.as_chat(req)
             loaded = await repository.get(req.model)
             ids = _chat_prompt(chat, loaded)
-            budget = checks.max_tokens(chat, len(ids), settings.limits, _context(loaded),
-                                       settings.limits.default_max_tokens)
+            budget = checks.max_tokens(
+                chat, len(ids), settings.limits, _context(loaded), settings.limits.default_max_tokens
+            )
             options = Options(chat=True, **_grammar(chat, loaded))
-            return await _respond(request, "responses", chat, loaded, [ids], budget, options, settings,
-                                  view=responses.Rendering(req))
+            return await _respond(
+                request,
+                "responses",
+                chat,
+                loaded,
+                [ids],
+                budget,
+                options,
+                settings,
+                view=responses.Rendering(req),
+            )
 
     return app
 
@@ -92,14 +112,23 @@ def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(404)
     async def not_found(request: Request, exc) -> JSONResponse:
         _count(request, 404)
-        return JSONResponse(APIError(404, f"no route {request.method} {request.url.path}: see /v1/models, "
-                                          "/v1/completions, /v1/chat/completions, /v1/responses", None,
-                                          "not_found").body(), 404)
+        return JSONResponse(
+            APIError(
+                404,
+                f"no route {request.method} {request.url.path}: see /v1/models, "
+                "/v1/completions, /v1/chat/completions, /v1/responses",
+                None,
+                "not_found",
+            ).body(),
+            404,
+        )
 
     @app.exception_handler(405)
     async def wrong_method(request: Request, exc) -> JSONResponse:
         _count(request, 405)
-        return JSONResponse(APIError(405, f"{request.method} is not allowed on {request.url.path}").body(), 405)
+        return JSONResponse(
+            APIError(405, f"{request.method} is not allowed on {request.url.path}").body(), 405
+        )
 
 
 def _count(request: Request, status: int) -> None:
@@ -137,11 +166,25 @@ class Guard:
             self.metrics.count(path, "", 500)
             if started:  # a streamed body already began: nothing valid can be added to it
                 return
-            body = json.dumps(APIError(500, "internal server error: the request failed unexpectedly; it has been "
-                                            "logged", None, "internal_error", "server_error").body()).encode()
-            await send({"type": "http.response.start", "status": 500,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode())]})
+            body = json.dumps(
+                APIError(
+                    500,
+                    "internal server error: the request failed unexpectedly; it has been logged",
+                    None,
+                    "internal_error",
+                    "server_error",
+                ).body()
+            ).encode()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 500,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": body})
 
 
@@ -149,18 +192,32 @@ class Guard:
 async def _parse(request: Request, schema: type[BaseModel], settings: Settings, repository: Repository):
     authorize(request, settings)
     if repository.closing:
-        raise APIError(503, "the server is shutting down: retry on another replica", None, "shutting_down",
-                       "server_error")
+        raise APIError(
+            503,
+            "the server is shutting down: retry on another replica",
+            None,
+            "shutting_down",
+            "server_error",
+        )
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > settings.max_body_bytes:
-        raise APIError(413, f"the request body ({int(declared)} bytes) exceeds this server's limit of "
-                            f"{settings.max_body_bytes} bytes", None, "request_too_large")
+        raise APIError(
+            413,
+            f"the request body ({int(declared)} bytes) exceeds this server's limit of "
+            f"{settings.max_body_bytes} bytes",
+            None,
+            "request_too_large",
+        )
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > settings.max_body_bytes:
-            raise APIError(413, f"the request body exceeds this server's limit of {settings.max_body_bytes} bytes",
-                           None, "request_too_large")
+            raise APIError(
+                413,
+                f"the request body exceeds this server's limit of {settings.max_body_bytes} bytes",
+                None,
+                "request_too_large",
+            )
     try:
         parsed = schema.model_validate_json(bytes(body))
         model = getattr(parsed, "model", None)
@@ -229,8 +286,17 @@ def _chat_prompt(req: ChatRequest, loaded: Loaded) -> list[int]:
 
 
 # ---- response side -------------------------------------------------------------------------------
-async def _respond(request: Request, endpoint: str, req, loaded: Loaded, prompts: list[list[int]], budget: int,
-                   options: Options, settings: Settings, view: responses.Rendering | None = None):
+async def _respond(
+    request: Request,
+    endpoint: str,
+    req,
+    loaded: Loaded,
+    prompts: list[list[int]],
+    budget: int,
+    options: Options,
+    settings: Settings,
+    view: responses.Rendering | None = None,
+):
     """Decode and answer; `view` renders another API's body and events (the Responses API)."""
     cfg = checks.decode_config(req, loaded.engine.spec, loaded.default_mode, budget)
     ignored = view.ignored if view is not None else req.ignored_fields()
@@ -244,7 +310,11 @@ async def _respond(request: Request, endpoint: str, req, loaded: Loaded, prompts
     repository.in_flight += 1
     started = time.perf_counter()
     kind = "text_completion" if endpoint == "completions" else "chat.completion"
-    head = {"id": new_id("cmpl" if endpoint == "completions" else "chatcmpl"), "created": now(), "model": req.model}
+    head = {
+        "id": new_id("cmpl" if endpoint == "completions" else "chatcmpl"),
+        "created": now(),
+        "model": req.model,
+    }
 
     def finished(status: int, count: bool = True) -> None:
         repository.in_flight -= 1
@@ -256,10 +326,23 @@ async def _respond(request: Request, endpoint: str, req, loaded: Loaded, prompts
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = _sse(run, endpoint, {**head, "object": f"{kind}.chunk" if endpoint == "chat" else kind},
-                      prompts, include_usage, finished) if view is None else view.events(run, prompts, finished)
-        return StreamingResponse(events, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+        events = (
+            _sse(
+                run,
+                endpoint,
+                {**head, "object": f"{kind}.chunk" if endpoint == "chat" else kind},
+                prompts,
+                include_usage,
+                finished,
+            )
+            if view is None
+            else view.events(run, prompts, finished)
+        )
+        return StreamingResponse(
+            events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
+        )
     try:
         await _until_done(request, run, settings)
     except APIError as exc:
@@ -272,7 +355,9 @@ async def _respond(request: Request, endpoint: str, req, loaded: Loaded, prompts
     if view is not None:
         return JSONResponse(view.body(run, prompts), headers=headers)
     choices = [_final_choice(endpoint, c, run.tools) for c in run.choices]
-    return JSONResponse({**head, "object": kind, "choices": choices, "usage": run.usage(prompts)}, headers=headers)
+    return JSONResponse(
+        {**head, "object": kind, "choices": choices, "usage": run.usage(prompts)}, headers=headers
+    )
 
 
 async def _until_done(request: Request, run: Run, settings: Settings) -> None:
@@ -301,27 +386,55 @@ def _final_choice(endpoint: str, choice, tools: tuple[str, ...] = ()) -> dict:
     text = "".join(choice.pieces)
     logprobs = choice.merged_logprobs()
     if endpoint == "completions":
-        return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
+        return {
+            "index": choice.index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": choice.finish_reason,
+        }
     message, finish = chat_message(text, list(tools), choice.finish_reason)
     return {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
 
-async def _sse(run: Run, endpoint: str, head: dict, prompts, include_usage: bool, finished) -> AsyncIterator[str]:
+async def _sse(
+    run: Run, endpoint: str, head: dict, prompts, include_usage: bool, finished
+) -> AsyncIterator[str]:
     """Server-sent events: one chunk per decoded block (1..k tokens) with text, then [DONE]. A client
     that disconnects cancels the generator, and with it the run's sequences."""
     status = 200
     try:
         if endpoint == "chat":
             for choice in run.choices:
-                yield _event({**head, "choices": [{"index": choice.index, "delta": {"role": "assistant", "content": ""},
-                                                   "logprobs": None, "finish_reason": None}]})
+                yield _event(
+                    {
+                        **head,
+                        "choices": [
+                            {
+                                "index": choice.index,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
+                    }
+                )
         async for piece in run.pieces():
             if run.tools and endpoint == "chat":  # a tool call is sent whole, once its text is complete
                 if piece.final:
                     final = _final_choice(endpoint, piece.choice, run.tools)
-                    yield _event({**head, "choices": [{"index": piece.choice.index, "logprobs": None,
-                                                       "delta": stream_delta(final["message"]),
-                                                       "finish_reason": final["finish_reason"]}]})
+                    yield _event(
+                        {
+                            **head,
+                            "choices": [
+                                {
+                                    "index": piece.choice.index,
+                                    "logprobs": None,
+                                    "delta": stream_delta(final["message"]),
+                                    "finish_reason": final["finish_reason"],
+                                }
+                            ],
+                        }
+                    )
             elif piece.text or piece.final or _has_entries(piece.logprobs):
                 yield _event({**head, "choices": [_delta(endpoint, piece)]})
         if include_usage:
@@ -335,8 +448,15 @@ async def _sse(run: Run, endpoint: str, head: dict, prompts, include_usage: bool
     except Exception:  # the headers are sent: the error goes out as an event, the stream still ends cleanly
         log.exception("unexpected error while streaming")
         status = 500
-        yield _event(APIError(500, "internal server error while streaming; it has been logged", None,
-                              "internal_error", "server_error").body())
+        yield _event(
+            APIError(
+                500,
+                "internal server error while streaming; it has been logged",
+                None,
+                "internal_error",
+                "server_error",
+            ).body()
+        )
     finally:
         run.cancel()
         finished(status)
@@ -349,11 +469,19 @@ def _has_entries(logprobs: dict | None) -> bool:
 
 def _delta(endpoint: str, piece: Piece) -> dict:
     if endpoint == "completions":
-        return {"index": piece.choice.index, "text": piece.text, "logprobs": piece.logprobs,
-                "finish_reason": piece.choice.finish_reason if piece.final else None}
+        return {
+            "index": piece.choice.index,
+            "text": piece.text,
+            "logprobs": piece.logprobs,
+            "finish_reason": piece.choice.finish_reason if piece.final else None,
+        }
     delta = {"content": piece.text} if piece.text else {}
-    return {"index": piece.choice.index, "delta": delta, "logprobs": piece.logprobs,
-            "finish_reason": piece.choice.finish_reason if piece.final else None}
+    return {
+        "index": piece.choice.index,
+        "delta": delta,
+        "logprobs": piece.logprobs,
+        "finish_reason": piece.choice.finish_reason if piece.final else None,
+    }
 
 
 def _event(body: dict) -> str:

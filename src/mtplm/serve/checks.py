@@ -34,8 +34,11 @@ def decode_config(req: _Sampling, spec: DecodeModel, default_mode: str, max_toke
         raise APIError(400, f"temperature must lie in [0, 2], got {temperature}", "temperature")
     top_p = 1.0 if req.top_p is None else req.top_p
     if not TOP_P_FLOOR <= top_p <= 1.0:
-        raise APIError(400, f"top_p must lie in [{TOP_P_FLOOR}, 1], got {top_p} (for greedy decoding send "
-                            "temperature 0)", "top_p")
+        raise APIError(
+            400,
+            f"top_p must lie in [{TOP_P_FLOOR}, 1], got {top_p} (for greedy decoding send temperature 0)",
+            "top_p",
+        )
     if req.top_k is not None and req.top_k < 0:
         raise APIError(400, f"top_k must be >= 0 (0: no limit), got {req.top_k}", "top_k")
     if not 1 <= req.n <= MAX_CHOICES:
@@ -46,8 +49,12 @@ def decode_config(req: _Sampling, spec: DecodeModel, default_mode: str, max_toke
     cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed = temperature, top_p, req.top_k or 0, seed
     cfg.max_new_tokens = max_tokens
     if cfg.drafting == "tree" and temperature > 0:
-        raise APIError(400, "tree drafting verifies greedy decoding only: send temperature 0, or another mode",
-                       "mode", "invalid_mode")
+        raise APIError(
+            400,
+            "tree drafting verifies greedy decoding only: send temperature 0, or another mode",
+            "mode",
+            "invalid_mode",
+        )
     try:
         return cfg.validate()
     except UserError as exc:
@@ -65,13 +72,23 @@ def _mode(mode: str | None, spec: DecodeModel, default_mode: str) -> DecodeConfi
     if not cfg.needs_conversion():
         return cfg
     if spec.thresholds is None:
-        raise APIError(400, f"mode {cfg.mode!r} needs a converted model (one with an <mtp> token or heads): "
-                            "this model decodes with mode ntp only", "mode", "invalid_mode")
+        raise APIError(
+            400,
+            f"mode {cfg.mode!r} needs a converted model (one with an <mtp> token or heads): "
+            "this model decodes with mode ntp only",
+            "mode",
+            "invalid_mode",
+        )
     limit = spec.thresholds.k_max
     k = cfg.k if cfg.mode == "static" else cfg.k_max
     if k is not None and k > limit:
-        raise APIError(400, f"mode {mode!r} asks for {k} tokens per pass; this checkpoint was trained for at most "
-                            f"k_max = {limit}", "mode", "invalid_mode")
+        raise APIError(
+            400,
+            f"mode {mode!r} asks for {k} tokens per pass; this checkpoint was trained for at most "
+            f"k_max = {limit}",
+            "mode",
+            "invalid_mode",
+        )
     return cfg
 
 
@@ -82,16 +99,24 @@ def max_tokens(req: _Sampling, prompt_len: int, limits: Limits, context: int, de
     value = getattr(req, param)
     context = min(limits.context, context)
     if prompt_len >= context:
-        raise APIError(400, f"the prompt has {prompt_len} tokens; this model accepts at most {context - 1} prompt "
-                            "tokens", "prompt" if isinstance(req, CompletionRequest) else "messages",
-                       "context_length_exceeded")
+        raise APIError(
+            400,
+            f"the prompt has {prompt_len} tokens; this model accepts at most {context - 1} prompt tokens",
+            "prompt" if isinstance(req, CompletionRequest) else "messages",
+            "context_length_exceeded",
+        )
     if value is None:
         return min(default, context - prompt_len)
     if not 1 <= value <= limits.max_tokens:
         raise APIError(400, f"{param} must lie in [1, {limits.max_tokens}], got {value}", param)
     if prompt_len + value > context:
-        raise APIError(400, f"the prompt ({prompt_len} tokens) plus {param} ({value}) exceeds this model's context "
-                            f"of {context} tokens: lower {param}", param, "context_length_exceeded")
+        raise APIError(
+            400,
+            f"the prompt ({prompt_len} tokens) plus {param} ({value}) exceeds this model's context "
+            f"of {context} tokens: lower {param}",
+            param,
+            "context_length_exceeded",
+        )
     return value
 
 
@@ -100,7 +125,9 @@ def stops(req: _Sampling) -> list[str]:
     if len(values) > MAX_STOPS or any(not s for s in values):
         raise APIError(400, f"stop takes up to {MAX_STOPS} non-empty strings, got {len(values)}", "stop")
     if sum(len(s) for s in values) > MAX_STOP_CHARS:
-        raise APIError(400, f"the stop strings may be at most {MAX_STOP_CHARS} characters long together", "stop")
+        raise APIError(
+            400, f"the stop strings may be at most {MAX_STOP_CHARS} characters long together", "stop"
+        )
     return values
 
 
@@ -109,8 +136,12 @@ def prompt_ids(prompts: list[list[int]], spec: DecodeModel, vocab: int, param: s
     if any(not 0 <= t < vocab for ids in prompts for t in ids):
         raise APIError(400, f"{param}: token ids must lie in [0, {vocab})", param)
     if spec.mask_id is not None and any(spec.mask_id in ids for ids in prompts):
-        raise APIError(400, f"{param} contains this model's <mtp> mask token (id {spec.mask_id}), which is "
-                            "reserved for multi-token decoding: remove it", param)
+        raise APIError(
+            400,
+            f"{param} contains this model's <mtp> mask token (id {spec.mask_id}), which is "
+            "reserved for multi-token decoding: remove it",
+            param,
+        )
 
 
 def logprobs(req: _Sampling) -> int | None:
@@ -122,8 +153,9 @@ def logprobs(req: _Sampling) -> int | None:
     assert isinstance(req, ChatRequest)
     if req.top_logprobs is not None:
         if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise APIError(400, f"top_logprobs must lie in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
-                           "top_logprobs")
+            raise APIError(
+                400, f"top_logprobs must lie in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", "top_logprobs"
+            )
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     return (req.top_logprobs or 0) if req.logprobs else None
@@ -133,7 +165,9 @@ def refuse_unsupported(req: _Sampling) -> None:
     """Fields that would change the output and that mtplm does not implement: only neutral values pass."""
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name) not in (None, 0, 0.0):
-            raise APIError(400, f"{name} is not supported by mtplm: leave it out or send 0", name, "unsupported")
+            raise APIError(
+                400, f"{name} is not supported by mtplm: leave it out or send 0", name, "unsupported"
+            )
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported by mtplm: leave it out", "logit_bias", "unsupported")
     if isinstance(req, CompletionRequest):
@@ -142,9 +176,13 @@ def refuse_unsupported(req: _Sampling) -> None:
         if req.best_of not in (None, req.n):
             raise APIError(400, "best_of is not supported by mtplm: use n", "best_of", "unsupported")
     if isinstance(req, ChatRequest):
-        refused = [("functions", bool(req.functions)), ("function_call", req.function_call not in (None, "none")),
-                   ("audio", req.audio is not None), ("web_search_options", req.web_search_options is not None),
-                   ("modalities", any(m != "text" for m in req.modalities or []))]
+        refused = [
+            ("functions", bool(req.functions)),
+            ("function_call", req.function_call not in (None, "none")),
+            ("audio", req.audio is not None),
+            ("web_search_options", req.web_search_options is not None),
+            ("modalities", any(m != "text" for m in req.modalities or [])),
+        ]
         for name, used in refused:
             if used:
                 raise APIError(400, f"{name} is not supported by mtplm: leave it out", name, "unsupported")

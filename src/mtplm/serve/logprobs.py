@@ -77,8 +77,13 @@ class LogprobWriter:
         for item in scored:
             token = self.text(item.token)
             self.offset += len(token)
-            content.append({**self._entry(item.token, item.logprob), "exact": item.exact,
-                            "top_logprobs": [self._entry(alt, logprob) for alt, logprob in item.top]})
+            content.append(
+                {
+                    **self._entry(item.token, item.logprob),
+                    "exact": item.exact,
+                    "top_logprobs": [self._entry(alt, logprob) for alt, logprob in item.top],
+                }
+            )
         return {"content": content, "refusal": None}
 
     def _entry(self, token: int, logprob: float) -> dict:

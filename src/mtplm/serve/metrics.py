@@ -13,34 +13,77 @@ PER_PASS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 def endpoint_label(path: str) -> str:
     """The `endpoint` label of a request path in the metrics."""
     path = path.rstrip("/")
-    return {"/v1/completions": "completions", "/v1/chat/completions": "chat",
-            "/v1/responses": "responses"}.get(path, "other")
+    return {
+        "/v1/completions": "completions",
+        "/v1/chat/completions": "chat",
+        "/v1/responses": "responses",
+    }.get(path, "other")
 
 
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("mtplm_requests", "HTTP requests answered", ["endpoint", "model", "status"], registry=r)
-        self.latency = Histogram("mtplm_request_latency_seconds", "request latency, to the last byte",
-                                 ["endpoint", "model"], buckets=LATENCY, registry=r)
-        self.ttft = Histogram("mtplm_time_to_first_token_seconds", "time to the first generated token", ["model"],
-                              buckets=LATENCY, registry=r)
+        self.requests = Counter(
+            "mtplm_requests", "HTTP requests answered", ["endpoint", "model", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "mtplm_request_latency_seconds",
+            "request latency, to the last byte",
+            ["endpoint", "model"],
+            buckets=LATENCY,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "mtplm_time_to_first_token_seconds",
+            "time to the first generated token",
+            ["model"],
+            buckets=LATENCY,
+            registry=r,
+        )
         self.tokens = Counter("mtplm_generated_tokens", "tokens generated", ["model", "mode"], registry=r)
-        self.sequence_passes = Counter("mtplm_sequence_passes", "forward passes, counted once per sequence in them",
-                                       ["model", "mode"], registry=r)
-        self.per_pass = Histogram("mtplm_tokens_per_forward", "tokens a sequence emitted in one forward pass",
-                                  ["model", "mode"], buckets=PER_PASS, registry=r)
-        self.drafted = Counter("mtplm_drafted_tokens", "drafts verified (verified mode)", ["model", "mode"], registry=r)
-        self.accepted = Counter("mtplm_accepted_tokens", "drafts kept (verified mode); acceptance = accepted / drafted",
-                                ["model", "mode"], registry=r)
+        self.sequence_passes = Counter(
+            "mtplm_sequence_passes",
+            "forward passes, counted once per sequence in them",
+            ["model", "mode"],
+            registry=r,
+        )
+        self.per_pass = Histogram(
+            "mtplm_tokens_per_forward",
+            "tokens a sequence emitted in one forward pass",
+            ["model", "mode"],
+            buckets=PER_PASS,
+            registry=r,
+        )
+        self.drafted = Counter(
+            "mtplm_drafted_tokens", "drafts verified (verified mode)", ["model", "mode"], registry=r
+        )
+        self.accepted = Counter(
+            "mtplm_accepted_tokens",
+            "drafts kept (verified mode); acceptance = accepted / drafted",
+            ["model", "mode"],
+            registry=r,
+        )
         self.passes = Counter("mtplm_forward_passes", "engine forward passes", ["model", "kind"], registry=r)
-        self.pass_seconds = Histogram("mtplm_forward_pass_seconds", "engine forward pass time", ["model", "kind"],
-                                      buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=r)
-        self.batch = Histogram("mtplm_batch_sequences", "sequences per batched pass", ["model"],
-                               buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), registry=r)
-        self.padding = Counter("mtplm_padding_rows", "fed rows that were padding (ragged batches)", ["model"],
-                               registry=r)
-        self.rows = Counter("mtplm_fed_rows", "rows fed to the model, padding included", ["model"], registry=r)
+        self.pass_seconds = Histogram(
+            "mtplm_forward_pass_seconds",
+            "engine forward pass time",
+            ["model", "kind"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+            registry=r,
+        )
+        self.batch = Histogram(
+            "mtplm_batch_sequences",
+            "sequences per batched pass",
+            ["model"],
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32),
+            registry=r,
+        )
+        self.padding = Counter(
+            "mtplm_padding_rows", "fed rows that were padding (ragged batches)", ["model"], registry=r
+        )
+        self.rows = Counter(
+            "mtplm_fed_rows", "rows fed to the model, padding included", ["model"], registry=r
+        )
         self.waiting = Gauge("mtplm_queue_length", "sequences waiting for a slot", ["model"], registry=r)
         self.running = Gauge("mtplm_running_sequences", "sequences decoding", ["model"], registry=r)
         self.loaded = Gauge("mtplm_loaded_models", "models in memory", registry=r)

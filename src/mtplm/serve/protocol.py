@@ -32,16 +32,34 @@ MAX_LOGPROBS = 20  # most alternatives per token (decode/logprobs.MAX_TOP)
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 # accepted and ignored: they steer OpenAI's hosted service (storage, billing tier, tracing, reasoning models,
 # parallel tool calls when no tools are given), never what a local model decodes
-IGNORED = ("user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
-           "prompt_cache_retention", "prompt_cache_options", "prediction", "parallel_tool_calls",
-           "reasoning_effort", "verbosity", "modalities")
+IGNORED = (
+    "user",
+    "store",
+    "metadata",
+    "service_tier",
+    "safety_identifier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "prompt_cache_options",
+    "prediction",
+    "parallel_tool_calls",
+    "reasoning_effort",
+    "verbosity",
+    "modalities",
+)
 
 
 class APIError(Exception):
     """An error the client caused or must handle, sent as OpenAI's {"error": {...}} body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
@@ -103,7 +121,11 @@ class _Sampling(BaseModel):
 
     def ignored_fields(self) -> list[str]:
         """The IGNORED fields this request set to something other than null."""
-        return [name for name in IGNORED if name in self.model_fields_set and getattr(self, name, None) is not None]
+        return [
+            name
+            for name in IGNORED
+            if name in self.model_fields_set and getattr(self, name, None) is not None
+        ]
 
 
 class CompletionRequest(_Sampling):
@@ -145,8 +167,11 @@ def null_is_unset(schema: type[BaseModel], data: Any) -> Any:
     if not isinstance(data, dict):
         return data
     fields = schema.model_fields
-    return {key: value for key, value in data.items()
-            if value is not None or key not in fields or fields[key].is_required()}
+    return {
+        key: value
+        for key, value in data.items()
+        if value is not None or key not in fields or fields[key].is_required()
+    }
 
 
 def message_text(message: ChatMessage) -> str:

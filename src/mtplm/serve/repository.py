@@ -78,7 +78,11 @@ def read_manifest(directory: Path, dtype: str = "bf16") -> list[Entry]:
     if not manifest.is_file():
         if not directory.is_dir():
             raise UserError(f"model repository {directory} does not exist: give a directory of checkpoints")
-        entries = [Entry(p.name, str(p), dtype=dtype) for p in sorted(directory.iterdir()) if (p / META_FILE).is_file()]
+        entries = [
+            Entry(p.name, str(p), dtype=dtype)
+            for p in sorted(directory.iterdir())
+            if (p / META_FILE).is_file()
+        ]
         if not entries:
             raise UserError(f"{directory} has no {MANIFEST} and no checkpoint folders (with {META_FILE})")
         return entries
@@ -93,14 +97,23 @@ def read_manifest(directory: Path, dtype: str = "bf16") -> list[Entry]:
     for number, row in enumerate(rows, 1):
         unknown = set(row) - ENTRY_KEYS
         if unknown or "id" not in row or "path" not in row:
-            raise UserError(f"{manifest}, model {number}: needs id and path; allowed keys are "
-                            f"{', '.join(sorted(ENTRY_KEYS))}" + (f" (unknown: {', '.join(sorted(unknown))})"
-                                                                   if unknown else ""))
+            raise UserError(
+                f"{manifest}, model {number}: needs id and path; allowed keys are "
+                f"{', '.join(sorted(ENTRY_KEYS))}"
+                + (f" (unknown: {', '.join(sorted(unknown))})" if unknown else "")
+            )
         path = Path(row["path"])
         if not path.is_absolute() and (directory / path).exists():
             path = directory / path
-        entries.append(Entry(str(row["id"]), str(path), row.get("mode"), row.get("dtype", dtype),
-                             row.get("description", "")))
+        entries.append(
+            Entry(
+                str(row["id"]),
+                str(path),
+                row.get("mode"),
+                row.get("dtype", dtype),
+                row.get("description", ""),
+            )
+        )
     ids = [e.id for e in entries]
     if len(set(ids)) != len(ids):
         raise UserError(f"{manifest} repeats a model id: each id must be unique")
@@ -125,17 +138,25 @@ def check_entry(entry: Entry) -> None:
         if spec in MODELS or (path / "config.json").is_file() or (path.is_file() and path.suffix == ".gguf"):
             return
         where = f"{spec!r} (the base model of {entry.path!r})" if spec != entry.path else repr(spec)
-        raise UserError(f"model {entry.id!r}: {where} is not a checkpoint, shipped checkpoint name, registry "
-                        f"model ({', '.join(MODELS)}), Hugging Face model directory or .gguf file")
+        raise UserError(
+            f"model {entry.id!r}: {where} is not a checkpoint, shipped checkpoint name, registry "
+            f"model ({', '.join(MODELS)}), Hugging Face model directory or .gguf file"
+        )
 
 
 class Repository:
     """Entries by id; `get` loads on demand within `budget_bytes` (0: no limit)."""
 
-    def __init__(self, entries: list[Entry], budget_bytes: int = 0, max_batch: int = 8,
-                 default_mode: str | None = None,
-                 on_pass: Callable[[str, PassStats], None] | None = None,
-                 k_by_batch: dict[int, int] | str | None = None, backend: str = "auto") -> None:
+    def __init__(
+        self,
+        entries: list[Entry],
+        budget_bytes: int = 0,
+        max_batch: int = 8,
+        default_mode: str | None = None,
+        on_pass: Callable[[str, PassStats], None] | None = None,
+        k_by_batch: dict[int, int] | str | None = None,
+        backend: str = "auto",
+    ) -> None:
         self.entries = {e.id: e for e in entries}
         self.budget, self.max_batch, self.default_mode = budget_bytes, max_batch, default_mode
         self.k_by_batch, self.backend = k_by_batch, backend  # backend: a BACKENDS name, or auto
@@ -161,12 +182,18 @@ class Repository:
                 self._load(entry)
             except APIError:  # logged, and /health reports it (503) instead of ok
                 continue
-            print(f"mtplm: {entry.id} ready in {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True)
+            print(
+                f"mtplm: {entry.id} ready in {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True
+            )
 
     async def get(self, model_id: str) -> Loaded:
         if model_id not in self.entries:
-            raise APIError(404, f"the model {model_id!r} does not exist: GET /v1/models lists the models served",
-                           "model", "model_not_found")
+            raise APIError(
+                404,
+                f"the model {model_id!r} does not exist: GET /v1/models lists the models served",
+                "model",
+                "model_not_found",
+            )
         lock = self._locks.setdefault(model_id, asyncio.Lock())
         async with lock:  # concurrent first requests load the model once
             loaded = self.loaded.get(model_id)
@@ -179,24 +206,37 @@ class Repository:
         need = _estimate(entry)
         with self._guard:
             if self.budget and need > self.budget:
-                raise APIError(507, f"model {entry.id!r} needs about {_size(need)}, more than this server's memory "
-                                    f"budget of {_size(self.budget)}: raise --memory-budget-gb", "model",
-                               "insufficient_memory", "server_error")
+                raise APIError(
+                    507,
+                    f"model {entry.id!r} needs about {_size(need)}, more than this server's memory "
+                    f"budget of {_size(self.budget)}: raise --memory-budget-gb",
+                    "model",
+                    "insufficient_memory",
+                    "server_error",
+                )
             self._make_room(need)
         try:
             model = load_model(entry.path, entry.dtype)
         except (UserError, OSError, ValueError) as exc:
             self.failed[entry.id] = str(exc)
             log.error("mtplm: model %r (%s) failed to load: %s", entry.id, entry.path, exc)
-            raise APIError(500, f"model {entry.id!r} failed to load: {exc}", "model", "model_load_failed",
-                           "server_error") from None
+            raise APIError(
+                500, f"model {entry.id!r} failed to load: {exc}", "model", "model_load_failed", "server_error"
+            ) from None
         mode = entry.mode or self.default_mode or DEFAULT_MODE
         on_pass = self.on_pass
         callback = (lambda stats: on_pass(entry.id, stats)) if on_pass is not None else None
         backend = make_backend(self.backend, model, self.max_batch)
         if self.context is not None:  # every mode a request may ask: plain rows and <mtp> rows
-            warm_up(backend, model, [DecodeConfig(mode="ntp"), DecodeConfig(mode="verified")], (1, self.context),
-                    0, self.max_batch, what=entry.id)
+            warm_up(
+                backend,
+                model,
+                [DecodeConfig(mode="ntp"), DecodeConfig(mode="verified")],
+                (1, self.context),
+                0,
+                self.max_batch,
+                what=entry.id,
+            )
         engine = Engine(model, self.max_batch, on_pass=callback, k_by_batch=self.k_by_batch, backend=backend)
         nbytes = sum(p.numel() * p.element_size() for p in model.hf.parameters())
         loaded = Loaded(entry, model, engine, mode, nbytes)
@@ -215,8 +255,14 @@ class Repository:
             if not victim.busy:
                 self._unload(victim.entry.id)
         if sum(m.nbytes for m in self.loaded.values()) + need > self.budget:
-            raise APIError(503, "every loaded model is busy and no room is left in the memory budget for "
-                                "another: retry shortly", "model", "model_capacity", "server_error")
+            raise APIError(
+                503,
+                "every loaded model is busy and no room is left in the memory budget for "
+                "another: retry shortly",
+                "model",
+                "model_capacity",
+                "server_error",
+            )
 
     def _unload(self, model_id: str) -> None:
         loaded = self.loaded.pop(model_id)

@@ -30,11 +30,27 @@ from mtplm.serve.run import Run
 
 log = logging.getLogger("mtplm.serve")
 # accepted and ignored: OpenAI's hosted service (storage, tiers, caching, moderation, reasoning models)
-IGNORED = ("user", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
-           "prompt_cache_retention", "prompt_cache_options", "parallel_tool_calls", "reasoning", "truncation",
-           "moderation", "context_management")
+IGNORED = (
+    "user",
+    "store",
+    "metadata",
+    "service_tier",
+    "safety_identifier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "prompt_cache_options",
+    "parallel_tool_calls",
+    "reasoning",
+    "truncation",
+    "moderation",
+    "context_management",
+)
 # the chat checks' names for this API's fields, in refusals
-RENAMED = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+RENAMED = {
+    "max_completion_tokens": "max_output_tokens",
+    "messages": "input",
+    "response_format": "text.format",
+}
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -107,9 +123,18 @@ def as_chat(req: ResponsesRequest) -> ChatRequest:
         messages.append(ChatMessage(role="user", content=req.input))
     for number, item in enumerate(req.input if isinstance(req.input, list) else []):
         messages.append(ChatMessage(role=item.role, content=_text(item.content, number)))
-    return ChatRequest(model=req.model, messages=messages, max_completion_tokens=req.max_output_tokens,
-                       temperature=req.temperature, top_p=req.top_p, seed=req.seed, mode=req.mode, top_k=req.top_k,
-                       stream=req.stream, response_format=format_as_response_format(req.text))
+    return ChatRequest(
+        model=req.model,
+        messages=messages,
+        max_completion_tokens=req.max_output_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        seed=req.seed,
+        mode=req.mode,
+        top_k=req.top_k,
+        stream=req.stream,
+        response_format=format_as_response_format(req.text),
+    )
 
 
 def format_as_response_format(text: TextConfig | None) -> dict[str, Any] | None:
@@ -128,17 +153,24 @@ def _text(content: str | list[dict[str, Any]], number: int) -> str:
     parts = []
     for part in content:
         if part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise APIError(400, f"input.{number}.content: only text parts are supported (type input_text)", "input")
+            raise APIError(
+                400, f"input.{number}.content: only text parts are supported (type input_text)", "input"
+            )
         parts.append(part["text"])
     return "".join(parts)
 
 
 def _refuse_unsupported(req: ResponsesRequest) -> None:
-    refused = [("tools", bool(req.tools)), ("tool_choice", req.tool_choice not in (None, "none", "auto")),
-               ("previous_response_id", req.previous_response_id is not None),
-               ("conversation", req.conversation is not None), ("prompt", req.prompt is not None),
-               ("background", bool(req.background)), ("include", bool(req.include)),
-               ("top_logprobs", bool(req.top_logprobs))]
+    refused = [
+        ("tools", bool(req.tools)),
+        ("tool_choice", req.tool_choice not in (None, "none", "auto")),
+        ("previous_response_id", req.previous_response_id is not None),
+        ("conversation", req.conversation is not None),
+        ("prompt", req.prompt is not None),
+        ("background", bool(req.background)),
+        ("include", bool(req.include)),
+        ("top_logprobs", bool(req.top_logprobs)),
+    ]
     for name, used in refused:
         if used:
             raise APIError(400, f"{name} is not supported by mtplm: leave it out", name, "unsupported")
@@ -150,7 +182,9 @@ def renamed() -> Iterator[None]:
     try:
         yield
     except APIError as exc:
-        old = next((name for name in RENAMED if exc.param == name or (exc.param or "").startswith(name + ".")), None)
+        old = next(
+            (name for name in RENAMED if exc.param == name or (exc.param or "").startswith(name + ".")), None
+        )
         if old is not None:  # response_format.json_schema.schema -> text.format.schema
             new = (exc.param or "").replace(old + ".json_schema", old).replace(old, RENAMED[old])
             message = exc.message.replace(exc.param or old, new)
@@ -167,22 +201,44 @@ class Rendering:
         self.id, self.item_id, self.created = new_id("resp"), new_id("msg"), now()
         self.sequence = 0
 
-    def response(self, status: str, output: list[dict], usage: dict | None, finish: str | None = None) -> dict:
+    def response(
+        self, status: str, output: list[dict], usage: dict | None, finish: str | None = None
+    ) -> dict:
         req = self.req
         fmt = (req.text.format if req.text is not None else None) or {"type": "text"}
-        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "model": req.model, "output": output, "error": None,
-                "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
-                "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-                "temperature": 1.0 if req.temperature is None else req.temperature,
-                "top_p": 1.0 if req.top_p is None else req.top_p, "parallel_tool_calls": False,
-                "tool_choice": "none", "tools": [], "text": {"format": fmt}, "truncation": "disabled",
-                "metadata": req.metadata or {}, "store": False, "previous_response_id": None, "usage": usage}
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": req.model,
+            "output": output,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "parallel_tool_calls": False,
+            "tool_choice": "none",
+            "tools": [],
+            "text": {"format": fmt},
+            "truncation": "disabled",
+            "metadata": req.metadata or {},
+            "store": False,
+            "previous_response_id": None,
+            "usage": usage,
+        }
 
     def message(self, text: str, done: bool) -> dict:
         content = [self.part(text)] if done else []
-        return {"type": "message", "id": self.item_id, "status": "completed" if done else "in_progress",
-                "role": "assistant", "content": content}
+        return {
+            "type": "message",
+            "id": self.item_id,
+            "status": "completed" if done else "in_progress",
+            "role": "assistant",
+            "content": content,
+        }
 
     @staticmethod
     def part(text: str) -> dict:
@@ -226,11 +282,17 @@ class Rendering:
         except asyncio.CancelledError:
             status = 499
             raise
-        except Exception:  # the headers are sent: the error goes out as an event, the stream still ends cleanly
+        except (
+            Exception
+        ):  # the headers are sent: the error goes out as an event, the stream still ends cleanly
             log.exception("unexpected error while streaming a response")
             status = 500
-            yield self.event("error", code="internal_error", param=None,
-                             message="internal server error while streaming; it has been logged")
+            yield self.event(
+                "error",
+                code="internal_error",
+                param=None,
+                message="internal server error while streaming; it has been logged",
+            )
         finally:
             run.cancel()
             finished(status)
@@ -239,6 +301,10 @@ class Rendering:
 def usage(run: Run, prompts: list[list[int]]) -> dict:
     """Responses' usage names, with mtplm's decoding counts (forward passes, tokens per pass, mode) beside."""
     chat = run.usage(prompts)
-    return {"input_tokens": chat.pop("prompt_tokens"), "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": chat.pop("completion_tokens"), "output_tokens_details": {"reasoning_tokens": 0},
-            **chat}
+    return {
+        "input_tokens": chat.pop("prompt_tokens"),
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": chat.pop("completion_tokens"),
+        "output_tokens_details": {"reasoning_tokens": 0},
+        **chat,
+    }

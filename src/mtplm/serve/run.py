@@ -72,8 +72,15 @@ class Options:
 class Run:
     """Submit every (prompt, n) sequence; `pieces()` yields their text as it is decoded."""
 
-    def __init__(self, loaded: Loaded, prompts: list[list[int]], n: int, cfg: DecodeConfig, label: str,
-                 options: Options | None = None) -> None:
+    def __init__(
+        self,
+        loaded: Loaded,
+        prompts: list[list[int]],
+        n: int,
+        cfg: DecodeConfig,
+        label: str,
+        options: Options | None = None,
+    ) -> None:
         options = options or Options()
         self.loaded, self.label, self.prompts, self._n = loaded, label, prompts, n
         self.tools = options.tools
@@ -82,15 +89,32 @@ class Run:
         self.started = time.perf_counter()
         self.first_token_s: float | None = None
         tokenizer = loaded.model.tokenizer
-        self.choices = [Choice(i * n + j, len(ids), TextStream(tokenizer, options.stops),
-                               echo=options.echo[i] if options.echo is not None else None,
-                               writer=LogprobWriter(tokenizer, options.chat) if options.logprobs is not None else None)
-                        for i, ids in enumerate(prompts) for j in range(n)]
+        self.choices = [
+            Choice(
+                i * n + j,
+                len(ids),
+                TextStream(tokenizer, options.stops),
+                echo=options.echo[i] if options.echo is not None else None,
+                writer=LogprobWriter(tokenizer, options.chat) if options.logprobs is not None else None,
+            )
+            for i, ids in enumerate(prompts)
+            for j in range(n)
+        ]
         echo_scores = options.echo is not None and options.logprobs is not None
-        jobs = [Job(ids, dataclasses.replace(cfg, seed=(cfg.seed + j) % 2**63), self._emitter(i * n + j),
-                    label=label, ignore_eos=options.ignore_eos, logprobs=options.logprobs, echo=echo_scores,
-                    constraint=options.grammar.start() if options.grammar is not None else None)
-                for i, ids in enumerate(prompts) for j in range(n)]
+        jobs = [
+            Job(
+                ids,
+                dataclasses.replace(cfg, seed=(cfg.seed + j) % 2**63),
+                self._emitter(i * n + j),
+                label=label,
+                ignore_eos=options.ignore_eos,
+                logprobs=options.logprobs,
+                echo=echo_scores,
+                constraint=options.grammar.start() if options.grammar is not None else None,
+            )
+            for i, ids in enumerate(prompts)
+            for j in range(n)
+        ]
         try:
             for job in jobs:  # every choice's configuration is checked before any is submitted
                 make_strategy(job.cfg, loaded.engine.spec.thresholds)
@@ -101,8 +125,13 @@ class Run:
             raise APIError(400, str(exc), "mode", "invalid_mode") from None
         except EngineClosed:
             self.cancel()
-            raise APIError(503, "the server is shutting down: retry on another replica", None, "shutting_down",
-                           "server_error") from None
+            raise APIError(
+                503,
+                "the server is shutting down: retry on another replica",
+                None,
+                "shutting_down",
+                "server_error",
+            ) from None
 
     def _emitter(self, index: int):
         def emit(step: Step | None, error: BaseException | None) -> None:  # on the engine thread
@@ -110,6 +139,7 @@ class Run:
                 self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, step, error))
             except RuntimeError:  # the event loop is gone (server stopped): nobody is listening
                 pass
+
         return emit
 
     async def pieces(self) -> AsyncIterator[Piece]:
@@ -178,9 +208,14 @@ class Run:
         completion = sum(c.tokens for c in self.choices)
         passes = sum(c.passes for c in self.choices)
         prompt = sum(len(ids) for ids in prompts)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "forward_passes": passes,
-                "tokens_per_forward": round(sum(c.emitted for c in self.choices) / max(1, passes), 4),
-                "drafted_tokens": sum(c.drafted for c in self.choices),
-                "accepted_tokens": sum(c.accepted for c in self.choices),
-                "forced_tokens": sum(c.forced for c in self.choices), "mode": self.label}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "forward_passes": passes,
+            "tokens_per_forward": round(sum(c.emitted for c in self.choices) / max(1, passes), 4),
+            "drafted_tokens": sum(c.drafted for c in self.choices),
+            "accepted_tokens": sum(c.accepted for c in self.choices),
+            "forced_tokens": sum(c.forced for c in self.choices),
+            "mode": self.label,
+        }

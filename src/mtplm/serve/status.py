@@ -28,9 +28,15 @@ def authorize(request: Request, settings: Settings) -> None:
         return
     given = request.headers.get("authorization", "")
     scheme, _, token = given.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
-        raise APIError(401, "missing or incorrect API key: send it as 'Authorization: Bearer <key>'", None,
-                       "invalid_api_key")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        token.strip().encode(), settings.api_key.encode()
+    ):
+        raise APIError(
+            401,
+            "missing or incorrect API key: send it as 'Authorization: Bearer <key>'",
+            None,
+            "invalid_api_key",
+        )
 
 
 def status_routes(app: FastAPI, repository: Repository, settings: Settings, metrics: Metrics) -> None:
@@ -42,8 +48,9 @@ def status_routes(app: FastAPI, repository: Repository, settings: Settings, metr
             return JSONResponse({"status": "shutting down"}, status_code=503)
         if repository.failed:  # a model this server offers cannot load: not ready to serve it
             return JSONResponse({"status": "model load failed", "failed": repository.failed}, status_code=503)
-        return JSONResponse({"status": "ok", "models": sorted(repository.entries),
-                             "loaded": sorted(repository.loaded)})
+        return JSONResponse(
+            {"status": "ok", "models": sorted(repository.entries), "loaded": sorted(repository.loaded)}
+        )
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -65,6 +72,13 @@ def status_routes(app: FastAPI, repository: Repository, settings: Settings, metr
 
 def model_card(entry, repository: Repository) -> dict:
     loaded = repository.loaded.get(entry.id)
-    return {"id": entry.id, "object": "model", "created": 0, "owned_by": "mtplm", "description": entry.description,
-            "loaded": loaded is not None, "default_mode": loaded.default_mode if loaded else entry.mode,
-            "load_error": repository.failed.get(entry.id)}
+    return {
+        "id": entry.id,
+        "object": "model",
+        "created": 0,
+        "owned_by": "mtplm",
+        "description": entry.description,
+        "loaded": loaded is not None,
+        "default_mode": loaded.default_mode if loaded else entry.mode,
+        "load_error": repository.failed.get(entry.id),
+    }

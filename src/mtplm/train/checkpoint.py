@@ -37,9 +37,23 @@ STATE_FILE = "state.pt"
 CONFIG_FILE = "config.toml"
 # settings that may change between a run and its resumption without changing what the next step computes
 # (steps only moves the end of training; under schedule=cosine it also stretches the rest of the schedule)
-RESUMABLE_CHANGES = {"out", "resume", "steps", "save_every", "log_every", "val_every", "threads", "device",
-                     "parallel", "self_gen_cache", "predict_modes", "predict_texts", "predict_max_new_tokens",
-                     "pass_cost", "ground_truth_cache_gb"}
+RESUMABLE_CHANGES = {
+    "out",
+    "resume",
+    "steps",
+    "save_every",
+    "log_every",
+    "val_every",
+    "threads",
+    "device",
+    "parallel",
+    "self_gen_cache",
+    "predict_modes",
+    "predict_texts",
+    "predict_max_new_tokens",
+    "pass_cost",
+    "ground_truth_cache_gb",
+}
 
 
 class StopRequest:
@@ -75,13 +89,24 @@ def disk_errors(target: Path):
     try:
         yield
     except OSError as exc:
-        raise UserError(f"could not write {target}: {exc.strerror or exc}. Nothing was half-written: the "
-                        f"previous checkpoint there (if any) is unchanged. Free some space (or choose another "
-                        f"out=) and continue with `mtplm train ... --resume`") from None
+        raise UserError(
+            f"could not write {target}: {exc.strerror or exc}. Nothing was half-written: the "
+            f"previous checkpoint there (if any) is unchanged. Free some space (or choose another "
+            f"out=) and continue with `mtplm train ... --resume`"
+        ) from None
 
 
-def save_train_state(run_dir: Path, cfg: TrainConfig, trainer, stream, step: int, samples: int,
-                     weights: dict, optimizer: dict, world_size: int) -> Path:
+def save_train_state(
+    run_dir: Path,
+    cfg: TrainConfig,
+    trainer,
+    stream,
+    step: int,
+    samples: int,
+    weights: dict,
+    optimizer: dict,
+    world_size: int,
+) -> Path:
     """Write <run_dir>/train_state atomically (rank 0; `weights` / `optimizer` come from
     distributed.trainable_state, which every rank of an FSDP run has to call)."""
     state = {
@@ -128,20 +153,26 @@ def find_train_state(cfg: TrainConfig) -> Path | None:
         return None
     path = Path(cfg.resume)
     if not (path / STATE_FILE).is_file():
-        raise UserError(f"resume={cfg.resume}: no {STATE_FILE} there; give a run's {STATE_DIR} folder, or "
-                        "resume=auto to continue the run in out=")
+        raise UserError(
+            f"resume={cfg.resume}: no {STATE_FILE} there; give a run's {STATE_DIR} folder, or "
+            "resume=auto to continue the run in out="
+        )
     return path
 
 
 def load_train_state(path: Path, cfg: TrainConfig) -> dict:
     """The saved state, after checking that `cfg` would continue the same run."""
     saved = load_train_config(path / CONFIG_FILE, [])
-    changed = [f"{name} ({getattr(saved, name)!r} -> {getattr(cfg, name)!r})"
-               for name in (f.name for f in dataclasses.fields(cfg))
-               if name not in RESUMABLE_CHANGES and getattr(saved, name) != getattr(cfg, name)]
+    changed = [
+        f"{name} ({getattr(saved, name)!r} -> {getattr(cfg, name)!r})"
+        for name in (f.name for f in dataclasses.fields(cfg))
+        if name not in RESUMABLE_CHANGES and getattr(saved, name) != getattr(cfg, name)
+    ]
     if changed:
-        raise UserError(f"cannot resume from {path}: settings differ from the saved run: {', '.join(changed)}. "
-                        f"Use the saved settings (--config {path / CONFIG_FILE}) or start a new run")
+        raise UserError(
+            f"cannot resume from {path}: settings differ from the saved run: {', '.join(changed)}. "
+            f"Use the saved settings (--config {path / CONFIG_FILE}) or start a new run"
+        )
     try:
         return torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
     except (OSError, RuntimeError, EOFError) as exc:
@@ -165,8 +196,10 @@ def load_weights(hf: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
     names = dict(hf.named_parameters(remove_duplicate=False))  # tied weights under every name
     missing, unknown = trainable - weights.keys(), weights.keys() - names.keys()
     if missing or unknown:
-        raise UserError(f"the saved weights do not fit this model (missing {sorted(missing)[:3]}, unknown "
-                        f"{sorted(unknown)[:3]}): was it saved with another model or trainable=?")
+        raise UserError(
+            f"the saved weights do not fit this model (missing {sorted(missing)[:3]}, unknown "
+            f"{sorted(unknown)[:3]}): was it saved with another model or trainable=?"
+        )
     hf.load_state_dict({name: w for name, w in weights.items() if name in trainable}, strict=False)
 
 
@@ -192,7 +225,9 @@ def truncate_metrics(run_dir: Path, step: int) -> None:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    kept = [
+        line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step
+    ]
     with disk_errors(path):
         atomic_file(path, lambda tmp: tmp.write_text("".join(line + "\n" for line in kept)))
 
@@ -225,9 +260,11 @@ class ComputeClock:
 
     def totals(self) -> dict:
         """Earlier sessions plus this one so far."""
-        return {"wall_s": round(self.before["wall_s"] + time.perf_counter() - self.wall, 1),
-                "cpu_s": round(self.before["cpu_s"] + _cpu_seconds() - self.cpu, 1),
-                "sessions": self.before["sessions"] + 1}
+        return {
+            "wall_s": round(self.before["wall_s"] + time.perf_counter() - self.wall, 1),
+            "cpu_s": round(self.before["cpu_s"] + _cpu_seconds() - self.cpu, 1),
+            "sessions": self.before["sessions"] + 1,
+        }
 
     def __enter__(self) -> ComputeClock:
         return self

@@ -43,13 +43,17 @@ def load_samples(spec: str, tokenizer, hf_model, run_dir: Path, cfg) -> list[Sam
         try:
             return _sample(row, tokenizer, eos)
         except (AttributeError, TypeError, ValueError) as exc:  # UserError (an empty prompt) is a ValueError
-            raise UserError(f"data {spec!r}, row {number}: {exc}; every row needs non-empty text, or a "
-                            "non-empty prompt and a response") from None
+            raise UserError(
+                f"data {spec!r}, row {number}: {exc}; every row needs non-empty text, or a "
+                "non-empty prompt and a response"
+            ) from None
 
     samples = load_mix(spec, tokenizer, hf_model, run_dir, cfg, to_sample)
     if not samples:
-        raise UserError(f"data {spec!r} holds no usable samples: every text or response is shorter than 2 tokens "
-                        "(zero-length sequences); give rows with some text to learn from")
+        raise UserError(
+            f"data {spec!r} holds no usable samples: every text or response is shorter than 2 tokens "
+            "(zero-length sequences); give rows with some text to learn from"
+        )
     return samples
 
 
@@ -81,7 +85,9 @@ class BatchStream:
         return self
 
     def __next__(self) -> TokenBatch:
-        if self.index + self.batch_size > len(self.order):  # a new epoch; the incomplete last batch is dropped
+        if self.index + self.batch_size > len(
+            self.order
+        ):  # a new epoch; the incomplete last batch is dropped
             self.rng.shuffle(self.order)
             self.index = 0
         chosen = self.order[self.index : self.index + self.batch_size]
@@ -93,8 +99,10 @@ class BatchStream:
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["order"]) != len(self.samples):
-            raise UserError(f"the saved data position covers {len(state['order'])} samples but the data now "
-                            f"holds {len(self.samples)}: resume with the data the run started with")
+            raise UserError(
+                f"the saved data position covers {len(state['order'])} samples but the data now "
+                f"holds {len(self.samples)}: resume with the data the run started with"
+            )
         version, internal, gauss = state["rng"]
         self.rng.setstate((version, tuple(internal), gauss))
         self.order, self.index = list(state["order"]), state["index"]
@@ -102,7 +110,7 @@ class BatchStream:
 
 def row_ids(sample: Sample, seq_len: int) -> tuple[list[int], int]:
     """The token row a sample trains on (prompt tail + response, at most seq_len) and its prompt length."""
-    prompt = sample.prompt_ids[-(seq_len // 2):]  # keep room for the response
+    prompt = sample.prompt_ids[-(seq_len // 2) :]  # keep room for the response
     return (prompt + sample.response_ids)[:seq_len], len(prompt)
 
 
@@ -114,7 +122,9 @@ def collate(samples: list[Sample], seq_len: int, pad_id: int, indices: list[int]
         lengths.append(len(ids))
         starts.append(max(0, prompt_len - 1))
     width = max(lengths)  # no all-padding columns
-    return TokenBatch(torch.tensor(rows)[:, :width], torch.tensor(lengths), torch.tensor(starts),
-                      None if indices is None else torch.tensor(indices))
-
-
+    return TokenBatch(
+        torch.tensor(rows)[:, :width],
+        torch.tensor(lengths),
+        torch.tensor(starts),
+        None if indices is None else torch.tensor(indices),
+    )

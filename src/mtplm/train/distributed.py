@@ -70,8 +70,10 @@ def init_world(device_name: str, parallel: str, batch_size: int) -> World:
     if size == 1:
         return World(device=device, parallel=parallel)
     if batch_size % size:
-        raise UserError(f"batch_size={batch_size} is the global batch and must split evenly over "
-                        f"{size} processes: use a multiple of {size}")
+        raise UserError(
+            f"batch_size={batch_size} is the global batch and must split evenly over "
+            f"{size} processes: use a multiple of {size}"
+        )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
@@ -97,8 +99,10 @@ def take_rows(batch: TokenBatch, regions: Regions, rows: slice) -> tuple[TokenBa
     if rows == slice(None):
         return batch, regions
     indices = None if batch.indices is None else batch.indices[rows]
-    return (TokenBatch(batch.ids[rows], batch.lengths[rows], batch.starts[rows], indices),
-            Regions(regions.prefix_end[rows], regions.k, regions.valid[rows]))
+    return (
+        TokenBatch(batch.ids[rows], batch.lengths[rows], batch.starts[rows], indices),
+        Regions(regions.prefix_end[rows], regions.k, regions.valid[rows]),
+    )
 
 
 def gather_rows(tensors: list[torch.Tensor], world: World) -> list[torch.Tensor]:
@@ -137,8 +141,9 @@ def shard(hf: nn.Module, world: World) -> None:
     mesh = init_device_mesh(world.device.type, (world.size,))
     decoder: Any = hf.get_decoder()  # type: ignore[operator]  # an HF model, typed as a Module
     if not hasattr(decoder, "layers"):
-        raise UserError(f"parallel=fsdp needs a decoder with .layers; {type(hf).__name__} has none: "
-                        "use parallel=ddp")
+        raise UserError(
+            f"parallel=fsdp needs a decoder with .layers; {type(hf).__name__} has none: use parallel=ddp"
+        )
     for layer in decoder.layers:
         fully_shard(layer, mesh=mesh)
     for name, child in decoder.named_children():
@@ -182,5 +187,7 @@ def full_weights(hf: nn.Module, world: World) -> dict[str, torch.Tensor]:
     """FSDP: every weight gathered to rank 0's CPU (a collective: every rank calls it)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return cast(dict[str, torch.Tensor],
-                get_model_state_dict(hf, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
+    return cast(
+        dict[str, torch.Tensor],
+        get_model_state_dict(hf, options=StateDictOptions(full_state_dict=True, cpu_offload=True)),
+    )

@@ -31,8 +31,9 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1).mean()
 
 
-def slot_statistics(student_logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
-                    tau: float) -> dict[str, list[float] | float]:
+def slot_statistics(
+    student_logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, tau: float
+) -> dict[str, list[float] | float]:
     """Per-slot agreement and confidence, and what ConfAdapt / verification would emit per forward.
 
     student_logits [R, k, V], labels [R, k], valid [R, k]. `est_tokens_per_forward` is the mean leading
@@ -50,8 +51,9 @@ def top1(student_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return CONFIDENCE.get("top1")(student_logits), student_logits.argmax(-1)
 
 
-def run_statistics(confidence: torch.Tensor, argmax: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
-                   tau: float) -> dict[str, list[float] | float]:
+def run_statistics(
+    confidence: torch.Tensor, argmax: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, tau: float
+) -> dict[str, list[float] | float]:
     """slot_statistics from top-1 confidences and tokens [R, k] (small enough to gather across processes)."""
     agree = (argmax == labels) & valid
     count = valid.sum(0).clamp(min=1)
@@ -62,5 +64,7 @@ def run_statistics(confidence: torch.Tensor, argmax: torch.Tensor, labels: torch
         "agreement": (agree.sum(0) / count).tolist(),
         "confidence": ((confidence * valid).sum(0) / count).tolist(),
         "est_tokens_per_forward": float(confident_run[full].float().mean()) if full.any() else float("nan"),
-        "est_verified_per_forward": float(agree_run[full].clamp(min=1).float().mean()) if full.any() else float("nan"),
+        "est_verified_per_forward": float(agree_run[full].clamp(min=1).float().mean())
+        if full.any()
+        else float("nan"),
     }

@@ -41,8 +41,14 @@ from tqdm import tqdm
 
 from mtplm.errors import UserError
 
-KINDS = {"self": "the model's own answers", "sharegpt": "ShareGPT conversations", "gsm8k": "GSM8K solutions",
-         "humaneval": "HumanEval solutions", "jsonl": "a JSONL file", "text": "a plain-text file or folder"}
+KINDS = {
+    "self": "the model's own answers",
+    "sharegpt": "ShareGPT conversations",
+    "gsm8k": "GSM8K solutions",
+    "humaneval": "HumanEval solutions",
+    "jsonl": "a JSONL file",
+    "text": "a plain-text file or folder",
+}
 PACKAGED = ("sharegpt", "gsm8k", "humaneval")
 FILES = ("jsonl", "text")
 EXAMPLE = "self:mixed=0.3,sharegpt=0.5,gsm8k=0.2"
@@ -63,20 +69,26 @@ def parse_mix(spec: str) -> list[Source]:
     """The sources of a data spec (see the module doc); every mistake is one UserError line."""
     spec = spec.strip()
     if not spec:
-        raise UserError(f"data is empty: give a source (self:mixed, jsonl:PATH, ...) or a mix such as {EXAMPLE}")
+        raise UserError(
+            f"data is empty: give a source (self:mixed, jsonl:PATH, ...) or a mix such as {EXAMPLE}"
+        )
     items = [item.strip() for item in spec.split(",")] if "=" in spec else [spec]
     sources = [_parse_item(item, weighted="=" in spec) for item in items]
     names = [s.name for s in sources]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        raise UserError(f"data: {', '.join(twice)} appears more than once in the mix {spec!r}: give each source once")
+        raise UserError(
+            f"data: {', '.join(twice)} appears more than once in the mix {spec!r}: give each source once"
+        )
     return sources
 
 
 def _parse_item(item: str, weighted: bool) -> Source:
     body, weight_text = item.rsplit("=", 1) if weighted and "=" in item else (item, "")
     if weighted and not weight_text:
-        raise UserError(f"data: {item!r} has no weight: write every source of a mix as SOURCE=WEIGHT, e.g. {EXAMPLE}")
+        raise UserError(
+            f"data: {item!r} has no weight: write every source of a mix as SOURCE=WEIGHT, e.g. {EXAMPLE}"
+        )
     try:
         weight = float(weight_text) if weight_text else 1.0
     except ValueError:
@@ -90,8 +102,10 @@ def _parse_item(item: str, weighted: bool) -> Source:
         raise UserError(f"data: {kind} needs a path: {kind}:PATH")
     if kind in PACKAGED and arg not in ("", "train"):
         if arg in ("eval", "all"):
-            raise UserError(f"data: {body} would train on the eval split the bench measures on; nothing is "
-                            f"trained on eval data: use {kind} (its train split)")
+            raise UserError(
+                f"data: {body} would train on the eval split the bench measures on; nothing is "
+                f"trained on eval data: use {kind} (its train split)"
+            )
         raise UserError(f"data: unknown split {arg!r} of {kind}: only its train split can be trained on")
     if kind == "self":
         arg = arg.replace("+", ",") or "mixed"
@@ -151,9 +165,11 @@ class Pool:
             hit = self.index.hit(prompt, response)
             if hit is not None:
                 if source.kind in FILES:
-                    raise UserError(f"data {source.name}: row {number} overlaps the eval example {hit} (a shared run "
-                                    "of 13 words, or all of a shorter eval text): remove it; nothing is trained on "
-                                    "eval data")
+                    raise UserError(
+                        f"data {source.name}: row {number} overlaps the eval example {hit} (a shared run "
+                        "of 13 words, or all of a shorter eval text): remove it; nothing is trained on "
+                        "eval data"
+                    )
                 dropped_eval += 1
                 continue
             key = normalized(f"{prompt}\n{response}")
@@ -166,11 +182,15 @@ class Pool:
                 continue
             self.seen.add(key)
             samples.extend(made)
-        self.report.append(f"{source.name}: {len(samples)} texts (skipped {dropped_eval} overlapping an eval split, "
-                           f"{duplicates} duplicates, {empty} too short)")
+        self.report.append(
+            f"{source.name}: {len(samples)} texts (skipped {dropped_eval} overlapping an eval split, "
+            f"{duplicates} duplicates, {empty} too short)"
+        )
         if wanted is not None and len(samples) < wanted and source.kind != "self":
-            raise UserError(f"data {source.name} gives only {len(samples)} usable texts, the mix asks for {wanted}: "
-                            "lower its weight or data_texts")
+            raise UserError(
+                f"data {source.name} gives only {len(samples)} usable texts, the mix asks for {wanted}: "
+                "lower its weight or data_texts"
+            )
         return samples
 
 
@@ -182,7 +202,9 @@ def load_mix(spec: str, tokenizer, hf_model, run_dir: Path, cfg, to_sample) -> l
 
     sources = ordered(parse_mix(spec))
     lone_file = len(sources) == 1 and sources[0].kind in FILES and not cfg.data_texts
-    wanted: list[int | None] = [None] if lone_file else list(counts(sources, cfg.data_texts or cfg.self_gen_prompts))
+    wanted: list[int | None] = (
+        [None] if lone_file else list(counts(sources, cfg.data_texts or cfg.self_gen_prompts))
+    )
     pool = Pool(eval_index())
     samples = []
     for source, n in zip(sources, wanted, strict=True):

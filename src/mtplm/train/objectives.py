@@ -78,7 +78,9 @@ def soft(s: Supervised) -> torch.Tensor:
     return soft_teacher_loss(s.student, s.teacher_logits)
 
 
-@OBJECTIVES.register("ground-truth", "cross-entropy to the text's own next tokens, no teacher run (offline baseline)")
+@OBJECTIVES.register(
+    "ground-truth", "cross-entropy to the text's own next tokens, no teacher run (offline baseline)"
+)
 @objective(uses_teacher=False)
 def ground_truth(s: Supervised) -> torch.Tensor:
     return hard_teacher_loss(s.student, s.labels)

@@ -39,8 +39,15 @@ Answer = Record  # one held-out answer's records (decode/replay.py)
 
 
 @torch.no_grad()
-def answer_records(model, prompt_ids: list[int], answer_ids: list[int], k: int, chunk: int = 48,
-                   measure: str = "top1", teacher: bool = False) -> Record:
+def answer_records(
+    model,
+    prompt_ids: list[int],
+    answer_ids: list[int],
+    k: int,
+    chunk: int = 48,
+    measure: str = "top1",
+    teacher: bool = False,
+) -> Record:
     """The records of one answer (model: an MTPModel in eval mode; any trainable variant): each prediction
     checked against the answer's own next token, or with `teacher` against the model's greedy choice given
     the block's own tokens before it (student forcing: what ConfAdapt commits, calibrate.py)."""
@@ -59,8 +66,13 @@ def answer_records(model, prompt_ids: list[int], answer_ids: list[int], k: int, 
         agree.append((logits.argmax(-1) == out.labels[0]) | ~valid)
         above = (logits > logits.gather(-1, out.labels[0].unsqueeze(-1))).sum(-1)  # [M, k]
         rank.append(torch.where(valid, above, torch.zeros_like(above)))
-    return Record(len(prompt_ids), torch.cat(confidence), torch.cat(agree), torch.cat(rank),
-                  tuple(prompt_ids + answer_ids))
+    return Record(
+        len(prompt_ids),
+        torch.cat(confidence),
+        torch.cat(agree),
+        torch.cat(rank),
+        tuple(prompt_ids + answer_ids),
+    )
 
 
 def replay_mode(mode: str, k_max: int | None = None) -> DecodeConfig:
@@ -69,8 +81,9 @@ def replay_mode(mode: str, k_max: int | None = None) -> DecodeConfig:
     return parse_mode(mode, "fixed", k_max)
 
 
-def replay(answers: list[Record], mode: str, k_max: int, max_new_tokens: int,
-           taus: list[float] | None = None) -> Tally:
+def replay(
+    answers: list[Record], mode: str, k_max: int, max_new_tokens: int, taus: list[float] | None = None
+) -> Tally:
     """One bench mode string (replay_mode), its strategy built as decoding builds it (make_strategy, with
     the checkpoint's k_max), replayed over the records. ConfAdapt without a tau uses `taus` (calibrated),
     else DecodeConfig's tau."""
@@ -79,20 +92,32 @@ def replay(answers: list[Record], mode: str, k_max: int, max_new_tokens: int,
     return replay_records(lambda: make_strategy(cfg, thresholds), answers, max_new_tokens)
 
 
-def predict(model, texts: list[tuple[list[int], list[int]]], modes: list[str], k_max: int, max_new_tokens: int,
-            taus: list[float] | None = None, cost=None) -> dict:
+def predict(
+    model,
+    texts: list[tuple[list[int], list[int]]],
+    modes: list[str],
+    k_max: int,
+    max_new_tokens: int,
+    taus: list[float] | None = None,
+    cost=None,
+) -> dict:
     """Predicted tokens/pass per mode (and served speedup on the curve `cost`) for (prompt, answer) token
     lists, the answers cut to max_new_tokens. A bare "confadapt" uses `taus`, or thresholds calibrated on the
     records (calibrated_taus). Also how often slot 0 equals the answer: 1.0 when the answers are the
     model's own greedy output, the predictor's assumption."""
-    answers = [answer_records(model, prompt, answer[:max_new_tokens], k_max) for prompt, answer in texts if answer]
+    answers = [
+        answer_records(model, prompt, answer[:max_new_tokens], k_max) for prompt, answer in texts if answer
+    ]
     if not answers:
         return {}
     taus = taus or calibrated_taus(answers)
     tallies = {mode: replay(answers, mode, k_max, max_new_tokens, taus) for mode in modes}
-    out: dict = {"tokens_per_pass": {m: t.tokens_per_pass for m, t in tallies.items()}, "taus": list(taus),
-                 "answers": len(answers),
-                 "slot0_is_answer": float(torch.cat([a.agree[:, 0] for a in answers]).float().mean())}
+    out: dict = {
+        "tokens_per_pass": {m: t.tokens_per_pass for m, t in tallies.items()},
+        "taus": list(taus),
+        "answers": len(answers),
+        "slot0_is_answer": float(torch.cat([a.agree[:, 0] for a in answers]).float().mean()),
+    }
     if cost is not None:
         out["served_speedup"] = {m: t.speedup(cost) for m, t in tallies.items()}
     return out
@@ -100,20 +125,35 @@ def predict(model, texts: list[tuple[list[int], list[int]]], modes: list[str], k
 
 def compare_table(predicted: dict[str, float], measured: dict[str, float], label: str = "") -> list[dict]:
     """Rows {mode, predicted, measured, error}: error = predicted / measured - 1, for the modes in both."""
-    return [{"label": label, "mode": mode, "predicted": predicted[mode], "measured": measured[mode],
-             "error": predicted[mode] / measured[mode] - 1.0}
-            for mode in predicted if mode in measured and measured[mode]]
+    return [
+        {
+            "label": label,
+            "mode": mode,
+            "predicted": predicted[mode],
+            "measured": measured[mode],
+            "error": predicted[mode] / measured[mode] - 1.0,
+        }
+        for mode in predicted
+        if mode in measured and measured[mode]
+    ]
 
 
 def compare_markdown(rows: list[dict]) -> str:
-    lines = ["| checkpoint | mode | predicted tokens/pass | measured tokens/pass | error |", "|---|---|---|---|---|"]
+    lines = [
+        "| checkpoint | mode | predicted tokens/pass | measured tokens/pass | error |",
+        "|---|---|---|---|---|",
+    ]
     for row in rows:
-        lines.append(f"| {row['label']} | {row['mode']} | {row['predicted']:.2f} | {row['measured']:.2f} | "
-                     f"{100 * row['error']:+.1f} % |")
+        lines.append(
+            f"| {row['label']} | {row['mode']} | {row['predicted']:.2f} | {row['measured']:.2f} | "
+            f"{100 * row['error']:+.1f} % |"
+        )
     return "\n".join(lines)
 
 
-CALIBRATION_TARGET = 0.99  # `mtplm calibrate`'s default: a bare "confadapt" is predicted at thresholds meeting it
+CALIBRATION_TARGET = (
+    0.99  # `mtplm calibrate`'s default: a bare "confadapt" is predicted at thresholds meeting it
+)
 
 
 def calibrated_taus(answers: list[Record], target: float = CALIBRATION_TARGET) -> list[float]:
@@ -133,7 +173,9 @@ class Predictor:
     def __call__(self) -> dict:
         """The validation entries: predicted tokens/pass per mode, the ConfAdapt tau, served speedups."""
         cfg = self.cfg
-        out = predict(self.model, self.texts, self.modes, cfg.k_max, cfg.predict_max_new_tokens, cost=self.cost)
+        out = predict(
+            self.model, self.texts, self.modes, cfg.k_max, cfg.predict_max_new_tokens, cost=self.cost
+        )
         if not out:
             return {}
         val = {"predicted": out["tokens_per_pass"], "predicted_tau": out["taus"][0]}
@@ -147,7 +189,9 @@ def describe(val: dict) -> str:
     if "predicted" not in val:
         return ""
     parts = [f"{mode} {tpp:.2f}" for mode, tpp in val["predicted"].items()]
-    line = f" | predicted decode tokens/pass: {', '.join(parts)} (confadapt at tau {val['predicted_tau']:.2f})"
+    line = (
+        f" | predicted decode tokens/pass: {', '.join(parts)} (confadapt at tau {val['predicted_tau']:.2f})"
+    )
     if "predicted_speedup" in val:
         speedups = ", ".join(f"{mode} {x:.2f}x" for mode, x in val["predicted_speedup"].items())
         line += f" | predicted served speedup: {speedups}"

@@ -45,7 +45,9 @@ class Recipe:
     """One trainable variant. Made from the config alone (cheap: `compute_dtype` is asked before the model
     loads); `attach` then binds it to the model being converted."""
 
-    trains_real_rows = True  # whether the ground-truth rows' outputs train (so ntp_weight, the prefix loss, can)
+    trains_real_rows = (
+        True  # whether the ground-truth rows' outputs train (so ntp_weight, the prefix loss, can)
+    )
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
@@ -79,8 +81,9 @@ class Recipe:
         with self.bound.adapters_disabled() as base:
             yield base
 
-    def draw_regions(self, batch: TokenBatch, k: int, rng: random.Random, generator: torch.Generator,
-                     offset: int | None) -> Regions:
+    def draw_regions(
+        self, batch: TokenBatch, k: int, rng: random.Random, generator: torch.Generator, offset: int | None
+    ) -> Regions:
         """The regions of the whole global batch (every rank draws the same)."""
         raise NotImplementedError
 
@@ -101,7 +104,9 @@ class Recipe:
         return model.save(run_dir / "checkpoint")
 
 
-@TRAINABLE.register("gated-lora", "LoRA adapters open only on mask-token rows: the base path stays exact (default)")
+@TRAINABLE.register(
+    "gated-lora", "LoRA adapters open only on mask-token rows: the base path stays exact (default)"
+)
 class GatedLoRA(Recipe):
     """Cached layout: the ground truth runs without adapters, so it is the base model's and never changes;
     its KV may be computed once per text (`prepare`). Saved as a delta (+ a full checkpoint when final)."""
@@ -118,28 +123,36 @@ class GatedLoRA(Recipe):
         self.model = model
         model.attach_gated_lora(self.cfg.lora_rank, self.cfg.lora_alpha)
         chosen = lora_targets(self.cfg.lora_targets)
-        return [p for name, p in model.hf.named_parameters()
-                if ".lora_" in name and name.rsplit(".", 2)[-2] in chosen]
+        return [
+            p
+            for name, p in model.hf.named_parameters()
+            if ".lora_" in name and name.rsplit(".", 2)[-2] in chosen
+        ]
 
     def prepare(self, samples: list, progress: bool) -> None:
         """Run every training text through the base model once and keep its KV (if it fits)."""
         cfg = self.cfg
         store, budget = GroundTruthStore(), cfg.ground_truth_cache_gb * 2**30
-        for index, sample in enumerate(tqdm(samples, desc="cache ground truth", unit="text", disable=not progress)):
+        for index, sample in enumerate(
+            tqdm(samples, desc="cache ground truth", unit="text", disable=not progress)
+        ):
             store.add(self.bound, index, row_ids(sample, cfg.seq_len)[0])
             if index == 7:
                 per_token = store.nbytes() / sum(s.hidden.shape[0] for s in store.states.values())
                 needed = per_token * sum(len(row_ids(x, cfg.seq_len)[0]) for x in samples)
                 free = RAM_FOR_CACHE * psutil.virtual_memory().available
                 if needed > min(budget, free):
-                    tqdm.write(f"ground-truth KV would take {needed / 2**30:.1f} GB, more than "
-                               f"{'ground_truth_cache_gb' if budget <= free else 'the RAM training can spare'}: "
-                               "recomputing it every step instead")
+                    tqdm.write(
+                        f"ground-truth KV would take {needed / 2**30:.1f} GB, more than "
+                        f"{'ground_truth_cache_gb' if budget <= free else 'the RAM training can spare'}: "
+                        "recomputing it every step instead"
+                    )
                     return
         self.store = store
 
-    def draw_regions(self, batch: TokenBatch, k: int, rng: random.Random, generator: torch.Generator,
-                     offset: int | None) -> Regions:
+    def draw_regions(
+        self, batch: TokenBatch, k: int, rng: random.Random, generator: torch.Generator, offset: int | None
+    ) -> Regions:
         num = max(1, self.cfg.slots_per_seq // (k - 1))
         return random_regions(batch.starts, batch.lengths, k, num, generator)
 
@@ -158,12 +171,15 @@ class Packed(Recipe):
     """The paper's interleaved layout: the ground truth changes with the student, so the student runs the
     whole packed sequence with gradients and the teacher runs its student-forced copy."""
 
-    def draw_regions(self, batch: TokenBatch, k: int, rng: random.Random, generator: torch.Generator,
-                     offset: int | None) -> Regions:
+    def draw_regions(
+        self, batch: TokenBatch, k: int, rng: random.Random, generator: torch.Generator, offset: int | None
+    ) -> Regions:
         cfg = self.cfg
         if offset is None:
             offset = rng.randrange(cfg.region_width - (k - 1))
-        return interleaved_regions(batch.starts, batch.lengths, k, cfg.region_width, offset, batch.ids.shape[1])
+        return interleaved_regions(
+            batch.starts, batch.lengths, k, cfg.region_width, offset, batch.ids.shape[1]
+        )
 
     def slots(self, batch: TokenBatch, regions: Regions, use_teacher: bool) -> SlotOutputs:
         return packed_slots(self.bound, self.teacher, batch, regions, use_teacher, self.cfg.ntp_weight > 0)
@@ -173,8 +189,9 @@ class Packed(Recipe):
 class LoRA(Packed):
     def attach(self, model: MTPModel) -> list[nn.Parameter]:
         self.model = model
-        model.hf, params = lora.attach_peft_lora(model.hf, self.cfg.lora_rank, self.cfg.lora_alpha,
-                                                 lora_targets(self.cfg.lora_targets))
+        model.hf, params = lora.attach_peft_lora(
+            model.hf, self.cfg.lora_rank, self.cfg.lora_alpha, lora_targets(self.cfg.lora_targets)
+        )
         return params
 
     def write(self, model: MTPModel, run_dir: Path, final: bool) -> Path:

@@ -53,21 +53,32 @@ class GroundTruthStore:
     def add(self, model: MTPModel, index: int, ids: list[int]) -> None:
         cache = new_cache(model.hf)
         hidden = model.decoder_states(torch.tensor([ids]), cache=cache)[0]  # [n, D]
-        self.states[index] = GroundTruthStates([(k.clone(), v.clone()) for k, v in cache_layers(cache)], hidden)
+        self.states[index] = GroundTruthStates(
+            [(k.clone(), v.clone()) for k, v in cache_layers(cache)], hidden
+        )
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in self.states.values()
-                   for t in [s.hidden, *[x for kv in s.layers for x in kv]])
+        return sum(
+            t.numel() * t.element_size()
+            for s in self.states.values()
+            for t in [s.hidden, *[x for kv in s.layers for x in kv]]
+        )
 
     def batch(self, model: MTPModel, batch: TokenBatch):
         """(cache over the padded batch, hidden [B, L, D]) for the batch's samples."""
         length = batch.ids.shape[1]
         assert batch.indices is not None, "a cached-slots batch names its samples (collate(indices=...))"
         states = [self.states[int(i)] for i in batch.indices]
-        pad = lambda t, dim: torch.nn.functional.pad(t, [0, 0] * (t.dim() - dim - 1) + [0, length - t.shape[dim]])  # noqa: E731
-        layers = [(torch.cat([pad(s.layers[n][0], 2) for s in states]),
-                   torch.cat([pad(s.layers[n][1], 2) for s in states]))
-                  for n in range(len(states[0].layers))]
+        pad = lambda t, dim: torch.nn.functional.pad(
+            t, [0, 0] * (t.dim() - dim - 1) + [0, length - t.shape[dim]]
+        )  # noqa: E731
+        layers = [
+            (
+                torch.cat([pad(s.layers[n][0], 2) for s in states]),
+                torch.cat([pad(s.layers[n][1], 2) for s in states]),
+            )
+            for n in range(len(states[0].layers))
+        ]
         return cache_from_layers(model.hf, layers), torch.stack([pad(s.hidden, 0) for s in states])
 
 
@@ -91,8 +102,13 @@ def ground_truth_labels(batch: TokenBatch, regions: Regions) -> torch.Tensor:
     return batch.ids.gather(1, flat).view_as(targets)
 
 
-def cached_slots(model: MTPModel, batch: TokenBatch, regions: Regions, use_teacher: bool,
-                 store: GroundTruthStore | None = None) -> SlotOutputs:
+def cached_slots(
+    model: MTPModel,
+    batch: TokenBatch,
+    regions: Regions,
+    use_teacher: bool,
+    store: GroundTruthStore | None = None,
+) -> SlotOutputs:
     ids = batch.ids
     (B, L), M, K = ids.shape, regions.prefix_end.shape[1], regions.k - 1
     packed = pack(ids, regions, model.mask_id, interleave=False, dtype=model.dtype)
@@ -120,8 +136,14 @@ def cached_slots(model: MTPModel, batch: TokenBatch, regions: Regions, use_teach
     return SlotOutputs(student, teacher, labels, regions.valid, first_trainable=1)
 
 
-def packed_slots(model: MTPModel, teacher_of: Teacher, batch: TokenBatch, regions: Regions,
-                 use_teacher: bool, with_prefix_logits: bool) -> SlotOutputs:
+def packed_slots(
+    model: MTPModel,
+    teacher_of: Teacher,
+    batch: TokenBatch,
+    regions: Regions,
+    use_teacher: bool,
+    with_prefix_logits: bool,
+) -> SlotOutputs:
     B, M, k = batch.ids.shape[0], regions.prefix_end.shape[1], regions.k
     packed = pack(batch.ids, regions, model.mask_id, interleave=True, dtype=model.dtype)
     hidden = model.decoder_states(packed.input_ids, packed.position_ids, None, packed.attention_mask)

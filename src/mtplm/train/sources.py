@@ -24,8 +24,9 @@ def read_rows(kind: str, path: Path) -> list[dict]:
     return [{"text": piece} for piece in _read_text(path)]
 
 
-def self_generate(hf_model, tokenizer, prompt_set_name: str, n: int, cfg, cache_file: Path,
-                  index=None) -> list[dict]:
+def self_generate(
+    hf_model, tokenizer, prompt_set_name: str, n: int, cfg, cache_file: Path, index=None
+) -> list[dict]:
     """The base model's greedy answers to n training prompts of a prompt set, in the set's order.
 
     Answers are cached by prompt id (resumable, and shared by runs that name the same cache file);
@@ -34,14 +35,21 @@ def self_generate(hf_model, tokenizer, prompt_set_name: str, n: int, cfg, cache_
     from mtplm.assets.datasets import prompt_set
 
     done = {row.get("id"): row for row in _read_cache(cache_file)}
-    examples = [e for e in prompt_set(prompt_set_name, n, cfg.seed, split="train")
-                if index is None or index.hit(e.prompt) is None]
+    examples = [
+        e
+        for e in prompt_set(prompt_set_name, n, cfg.seed, split="train")
+        if index is None or index.hit(e.prompt) is None
+    ]
     todo = [e for e in examples if e.id not in done]
     if todo:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
-        with open(cache_file, "a") as sink, _answerer(hf_model, tokenizer, cfg) as (answer, step), \
-                tqdm(total=len(examples), initial=len(examples) - len(todo), desc="self-generate",
-                     unit="prompt") as bar:
+        with (
+            open(cache_file, "a") as sink,
+            _answerer(hf_model, tokenizer, cfg) as (answer, step),
+            tqdm(
+                total=len(examples), initial=len(examples) - len(todo), desc="self-generate", unit="prompt"
+            ) as bar,
+        ):
             for i in range(0, len(todo), step):
                 chunk = todo[i : i + step]
                 for example, text in zip(chunk, answer(chunk), strict=True):
@@ -91,16 +99,20 @@ def _answerer(hf_model, tokenizer, cfg) -> Iterator:
 
     base = Path(getattr(hf_model, "name_or_path", "") or ".")
     if not (base / "config.json").is_file():
-        raise UserError("self_gen_engine=llama-server needs a model installed as a local HF directory "
-                        f"(got {str(base)!r}); use self_gen_engine=hf")
+        raise UserError(
+            "self_gen_engine=llama-server needs a model installed as a local HF directory "
+            f"(got {str(base)!r}); use self_gen_engine=hf"
+        )
     slots, width = cfg.self_gen_batch, cfg.seq_len // 2 + cfg.self_gen_max_new_tokens
     stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     pool = ThreadPoolExecutor(slots)
     with LlamaServer(f16_gguf(base), torch.get_num_threads(), slots * width, parallel=slots) as server:
+
         def answer(chunk: list) -> list[str]:
             ids = [_prompt(tokenizer, e, cfg) for e in chunk]
             outs = pool.map(lambda p: server.complete(p, cfg.self_gen_max_new_tokens, stops).tokens, ids)
             return [tokenizer.decode(tokens, skip_special_tokens=True) for tokens in outs]
+
         try:
             yield answer, 8 * slots
         finally:  # on a stop, queued prompts are dropped and the server's exit ends those in flight
@@ -116,8 +128,13 @@ def _answer(hf_model, tokenizer, chunk: list, cfg) -> list[str]:
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.inference_mode():
-        out = hf_model.generate(ids, attention_mask=attention, max_new_tokens=cfg.self_gen_max_new_tokens,
-                                do_sample=False, pad_token_id=pad)
+        out = hf_model.generate(
+            ids,
+            attention_mask=attention,
+            max_new_tokens=cfg.self_gen_max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+        )
     return [tokenizer.decode(row, skip_special_tokens=True) for row in out[:, width:]]
 
 

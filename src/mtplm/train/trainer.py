@@ -54,8 +54,13 @@ class Trainer:
     """The model being converted, its recipe (recipes.py: the trainable variant) and optimiser; `step` and
     `validate` are the loop's parts."""
 
-    def __init__(self, cfg: TrainConfig, model: MTPModel, world: World = World(),
-                 weights: dict[str, torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        model: MTPModel,
+        world: World = World(),
+        weights: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         """`weights`: trainable weights of a saved train_state, put back before any sharding."""
         self.cfg, self.model, self.world = cfg, model, world
         self.rng = random.Random(cfg.seed)
@@ -88,8 +93,9 @@ class Trainer:
         progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
-    def forward(self, batch: TokenBatch, k: int, objective: str, offset: int | None = None,
-                rows: slice = slice(None)) -> tuple[SlotOutputs, TokenBatch]:
+    def forward(
+        self, batch: TokenBatch, k: int, objective: str, offset: int | None = None, rows: slice = slice(None)
+    ) -> tuple[SlotOutputs, TokenBatch]:
         """Slot outputs for `rows` of the global batch, and those rows. Regions are drawn over the whole
         batch first: their draws and layout depend on it, and every rank must draw the same."""
         regions = self.recipe.draw_regions(batch, k, self.rng, self.regions_gen, offset)
@@ -121,7 +127,9 @@ class Trainer:
         """count / (the count summed over ranks): this rank's weight in a mean over the global batch."""
         if self.world.size == 1:
             return 1.0
-        total = float(all_sum(torch.tensor(float(count), device=self.world.device), self.world))  # every rank calls
+        total = float(
+            all_sum(torch.tensor(float(count), device=self.world.device), self.world)
+        )  # every rank calls
         return count / total if total else 0.0
 
     def step(self, batch: TokenBatch, step: int) -> dict:
@@ -131,14 +139,18 @@ class Trainer:
         objective = "ground-truth" if step < cfg.warmup_ground_truth_steps else cfg.objective
         self.model.hf.train()
         loss, out = self.student(batch, k, objective, world.rows(len(batch.lengths)))
-        (loss * world.size).backward()  # DDP / FSDP average gradients over ranks; the sum of shares is the mean
+        (
+            loss * world.size
+        ).backward()  # DDP / FSDP average gradients over ranks; the sum of shares is the mean
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         keep = out.valid.any(-1)  # [b, M] regions with at least one supervised prediction
         confidence, argmax = top1(out.student_logits.detach()[keep])  # [R, k] each
-        confidence, argmax, labels, valid = gather_rows([confidence, argmax, out.labels[keep], out.valid[keep]], world)
+        confidence, argmax, labels, valid = gather_rows(
+            [confidence, argmax, out.labels[keep], out.valid[keep]], world
+        )
         stats = run_statistics(confidence, argmax, labels, valid, cfg.tau)
         return {"loss": float(all_sum(loss, world)), "k": k, "lr": self.scheduler.get_last_lr()[0], **stats}
 
@@ -182,7 +194,9 @@ class StudentLoss(nn.Module):
         self.hf = trainer.model.hf  # registered: the parameters DDP synchronises
         self.trainer = trainer
 
-    def forward(self, batch: TokenBatch, k: int, objective: str, rows: slice) -> tuple[torch.Tensor, SlotOutputs]:
+    def forward(
+        self, batch: TokenBatch, k: int, objective: str, rows: slice
+    ) -> tuple[torch.Tensor, SlotOutputs]:
         out, local = self.trainer.forward(batch, k, objective, rows=rows)
         return self.trainer.loss(out, local, objective), out
 
@@ -194,8 +208,10 @@ def train(cfg: TrainConfig, progress: bool = True) -> Path | None:
         torch.set_num_threads(cfg.threads)
     if cfg.method == "heads":
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise UserError("method=heads trains small heads on cached trunk states in one process: run it "
-                            "without torchrun")
+            raise UserError(
+                "method=heads trains small heads on cached trunk states in one process: run it "
+                "without torchrun"
+            )
         return HEAD_TRAINERS.get(cfg.head_form)(cfg, progress)
     world = init_world(cfg.device, cfg.parallel, cfg.batch_size)
     try:
@@ -242,34 +258,61 @@ def _run(cfg: TrainConfig, world: World, progress: bool, clock: checkpoint.Compu
     if not world.main:
         return None
     assert log is not None and model.meta is not None  # rank 0 logs; its model is converted
-    model.meta.training = {"config": as_dict(cfg), "steps": cfg.steps, "samples": len(samples),
-                           "world_size": world.size, "compute": clock.totals(), "final_val": val}
-    trainer.recipe.save(model, run_dir, final=True)  # the trained weights are safe before anything else can fail
+    model.meta.training = {
+        "config": as_dict(cfg),
+        "steps": cfg.steps,
+        "samples": len(samples),
+        "world_size": world.size,
+        "compute": clock.totals(),
+        "final_val": val,
+    }
+    trainer.recipe.save(
+        model, run_dir, final=True
+    )  # the trained weights are safe before anything else can fail
     check = decode_check(model, val_samples[:8], cfg)
     record({"step": cfg.steps, "decode_check": check})
-    tqdm.write(f"[decode check] ConfAdapt tau={cfg.tau}, k_max={cfg.k_max} on {check['prompts']} held-out prompts: "
-               f"{check['tokens_per_forward']:.2f} tokens/forward, {check['identical']:.0%} identical to plain greedy")
+    tqdm.write(
+        f"[decode check] ConfAdapt tau={cfg.tau}, k_max={cfg.k_max} on {check['prompts']} held-out prompts: "
+        f"{check['tokens_per_forward']:.2f} tokens/forward, {check['identical']:.0%} identical to plain greedy"
+    )
     model.meta.training["decode_check"] = check
     log.close()
     training_curves(run_dir)
     return trainer.recipe.save(model, run_dir, final=True)
 
 
-def _loop(trainer: Trainer, stream: BatchStream, val_batches: list[TokenBatch], record, start: int, val: dict,
-          progress: bool, num_samples: int) -> dict:
+def _loop(
+    trainer: Trainer,
+    stream: BatchStream,
+    val_batches: list[TokenBatch],
+    record,
+    start: int,
+    val: dict,
+    progress: bool,
+    num_samples: int,
+) -> dict:
     """Steps start .. cfg.steps, validating, logging and saving as configured; the last validation. A SIGTERM
     or SIGINT (one process) stops the run at the end of the step, after saving its train_state."""
     cfg, world, run_dir = trainer.cfg, trainer.world, Path(trainer.cfg.out)
-    bar = tqdm(range(start, cfg.steps), desc="train", unit="step", disable=not progress,
-               initial=start, total=cfg.steps)
+    bar = tqdm(
+        range(start, cfg.steps),
+        desc="train",
+        unit="step",
+        disable=not progress,
+        initial=start,
+        total=cfg.steps,
+    )
     with checkpoint.stop_requests(world.size == 1) as stop:
         for step in bar:
             stats = trainer.step(next(stream), step)
             if step % cfg.log_every == 0 or step == cfg.steps - 1:
                 record({"step": step + 1, **stats})
             agree = stats["agreement"]
-            bar.set_postfix(loss=f"{stats['loss']:.3f}", slot1=f"{agree[1]:.2f}" if len(agree) > 1 else "-",
-                            val_tpf=f"{val['est_tokens_per_forward']:.2f}")
+            bar.set_postfix(
+                loss=f"{stats['loss']:.3f}",
+                slot1=f"{agree[1]:.2f}" if len(agree) > 1 else "-",
+                val_tpf=f"{val['est_tokens_per_forward']:.2f}",
+            )
             if (step + 1) % cfg.val_every == 0 or step == cfg.steps - 1:
                 val = trainer.validate(val_batches)
                 record({"step": step + 1, "val": val})
@@ -278,27 +321,43 @@ def _loop(trainer: Trainer, stream: BatchStream, val_batches: list[TokenBatch], 
             if stop.signal is not None or ((step + 1) % cfg.save_every == 0 and step != cfg.steps - 1):
                 _save_progress(trainer, stream, run_dir, step + 1, num_samples, model_too=True)
             if stop.signal is not None:
-                tqdm.write(f"stopped by signal {stop.signal} after step {step + 1}; its train_state is saved: "
-                           "continue with `mtplm train ... --resume`")
+                tqdm.write(
+                    f"stopped by signal {stop.signal} after step {step + 1}; its train_state is saved: "
+                    "continue with `mtplm train ... --resume`"
+                )
                 raise KeyboardInterrupt
     return val
 
 
-def _split(cfg: TrainConfig, world: World, model: MTPModel,
-           samples: list) -> tuple[list, list, list[TokenBatch], BatchStream]:
+def _split(
+    cfg: TrainConfig, world: World, model: MTPModel, samples: list
+) -> tuple[list, list, list[TokenBatch], BatchStream]:
     """(training samples, held-out samples, held-out batches, the training batch stream)."""
-    pad = model.tokenizer.pad_token_id if model.tokenizer.pad_token_id is not None else model.tokenizer.eos_token_id
+    pad = (
+        model.tokenizer.pad_token_id
+        if model.tokenizer.pad_token_id is not None
+        else model.tokenizer.eos_token_id
+    )
     num_val = max(1, int(len(samples) * cfg.val_fraction))
     train_samples, val_samples = samples[:-num_val], samples[-num_val:]
     if not train_samples:
         train_samples = samples
-    val_batches = [collate(val_samples[i : i + cfg.batch_size], cfg.seq_len, pad)
-                   for i in range(0, len(val_samples), cfg.batch_size)]
+    val_batches = [
+        collate(val_samples[i : i + cfg.batch_size], cfg.seq_len, pad)
+        for i in range(0, len(val_samples), cfg.batch_size)
+    ]
     batch_size = min(cfg.batch_size, len(train_samples))
     if batch_size % world.size:
-        raise UserError(f"{len(train_samples)} training samples cannot fill a global batch of {cfg.batch_size} "
-                        f"split over {world.size} processes: give more data or a smaller batch_size")
-    return train_samples, val_samples, val_batches, BatchStream(train_samples, batch_size, cfg.seq_len, pad, cfg.seed)
+        raise UserError(
+            f"{len(train_samples)} training samples cannot fill a global batch of {cfg.batch_size} "
+            f"split over {world.size} processes: give more data or a smaller batch_size"
+        )
+    return (
+        train_samples,
+        val_samples,
+        val_batches,
+        BatchStream(train_samples, batch_size, cfg.seq_len, pad, cfg.seed),
+    )
 
 
 def _predictor(cfg: TrainConfig, world: World, model: MTPModel, val_samples: list) -> Predictor | None:
@@ -342,7 +401,10 @@ def _load_model(cfg: TrainConfig, world: World) -> MTPModel:
 def _add_mask_token(model: MTPModel, cfg: TrainConfig) -> None:
     from mtplm.assets.models import model_identity, resolve_model
 
-    identity = {**model_identity(resolve_model(cfg.model)), "spec": cfg.model}  # the base as the user named it
+    identity = {
+        **model_identity(resolve_model(cfg.model)),
+        "spec": cfg.model,
+    }  # the base as the user named it
     model.add_mask_token(cfg.k_max, identity, seed=cfg.seed)
     assert model.meta is not None
     model.meta.thresholds = Thresholds(tau=cfg.tau, k_max=cfg.k_max).to_json()  # k_max: once, in meta
@@ -357,8 +419,9 @@ def _unsharded(cfg: TrainConfig, world: World, sharded: MTPModel, weights: dict)
     return model
 
 
-def _save_progress(trainer: Trainer, stream: BatchStream, run_dir: Path, step: int, samples: int,
-                   model_too: bool) -> None:
+def _save_progress(
+    trainer: Trainer, stream: BatchStream, run_dir: Path, step: int, samples: int, model_too: bool
+) -> None:
     """The train_state to resume from (and, when asked, the converted model so far); rank 0 writes.
 
     Under FSDP every rank takes part in gathering the state, and the model is left to the final save.
@@ -371,7 +434,9 @@ def _save_progress(trainer: Trainer, stream: BatchStream, run_dir: Path, step: i
         return
     if model_too and not world.sharded:
         trainer.recipe.save(trainer.model, run_dir, final=False)
-    checkpoint.save_train_state(run_dir, trainer.cfg, trainer, stream, step, samples, weights, optimizer, world.size)
+    checkpoint.save_train_state(
+        run_dir, trainer.cfg, trainer, stream, step, samples, weights, optimizer, world.size
+    )
 
 
 def decode_check(model: MTPModel, samples: list, cfg: TrainConfig, max_new_tokens: int = 96) -> dict:
@@ -382,18 +447,26 @@ def decode_check(model: MTPModel, samples: list, cfg: TrainConfig, max_new_token
     model.hf.eval()
     tokens = forwards = identical = 0
     for sample in samples:
-        fast = generate(model, sample.prompt_ids, DecodeConfig(mode="confadapt", k_max=cfg.k_max, tau=cfg.tau,
-                                                                max_new_tokens=max_new_tokens))
+        fast = generate(
+            model,
+            sample.prompt_ids,
+            DecodeConfig(mode="confadapt", k_max=cfg.k_max, tau=cfg.tau, max_new_tokens=max_new_tokens),
+        )
         plain = generate(model, sample.prompt_ids, DecodeConfig(mode="ntp", max_new_tokens=max_new_tokens))
         tokens, forwards = tokens + len(fast.tokens), forwards + fast.forwards
         identical += fast.tokens == plain.tokens
-    return {"prompts": len(samples), "tokens_per_forward": tokens / max(1, forwards),
-            "identical": identical / max(1, len(samples))}
+    return {
+        "prompts": len(samples),
+        "tokens_per_forward": tokens / max(1, forwards),
+        "identical": identical / max(1, len(samples)),
+    }
 
 
 def _describe(step: int, val: dict, tau: float) -> str:
     agree = " ".join(f"{a:.2f}" for a in val["agreement"][:6])
     conf = " ".join(f"{c:.2f}" for c in val["confidence"][:6])
-    return (f"[val step {step}] agreement by slot {agree} | confidence {conf} | est tokens/forward "
-            f"@tau={tau}: {val['est_tokens_per_forward']:.2f} | verified est {val['est_verified_per_forward']:.2f}"
-            + describe_prediction(val))
+    return (
+        f"[val step {step}] agreement by slot {agree} | confidence {conf} | est tokens/forward "
+        f"@tau={tau}: {val['est_tokens_per_forward']:.2f} | verified est {val['est_verified_per_forward']:.2f}"
+        + describe_prediction(val)
+    )

@@ -57,10 +57,19 @@ def _copied(step: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
 class StaticBackend:
     """Runs passes of up to `slots` sequences over a static KV store of `capacity` positions per slot."""
 
-    def __init__(self, model: MTPModel, slots: int, capacity: int = 256, compile: bool = True,
-                 fuse: bool = True, key_buckets: bool = True, regional: bool = True,
-                 prepack: bool | None = None, quantize: bool | str = False,
-                 prefill_chunk: int = PREFILL_CHUNK) -> None:
+    def __init__(
+        self,
+        model: MTPModel,
+        slots: int,
+        capacity: int = 256,
+        compile: bool = True,
+        fuse: bool = True,
+        key_buckets: bool = True,
+        regional: bool = True,
+        prepack: bool | None = None,
+        quantize: bool | str = False,
+        prefill_chunk: int = PREFILL_CHUNK,
+    ) -> None:
         self.model, self.slots, self.compile = model, slots, compile
         self.prefill_chunk = prefill_chunk
         self.key_buckets = key_buckets
@@ -109,7 +118,9 @@ class StaticBackend:
 
     def _adapters(self, feeds: list) -> bool:
         mask_id = self.weights.shape.mask_id
-        return self.weights.shape.gated and any(mask_id in feed.tokens for feed in feeds)  # host data: no sync
+        return self.weights.shape.gated and any(
+            mask_id in feed.tokens for feed in feeds
+        )  # host data: no sync
 
     def _wide(self, start: int, feeds: list, lengths: list[int], width: int) -> torch.Tensor:
         """A pass with a feed wider than the row buckets (a prompt): each sequence on its own, chunk by
@@ -132,7 +143,9 @@ class StaticBackend:
         self._fit(past + rows)
         inputs = self._inputs(slot, [feed], [past], 1, rows)
         with torch.inference_mode():
-            hidden = wide_pass(self.weights, self.keys, self.values, *inputs, past + rows, self._adapters([feed]))
+            hidden = wide_pass(
+                self.weights, self.keys, self.values, *inputs, past + rows, self._adapters([feed])
+            )
         return hidden[0]
 
     # ---- warming up --------------------------------------------------------------------------------
@@ -144,13 +157,18 @@ class StaticBackend:
         self._fit(capacity)
         if not self.compile:
             return 0, 0.0
-        began, todo = time.perf_counter(), [b for b in dict.fromkeys(buckets) if b not in self.compiled_buckets]
+        began, todo = (
+            time.perf_counter(),
+            [b for b in dict.fromkeys(buckets) if b not in self.compiled_buckets],
+        )
         self._quiet = True
         try:
             with torch.inference_mode():
                 for batch, rows, keys, adapters in todo:
-                    self._compiled(self._inputs(0, [], [], batch, rows), (batch, rows, min(keys, self.capacity),
-                                                                           adapters))
+                    self._compiled(
+                        self._inputs(0, [], [], batch, rows),
+                        (batch, rows, min(keys, self.capacity), adapters),
+                    )
         finally:
             self._quiet = False
         return len(todo), time.perf_counter() - began
@@ -158,8 +176,13 @@ class StaticBackend:
     def key_lengths(self, low: int, high: int) -> list[int]:
         """The key-length buckets a pass needing between `low` and `high` key positions meets."""
         self._fit(high)
-        return sorted({self._key_length(n) for n in range(max(1, low), high + 1)
-                       if n in (low, high) or n & (n - 1) == 0})
+        return sorted(
+            {
+                self._key_length(n)
+                for n in range(max(1, low), high + 1)
+                if n in (low, high) or n & (n - 1) == 0
+            }
+        )
 
     def _compiled(self, inputs: tuple, bucket: tuple[int, int, int, bool]) -> torch.Tensor:
         first = bucket not in self.compiled_buckets
@@ -172,18 +195,24 @@ class StaticBackend:
                 if not first:
                     raise
                 cause = str(exc.inner_exception).strip().splitlines() or [type(exc.inner_exception).__name__]
-                raise UserError(f"compiling the decode pass failed ({cause[0][:200]}); fix the compiler "
-                                f"(CXX, g++) or run with --backend eager") from exc
+                raise UserError(
+                    f"compiling the decode pass failed ({cause[0][:200]}); fix the compiler "
+                    f"(CXX, g++) or run with --backend eager"
+                ) from exc
         if first:
             self.compiled_buckets[bucket] = seconds = time.perf_counter() - began
             if not self._quiet:
-                print(f"mtplm: compiled the decode pass for {bucket[0]} sequences x {bucket[1]} rows x "
-                      f"{bucket[2]} keys{' with <mtp> rows' if bucket[3] else ''} in {seconds:.1f} s",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"mtplm: compiled the decode pass for {bucket[0]} sequences x {bucket[1]} rows x "
+                    f"{bucket[2]} keys{' with <mtp> rows' if bucket[3] else ''} in {seconds:.1f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
         return hidden
 
-    def _inputs(self, start: int, feeds: list, lengths: list[int], batch: int,
-                rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _inputs(
+        self, start: int, feeds: list, lengths: list[int], batch: int, rows: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """ids, positions [b, Q]; lengths [b]; allowed [b, Q, Q]; slots [b] for a padded pass."""
         ids = torch.zeros(batch, rows, dtype=torch.long)
         positions = torch.arange(rows).repeat(batch, 1)  # padded rows: any finite position
@@ -215,15 +244,19 @@ class StaticBackend:
     def _grow(self, capacity: int) -> None:
         """A larger store (compiled buckets for the old one recompile once: the store's shape changed)."""
         if self.window is not None and capacity > self.window:
-            raise UserError(f"the compiled backend does not implement sliding-window attention; this model's "
-                            f"window is {self.window} positions and a sequence needs {capacity}: use --backend eager")
+            raise UserError(
+                f"the compiled backend does not implement sliding-window attention; this model's "
+                f"window is {self.window} positions and a sequence needs {capacity}: use --backend eager"
+            )
         shape = self.weights.shape
         size = (self.slots + 1, shape.kv_heads, capacity, shape.head_dim)
         dtype = self.weights.embed.dtype
         for store in (self.keys, self.values):
             for i in range(shape.layers):
                 new = torch.zeros(size, dtype=dtype, device=self.weights.embed.device)  # finite, never NaN
-                if new.is_cuda:  # a fixed address: CUDA graphs may then write into it in place, not skip the bucket
+                if (
+                    new.is_cuda
+                ):  # a fixed address: CUDA graphs may then write into it in place, not skip the bucket
                     torch._dynamo.mark_static_address(new)
                 if i < len(store):
                     new[:, :, : self.capacity] = store[i]
@@ -262,32 +295,41 @@ class StaticBackend:
         """Move positions start + rows[i] of a slot to start + i (a kept tree path)."""
         index = torch.tensor([start + r for r in rows], dtype=torch.long, device=self.weights.embed.device)
         for store in self.keys + self.values:
-            store[slot, :, start: start + len(rows)] = store[slot, :, index]
+            store[slot, :, start : start + len(rows)] = store[slot, :, index]
 
     def nbytes(self) -> int:
         """Bytes of the KV store (scratch slot included); fused weight copies are not counted here."""
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
 
-@BACKENDS.register("compiled", "our own pass for Llama, Qwen2 and Mistral over a static KV store, compiled "
-                               "per row bucket (torch.compile)")
+@BACKENDS.register(
+    "compiled",
+    "our own pass for Llama, Qwen2 and Mistral over a static KV store, compiled "
+    "per row bucket (torch.compile)",
+)
 class CompiledBackend(StaticBackend):
     def __init__(self, model: MTPModel, slots: int = 1) -> None:
         require_compiler()
         super().__init__(model, slots, compile=True)
 
 
-@BACKENDS.register("compiled-int8", "the compiled pass over weight-only int8 projections (per-channel scales; "
-                                    "LM head and embeddings unquantized): a different model, measure its quality")
+@BACKENDS.register(
+    "compiled-int8",
+    "the compiled pass over weight-only int8 projections (per-channel scales; "
+    "LM head and embeddings unquantized): a different model, measure its quality",
+)
 class CompiledInt8Backend(StaticBackend):
     def __init__(self, model: MTPModel, slots: int = 1) -> None:
         require_compiler()
         super().__init__(model, slots, compile=True, quantize=True)
 
 
-@BACKENDS.register("compiled-int4", "the compiled pass over group-wise int4 projections (32 weights per scale and "
-                                    "zero, llama.cpp's Q4_1 scheme; LM head and embeddings unquantized): a "
-                                    "different model, measure its quality")
+@BACKENDS.register(
+    "compiled-int4",
+    "the compiled pass over group-wise int4 projections (32 weights per scale and "
+    "zero, llama.cpp's Q4_1 scheme; LM head and embeddings unquantized): a "
+    "different model, measure its quality",
+)
 class CompiledInt4Backend(StaticBackend):
     def __init__(self, model: MTPModel, slots: int = 1) -> None:
         require_compiler()

@@ -31,9 +31,19 @@ from mtplm.decode.fast import kernels
 from mtplm.decode.fast.weights import FastWeights, Shape
 
 
-def decode_pass(weights: FastWeights, keys: list[torch.Tensor], values: list[torch.Tensor], ids: torch.Tensor,
-                positions: torch.Tensor, lengths: torch.Tensor, allowed: torch.Tensor, slots: torch.Tensor,
-                kv_len: int, adapters: bool = True, step: Callable | None = None) -> torch.Tensor:
+def decode_pass(
+    weights: FastWeights,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    lengths: torch.Tensor,
+    allowed: torch.Tensor,
+    slots: torch.Tensor,
+    kv_len: int,
+    adapters: bool = True,
+    step: Callable | None = None,
+) -> torch.Tensor:
     """Final-norm hidden states [b, Q, D]; writes every fed row's KV into keys/values[layer] [S, KVH, C, d].
 
     ids, positions: [b, Q] long; lengths, slots: [b] long; allowed: [b, Q, Q] bool. `adapters` False
@@ -48,8 +58,15 @@ def decode_pass(weights: FastWeights, keys: list[torch.Tensor], values: list[tor
     return rms_norm(hidden, weights.final_norm, shape.eps)
 
 
-def prepare(weights: FastWeights, ids: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
-            allowed: torch.Tensor, kv_len: int, adapters: bool = True) -> tuple:
+def prepare(
+    weights: FastWeights,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    lengths: torch.Tensor,
+    allowed: torch.Tensor,
+    kv_len: int,
+    adapters: bool = True,
+) -> tuple:
     """What every layer shares: embeddings [b, Q, D], (cos, sin) [b, Q, 1, d], the additive mask
     [b, 1, 1, Q, T], the adapters' gate [b, Q, 1] (None without adapters), store write positions [b, Q]."""
     shape = weights.shape
@@ -61,9 +78,18 @@ def prepare(weights: FastWeights, ids: torch.Tensor, positions: torch.Tensor, le
     return hidden, rope, mask, gate, write
 
 
-def layer(block, shape: Shape, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
-          gate: torch.Tensor | None, store: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor,
-          write: torch.Tensor, kv_len: int) -> torch.Tensor:
+def layer(
+    block,
+    shape: Shape,
+    hidden: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    mask: torch.Tensor,
+    gate: torch.Tensor | None,
+    store: tuple[torch.Tensor, torch.Tensor],
+    slots: torch.Tensor,
+    write: torch.Tensor,
+    kv_len: int,
+) -> torch.Tensor:
     """One decoder layer: attention over the store, then the SiLU-gated MLP; hidden [b, Q, D] in and out."""
     b, q, _ = hidden.shape
     heads, kv_heads, d = shape.heads, shape.kv_heads, shape.head_dim
@@ -92,7 +118,9 @@ def project(block, name: str, inputs: torch.Tensor, gate: torch.Tensor | None) -
         out = torch.cat([linear(block, f"{name}{i}", inputs) for i in range(parts)], dim=-1)
     if gate is None:
         return out
-    up = getattr(block, f"{name}_b")  # [out, n r]; unfused or int8 weights only (the rest take _project_widened)
+    up = getattr(
+        block, f"{name}_b"
+    )  # [out, n r]; unfused or int8 weights only (the rest take _project_widened)
     delta = _low_rank_up(_low_rank(inputs, getattr(block, f"{name}_a"), gate), up)  # [b, Q, out]
     return out + delta.to(out.dtype)
 
@@ -101,7 +129,9 @@ def linear(block, key: str, inputs: torch.Tensor) -> torch.Tensor:
     """inputs @ W^T + bias for the block's weight `key` as stored: int4, int8, prepacked bf16 or plain."""
     weight, bias = getattr(block, f"{key}_w"), getattr(block, f"{key}_bias")
     if block.quantized == "int4":
-        return kernels.int4_linear(inputs, weight, getattr(block, f"{key}_scale"), block.out_features[key], bias)
+        return kernels.int4_linear(
+            inputs, weight, getattr(block, f"{key}_scale"), block.out_features[key], bias
+        )
     if block.quantized:
         return kernels.int8_linear(inputs, weight, getattr(block, f"{key}_scale"), bias)
     if block.prepacked:
@@ -144,8 +174,9 @@ def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return weight * wide.to(hidden.dtype)
 
 
-def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [b, Q, 1, d] at each row's position, from the model's own inverse frequencies [d/2]."""
     freqs = positions.unsqueeze(-1).float() * inv_freq  # [b, Q, d/2]
     angles = torch.cat([freqs, freqs], dim=-1)  # [b, Q, d]
@@ -171,8 +202,15 @@ def attention_mask(lengths: torch.Tensor, allowed: torch.Tensor, kv_len: int) ->
     return torch.where(visible, 0.0, blocked).view(b, 1, 1, q, kv_len)
 
 
-def attend(query: torch.Tensor, key_store: torch.Tensor, value_store: torch.Tensor, slots: torch.Tensor,
-           kv_len: int, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+def attend(
+    query: torch.Tensor,
+    key_store: torch.Tensor,
+    value_store: torch.Tensor,
+    slots: torch.Tensor,
+    kv_len: int,
+    mask: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
     """Grouped-query attention of query [b, Q, H, d] over the first T positions of each row's slot."""
     b, q, heads, d = query.shape
     kv_heads = key_store.shape[1]

@@ -34,11 +34,15 @@ def _packed_linear(inputs: torch.Tensor, packed: torch.Tensor, bias: torch.Tenso
     return torch.ops.mkldnn._linear_pointwise(inputs, packed, bias, "none", [], "")  # [N, M]
 
 
-def _packed_linear_shape(inputs: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _packed_linear_shape(
+    inputs: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     return inputs.new_empty(inputs.shape[0], packed.shape[0])
 
 
-_LIBRARY.impl("packed_linear", _packed_linear, "CompositeExplicitAutograd")  # the packed weight is an MkldnnCPU tensor
+_LIBRARY.impl(
+    "packed_linear", _packed_linear, "CompositeExplicitAutograd"
+)  # the packed weight is an MkldnnCPU tensor
 torch.library.register_fake("mtplm::packed_linear", _packed_linear_shape, lib=_LIBRARY)
 
 
@@ -56,7 +60,9 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scales.to(weight.dtype)
 
 
-def int8_linear(inputs: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def int8_linear(
+    inputs: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """inputs [..., K] @ (q * scales)^T (+ bias) -> [..., M], with PyTorch's weight-only int8 kernel (reads
     half the bytes of bf16; measured on a 2-core Zen 4 over a 30-layer model: 1 row 1.7x faster than prepacked
     bf16, 8 rows 1.5x slower: its cost grows with the rows)."""
@@ -97,8 +103,14 @@ def dequantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> torch.Tens
     return ((q - 8) * scales + zeros).view(m, k).to(weight.dtype)
 
 
-def int4_linear(inputs: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, out_features: int,
-                bias: torch.Tensor | None, group: int = INT4_GROUP) -> torch.Tensor:
+def int4_linear(
+    inputs: torch.Tensor,
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None,
+    group: int = INT4_GROUP,
+) -> torch.Tensor:
     """inputs [..., K] @ dequantized(packed)^T (+ bias) -> [..., M], with PyTorch's CPU int4 kernel."""
     flat = inputs.reshape(-1, inputs.shape[-1])  # [N, K]
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, group, scales_and_zeros.to(flat.dtype))

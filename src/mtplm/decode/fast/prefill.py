@@ -22,9 +22,18 @@ from mtplm.decode.fast.forward import project, rms_norm, rope_tables, rotate
 from mtplm.decode.fast.weights import FastWeights, Shape
 
 
-def wide_pass(weights: FastWeights, keys: list[torch.Tensor], values: list[torch.Tensor], ids: torch.Tensor,
-              positions: torch.Tensor, lengths: torch.Tensor, allowed: torch.Tensor, slots: torch.Tensor,
-              kv_len: int, adapters: bool = True) -> torch.Tensor:
+def wide_pass(
+    weights: FastWeights,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    lengths: torch.Tensor,
+    allowed: torch.Tensor,
+    slots: torch.Tensor,
+    kv_len: int,
+    adapters: bool = True,
+) -> torch.Tensor:
     """forward.decode_pass's contract (same arguments, same result) with fused attention: final-norm
     hidden states [b, Q, D]; every fed row's KV is written into keys/values[layer] [S, KVH, C, d]."""
     shape = weights.shape
@@ -34,8 +43,9 @@ def wide_pass(weights: FastWeights, keys: list[torch.Tensor], values: list[torch
     gate = (ids == shape.mask_id).unsqueeze(-1) * shape.lora_scale if shape.gated and adapters else None
     write = lengths.unsqueeze(1) + torch.arange(ids.shape[1], device=ids.device)  # [b, Q]
     for block, key_store, value_store in zip(weights.blocks, keys, values, strict=False):
-        hidden = _wide_layer(block, shape, hidden, rope, visible, gate, (key_store, value_store), slots, write,
-                             kv_len)
+        hidden = _wide_layer(
+            block, shape, hidden, rope, visible, gate, (key_store, value_store), slots, write, kv_len
+        )
     return rms_norm(hidden, weights.final_norm, shape.eps)
 
 
@@ -47,13 +57,22 @@ def visible_keys(lengths: torch.Tensor, allowed: torch.Tensor, kv_len: int) -> t
     visible = (relative < 0).unsqueeze(1).expand(b, q, kv_len).clone()  # [b, Q, T]
     for i, start in enumerate(lengths.tolist()):  # each sequence's fed columns: a [Q, Q] block at its offset
         width = min(q, kv_len - start)
-        visible[i, :, start: start + width] = allowed[i, :, :width]
+        visible[i, :, start : start + width] = allowed[i, :, :width]
     return visible.unsqueeze(1)
 
 
-def _wide_layer(block, shape: Shape, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                visible: torch.Tensor, gate: torch.Tensor | None, store: tuple[torch.Tensor, torch.Tensor],
-                slots: torch.Tensor, write: torch.Tensor, kv_len: int) -> torch.Tensor:
+def _wide_layer(
+    block,
+    shape: Shape,
+    hidden: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    visible: torch.Tensor,
+    gate: torch.Tensor | None,
+    store: tuple[torch.Tensor, torch.Tensor],
+    slots: torch.Tensor,
+    write: torch.Tensor,
+    kv_len: int,
+) -> torch.Tensor:
     """forward.layer with scaled_dot_product_attention over the store: hidden [b, Q, D] in and out."""
     b, q, _ = hidden.shape
     heads, kv_heads, d = shape.heads, shape.kv_heads, shape.head_dim
@@ -66,8 +85,14 @@ def _wide_layer(block, shape: Shape, hidden: torch.Tensor, rope: tuple[torch.Ten
     value_store[slots.unsqueeze(1), :, write] = value.view(b, q, kv_heads, d)
     keys = key_store[:, :, :kv_len].index_select(0, slots)  # [b, KVH, T, d]
     values = value_store[:, :, :kv_len].index_select(0, slots)
-    attended = F.scaled_dot_product_attention(query.transpose(1, 2), keys, values, attn_mask=visible,
-                                              scale=shape.scaling, enable_gqa=heads != kv_heads)  # [b, H, Q, d]
+    attended = F.scaled_dot_product_attention(
+        query.transpose(1, 2),
+        keys,
+        values,
+        attn_mask=visible,
+        scale=shape.scaling,
+        enable_gqa=heads != kv_heads,
+    )  # [b, H, Q, d]
     hidden = hidden + project(block, "o", attended.transpose(1, 2).reshape(b, q, heads * d), gate)
     gate_up = project(block, "gate_up", rms_norm(hidden, block.mlp_norm, shape.eps), gate)  # [b, Q, 2 I]
     gated, up = gate_up.chunk(2, dim=-1)

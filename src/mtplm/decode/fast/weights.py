@@ -33,7 +33,12 @@ from mtplm.lora import GatedLoRALinear
 from mtplm.model import MTPModel
 
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inv_freq fixed at load time; "dynamic" rescales per pass
+STATIC_ROPE = (
+    "default",
+    "linear",
+    "llama3",
+    "yarn",
+)  # inv_freq fixed at load time; "dynamic" rescales per pass
 
 
 @dataclass(frozen=True)
@@ -61,8 +66,9 @@ class FastWeights(nn.Module):
     final_norm: torch.Tensor
     inv_freq: torch.Tensor
 
-    def __init__(self, model: MTPModel, fuse: bool = True, prepack: bool | None = None,
-                 quantize: bool | str = False) -> None:
+    def __init__(
+        self, model: MTPModel, fuse: bool = True, prepack: bool | None = None, quantize: bool | str = False
+    ) -> None:
         super().__init__()
         kind = "int8" if quantize is True else quantize or None  # None | "int8" | "int4"
         if kind not in (None, "int8", "int4"):
@@ -78,7 +84,9 @@ class FastWeights(nn.Module):
         decoder: Any = hf.get_decoder()  # an HF module tree: attributes by name
         self.register_buffer("embed", decoder.embed_tokens.weight, persistent=False)  # [V, D]
         self.register_buffer("final_norm", decoder.norm.weight, persistent=False)  # [D]
-        self.register_buffer("inv_freq", decoder.rotary_emb.inv_freq.float().clone(), persistent=False)  # [d/2]
+        self.register_buffer(
+            "inv_freq", decoder.rotary_emb.inv_freq.float().clone(), persistent=False
+        )  # [d/2]
         self.fused = fuse
         self.quantized = kind
         self.blocks = nn.ModuleList(_Block(layer, fuse, self.prepacked, kind) for layer in decoder.layers)
@@ -94,15 +102,23 @@ class _Block(nn.Module):
         attn, mlp = layer.self_attn, layer.mlp
         self.register_buffer("attn_norm", layer.input_layernorm.weight, persistent=False)  # [D]
         self.register_buffer("mlp_norm", layer.post_attention_layernorm.weight, persistent=False)  # [D]
-        groups = {"qkv": [attn.q_proj, attn.k_proj, attn.v_proj], "o": [attn.o_proj],
-                  "gate_up": [mlp.gate_proj, mlp.up_proj], "down": [mlp.down_proj]}
-        self.parts = {name: 1 if fuse else len(linears) for name, linears in groups.items()}  # GEMMs per group
+        groups = {
+            "qkv": [attn.q_proj, attn.k_proj, attn.v_proj],
+            "o": [attn.o_proj],
+            "gate_up": [mlp.gate_proj, mlp.up_proj],
+            "down": [mlp.down_proj],
+        }
+        self.parts = {
+            name: 1 if fuse else len(linears) for name, linears in groups.items()
+        }  # GEMMs per group
         for name, linears in groups.items():
             bases = [_base(linear) for linear in linears]
             adapters = [linear for linear in linears if isinstance(linear, GatedLoRALinear)]
             if adapters and len(adapters) < len(linears):
-                raise UserError(f"the compiled backend fuses {name}'s adapters: it needs gated LoRA on all of "
-                                f"them or none; use --backend eager")
+                raise UserError(
+                    f"the compiled backend fuses {name}'s adapters: it needs gated LoRA on all of "
+                    f"them or none; use --backend eager"
+                )
             b = None
             if adapters:
                 a = torch.cat([adapter.lora_a for adapter in adapters]).detach()  # [n r, in]
@@ -110,18 +126,28 @@ class _Block(nn.Module):
                 self.register_buffer(f"{name}_a", a, persistent=False)
                 self.register_buffer(f"{name}_b", b, persistent=False)
             if self.parts[name] == 1:
-                self._add_fused(name, _cat([b_.weight for b_ in bases]).detach(), _cat_bias(bases), b, prepack)
+                self._add_fused(
+                    name, _cat([b_.weight for b_ in bases]).detach(), _cat_bias(bases), b, prepack
+                )
             else:
                 for i, base in enumerate(bases):
                     self._add(f"{name}{i}", base.weight, base.bias)
 
-    def _add_fused(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, b: torch.Tensor | None,
-                   prepack: bool) -> None:
+    def _add_fused(
+        self,
+        name: str,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        b: torch.Tensor | None,
+        prepack: bool,
+    ) -> None:
         """The fused weight; with adapters (not int8) also the widened [W | B] that passes with <mtp> rows
         read, so the projection's one GEMM also gives the adapters' B product (a copy of W)."""
         self._add(name, weight, bias, prepack)
         if b is not None and not self.quantized:
-            self._add(f"{name}_wb", torch.cat([weight, b.to(weight.dtype)], dim=1), bias, prepack)  # [out, in + n r]
+            self._add(
+                f"{name}_wb", torch.cat([weight, b.to(weight.dtype)], dim=1), bias, prepack
+            )  # [out, in + n r]
 
     def _add(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool = False) -> None:
         """Buffers `{name}_w` [out, in] (prepacked, int8 with `{name}_scale` [out], int4 packed with
@@ -130,8 +156,10 @@ class _Block(nn.Module):
         self.out_features[name] = weight.shape[0]
         if self.quantized == "int4":
             if weight.shape[1] % kernels.INT4_GROUP:
-                raise UserError(f"int4 weights need in-features a multiple of {kernels.INT4_GROUP}; this model's "
-                                f"{name} projection has {weight.shape[1]}: use --backend compiled")
+                raise UserError(
+                    f"int4 weights need in-features a multiple of {kernels.INT4_GROUP}; this model's "
+                    f"{name} projection has {weight.shape[1]}: use --backend compiled"
+                )
             weight, scales = kernels.quantize_int4(weight)
             self.register_buffer(f"{name}_scale", scales, persistent=False)
         elif self.quantized:
@@ -162,8 +190,12 @@ def _cat_bias(linears: list[nn.Linear]) -> torch.Tensor | None:
     """The stacked biases, zeros where one projection has none (Qwen2: q, k, v biased, o not)."""
     if all(linear.bias is None for linear in linears):
         return None
-    return _cat([linear.bias if linear.bias is not None
-                 else linear.weight.new_zeros(linear.out_features) for linear in linears])
+    return _cat(
+        [
+            linear.bias if linear.bias is not None else linear.weight.new_zeros(linear.out_features)
+            for linear in linears
+        ]
+    )
 
 
 def check_supported(model: MTPModel) -> Shape:
@@ -171,28 +203,40 @@ def check_supported(model: MTPModel) -> Shape:
     hf = model.hf
     name = type(hf).__name__
     if model.feature_layers:
-        raise UserError("the compiled backend returns final hidden states only; an EAGLE-3 drafter reads inner "
-                        "layers too: use --backend eager")
+        raise UserError(
+            "the compiled backend returns final hidden states only; an EAGLE-3 drafter reads inner "
+            "layers too: use --backend eager"
+        )
     if name not in SUPPORTED:
-        raise UserError(f"the compiled backend runs {', '.join(SUPPORTED)}; this model is {name}: "
-                        f"use --backend eager")
+        raise UserError(
+            f"the compiled backend runs {', '.join(SUPPORTED)}; this model is {name}: use --backend eager"
+        )
     config = hf.config
     rotary = hf.get_decoder().rotary_emb
     rope_type = getattr(rotary, "rope_type", "default")
     if rope_type not in STATIC_ROPE:
-        raise UserError(f"the compiled backend needs a static RoPE table; {name} uses rope type "
-                        f"{rope_type!r}: use --backend eager")
+        raise UserError(
+            f"the compiled backend needs a static RoPE table; {name} uses rope type "
+            f"{rope_type!r}: use --backend eager"
+        )
     if getattr(config, "hidden_act", "silu") != "silu":
-        raise UserError(f"the compiled backend runs SiLU MLPs; {name} uses {config.hidden_act!r}: "
-                        f"use --backend eager")
+        raise UserError(
+            f"the compiled backend runs SiLU MLPs; {name} uses {config.hidden_act!r}: use --backend eager"
+        )
     attn = hf.get_decoder().layers[0].self_attn
     head_dim = attn.head_dim
     gate = model.gate
     return Shape(
-        layers=config.num_hidden_layers, hidden=config.hidden_size, heads=config.num_attention_heads,
-        kv_heads=config.num_key_value_heads, head_dim=head_dim, eps=float(config.rms_norm_eps),
-        scaling=float(attn.scaling), rope_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
-        gated=gate is not None, lora_scale=float(gate.scale) if gate is not None else 0.0,
+        layers=config.num_hidden_layers,
+        hidden=config.hidden_size,
+        heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads,
+        head_dim=head_dim,
+        eps=float(config.rms_norm_eps),
+        scaling=float(attn.scaling),
+        rope_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
+        gated=gate is not None,
+        lora_scale=float(gate.scale) if gate is not None else 0.0,
         mask_id=model.meta.mask_id if model.meta is not None and model.meta.mask_id is not None else -1,
     )
 
