@@ -105,10 +105,11 @@ def test_backend_names_resolve_and_bad_ones_are_one_clear_error(chain_checkpoint
     monkeypatch.setenv(BACKEND_ENV, "eager")
     assert resolve_backend("auto", model) == "eager"
     with pytest.raises(
-        UserError, match="unknown backend 'fast': choose one of eager, compiled, compiled-int8, static"
+        UserError,
+        match="unknown backend 'fast': choose one of eager, compiled, compiled-int8, compiled-int4, static",
     ):
         make_backend("fast", model)
-    assert set(BACKENDS.names()) == {"eager", "compiled", "compiled-int8", "static"}
+    assert set(BACKENDS.names()) == {"eager", "compiled", "compiled-int8", "compiled-int4", "static"}
 
 
 def test_an_architecture_the_compiled_pass_lacks_falls_back_to_eager_under_auto(monkeypatch):

@@ -156,7 +156,7 @@ def test_cli_train_then_generate_round_trip(base_dir, data_file, tmp_path):
         (("generate", "hi", "--drafting", "tree", "--lookup", "4"), "not tree"),
         (
             ("generate", "hi", "--backend", "turbo"),
-            "unknown backend 'turbo': choose one of eager, compiled, compiled-int8, static",
+            "unknown backend 'turbo': choose one of eager, compiled, compiled-int8, compiled-int4, static",
         ),
         (("calibrate", "--target", "1.5"), "--target must lie in (0, 1]"),
         (("calibrate", "--model", "/no/such/checkpoint"), "not a converted checkpoint"),
