@@ -21,7 +21,8 @@ class Assumptions:
 
     def describe(self) -> str:
         return (
-            f"{self.daily_tokens:.3g} generated tokens/day; machines busy {self.utilization:.0%} of the time; "
+            f"{self.daily_tokens:.3g} generated tokens/day; "
+            f"machines busy {self.utilization:.0%} of the time; "
             f"{self.machine_watts:g} W and ${self.machine_usd_per_hour:g}/h per machine; "
             f"electricity ${self.usd_per_kwh:g}/kWh; one stream per machine at the measured tokens/s"
         )

@@ -1,5 +1,6 @@
-"""The main job: answer a few prompts in plain, ConfAdapt and two verified (lossless) modes side by side, with speedups:
-mask-slot drafts (`verified`) and drafts copied from the text (`lookup`, the CLI's and server's default)."""
+"""The main job: answer a few prompts in plain, ConfAdapt and two verified (lossless) modes side by side,
+with speedups: mask-slot drafts (`verified`) and drafts copied from the text (`lookup`, the CLI's and
+server's default)."""
 
 from __future__ import annotations
 
@@ -42,23 +43,13 @@ def run_demo(
     }
     backend = make_backend(backend_name, model, slots=1)
     prompts = [chat_prompt_ids(tok, prompt) for prompt in PROMPTS]
-    warm = chat_prompt_ids(tok, "Repeat this list three times: red, green, blue, yellow.")
-    lengths = [len(ids) for ids in [*prompts, warm]]
-    warm_up(
-        backend,
-        model,
-        list(modes.values()),
-        (min(lengths), max(lengths)),
-        max(max_new_tokens, 48),
-        what="the demo",
-    )  # every bucket the rows below meet, compiled before any is timed
-    for cfg in modes.values():  # warm-up: first-call costs outside the compiled buckets
-        generate(model, warm, dataclasses.replace(cfg, max_new_tokens=48), backend=backend)
+    _warm(model, backend, modes, prompts, max_new_tokens)
     totals = {name: [0, 0.0, 0] for name in modes}
     identical = {"verified": 0, "lookup": 0}
     threshold = tau if tau is not None else model.meta.decode_thresholds().tau
     print(
-        f"model: {spec} ({dtype}, {resolve_backend(backend_name, model)} backend); ConfAdapt threshold {threshold}\n"
+        f"model: {spec} ({dtype}, {resolve_backend(backend_name, model)} backend); "
+        f"ConfAdapt threshold {threshold}\n"
     )
     for prompt, ids in zip(PROMPTS, prompts, strict=True):
         print("=" * 100 + f"\nPROMPT: {prompt}\n")
@@ -78,6 +69,27 @@ def run_demo(
                 f"--- {name}: {out.tokens_per_second:.1f} tokens/s, "
                 f"{out.tokens_per_forward:.2f} tokens/forward\n{text}\n"
             )
+    _print_totals(totals, identical)
+
+
+def _warm(model, backend, modes: dict, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """Compile every bucket the rows meet, then pay each mode's first-call costs, before any is timed."""
+    warm = chat_prompt_ids(model.tokenizer, "Repeat this list three times: red, green, blue, yellow.")
+    lengths = [len(ids) for ids in [*prompts, warm]]
+    warm_up(
+        backend,
+        model,
+        list(modes.values()),
+        (min(lengths), max(lengths)),
+        max(max_new_tokens, 48),
+        what="the demo",
+    )  # every bucket the rows below meet, compiled before any is timed
+    for cfg in modes.values():  # warm-up: first-call costs outside the compiled buckets
+        generate(model, warm, dataclasses.replace(cfg, max_new_tokens=48), backend=backend)
+
+
+def _print_totals(totals: dict[str, list], identical: dict[str, int]) -> None:
+    """Each mode's rate over all prompts, its speedup over plain, and how often it matched plain."""
     rate = {name: t[0] / max(t[1], 1e-9) for name, t in totals.items()}
     per_forward = {name: t[0] / max(t[2], 1) for name, t in totals.items()}
     print("=" * 100)
@@ -89,7 +101,8 @@ def run_demo(
         print(
             f"   {name} output identical to plain: {same}/{len(PROMPTS)} prompts"
             + (
-                " (bf16 rounding differs between one-row and multi-row passes; in fp32 it is always identical)"
+                " (bf16 rounding differs between one-row and multi-row passes; "
+                "in fp32 it is always identical)"
                 if same < len(PROMPTS)
                 else ""
             )

@@ -128,18 +128,7 @@ def score(checkpoint: str, settings: ScoreSettings, progress: bool = True) -> di
     taus = calibrated["tau_per_position"]
     totals = _decode_modes(model, settings, held, taus, make_backend(settings.backend, model, slots=1))
     answers = totals.pop("answers")
-    plain_rate = totals["ntp"]["tokens"] / max(1e-9, totals["ntp"]["seconds"])
-    measured = {name: t["tokens"] / max(1, t["passes"]) for name, t in totals.items() if name != "ntp"}
-    speedup = {
-        name: t["tokens"] / max(1e-9, t["seconds"]) / max(1e-9, plain_rate)
-        for name, t in totals.items()
-        if name != "ntp"
-    }
-    agreement = {
-        name: t["agreeing"] / max(1, t["tokens"])
-        for name, t in totals.items()
-        if name.startswith("confadapt")
-    }
+    plain_rate, measured, speedup, agreement = _rates(totals)
     predicted = predict(
         model,
         list(zip(held, answers, strict=True)),
@@ -172,3 +161,20 @@ def score(checkpoint: str, settings: ScoreSettings, progress: bool = True) -> di
         "tokens": totals["ntp"]["tokens"],
         "prompts": len(held),
     }
+
+
+def _rates(totals: dict) -> tuple[float, dict, dict, dict]:
+    """Plain tokens/s, and per mode: tokens/pass, speedup over plain, ConfAdapt's token agreement."""
+    plain_rate = totals["ntp"]["tokens"] / max(1e-9, totals["ntp"]["seconds"])
+    measured = {name: t["tokens"] / max(1, t["passes"]) for name, t in totals.items() if name != "ntp"}
+    speedup = {
+        name: t["tokens"] / max(1e-9, t["seconds"]) / max(1e-9, plain_rate)
+        for name, t in totals.items()
+        if name != "ntp"
+    }
+    agreement = {
+        name: t["agreeing"] / max(1, t["tokens"])
+        for name, t in totals.items()
+        if name.startswith("confadapt")
+    }
+    return plain_rate, measured, speedup, agreement

@@ -4,11 +4,12 @@ The binary and its matching HF -> GGUF converter are installed by `scripts/insta
 `$MTPLM_HOME/llama.cpp`. Each variant (`q4`, `f16`, `f16+ngram-simple`, ...) is one `llama-server` process on
 loopback, started once, with one slot (`--parallel 1`) and torch's thread count. Every held-out prompt goes to
 its `/completion` endpoint as token ids (the same ids mtplm decodes), greedy, without prompt caching, and the
-generated ids come back with `return_tokens`. The server's own `timings` give its decode speed and, for drafters,
-`draft_n` / `draft_n_accepted`: each verification pass yields its accepted drafts plus one token of its own, so
-passes = predicted_n - draft_n_accepted (the prompt pass that yields the first token counts as one).
-Startup is bounded; a server that dies or stays silent raises `LlamaServerError` carrying its log tail. The
-process runner itself is llamacpp/server.py (training's self-generation uses it too); this module is the bench's.
+generated ids come back with `return_tokens`. The server's own `timings` give its decode speed and, for
+drafters, `draft_n` / `draft_n_accepted`: each verification pass yields its accepted drafts plus one token of
+its own, so passes = predicted_n - draft_n_accepted (the prompt pass that yields the first token counts as
+one). Startup is bounded; a server that dies or stays silent raises `LlamaServerError` carrying its log tail.
+The process runner itself is llamacpp/server.py (training's self-generation uses it too); this module is the
+bench's.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ class Variant:
 
 
 def parse_variants(spec: str) -> list[Variant]:
-    """`q4,f16,f16+ngram-mod` -> variants; each drafter's plain variant is added, since it is compared with it."""
+    """`q4,f16,f16+ngram-mod` -> variants; each drafter's plain variant is added, since it is compared
+    with it."""
     variants: list[Variant] = []
     for item in (s.strip() for s in spec.split(",") if s.strip()):
         weights, plus, drafter = item.partition("+")
@@ -246,7 +248,8 @@ def markdown(summary: dict) -> list[str]:
     lines = [
         "### llama-server (its own timings)",
         "",
-        "| variant | GGUF MB | server decode tokens/s | drafted | accepted | acceptance | tokens/pass | flags |",
+        "| variant | GGUF MB | server decode tokens/s | drafted | accepted | acceptance | tokens/pass "
+        "| flags |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, s in summary.items():

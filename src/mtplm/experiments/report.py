@@ -112,15 +112,8 @@ def plot(rows: list[dict], modes: list[str], path: Path) -> Path | None:
     return save(plt, fig, path)
 
 
-def write_results(name: str, rows: list[dict], out: Path, spec: Path) -> Path:
-    """sweep.csv, README.md (tables, fits) and acceptance_vs_compute.png in `out`."""
-    from mtplm.bench.machine import machine
-
-    out.mkdir(parents=True, exist_ok=True)
-    modes = modes_of(rows)
-    flat = [flatten(r, modes) for r in rows]
-    write_csv(flat, out / "sweep.csv", list(dict.fromkeys(k for r in flat for k in r)))
-    (out / "rows.json").write_text(json.dumps(rows, indent=2) + "\n")
+def _comparisons(rows: list[dict]) -> tuple[list, list]:
+    """Predicted vs measured tokens/pass per variant: the replay's, and the training log's last."""
     compared = [
         c
         for r in rows
@@ -132,7 +125,12 @@ def write_results(name: str, rows: list[dict], out: Path, spec: Path) -> Path:
         if r.get("training_predicted")
         for c in compare_table(r["training_predicted"], r["measured_tokens_per_pass"], r["variant"])
     ]
-    fits = {
+    return compared, during
+
+
+def _fits(rows: list[dict], modes: list[str]) -> dict:
+    """Per mode: the log-linear trend of measured tokens/pass over training CPU-hours, where one fits."""
+    return {
         m: fit(
             [
                 (r["train_cpu_h"], r["measured_tokens_per_pass"][m])
@@ -142,6 +140,19 @@ def write_results(name: str, rows: list[dict], out: Path, spec: Path) -> Path:
         )
         for m in modes
     }
+
+
+def write_results(name: str, rows: list[dict], out: Path, spec: Path) -> Path:
+    """sweep.csv, README.md (tables, fits) and acceptance_vs_compute.png in `out`."""
+    from mtplm.bench.machine import machine
+
+    out.mkdir(parents=True, exist_ok=True)
+    modes = modes_of(rows)
+    flat = [flatten(r, modes) for r in rows]
+    write_csv(flat, out / "sweep.csv", list(dict.fromkeys(k for r in flat for k in r)))
+    (out / "rows.json").write_text(json.dumps(rows, indent=2) + "\n")
+    compared, during = _comparisons(rows)
+    fits = _fits(rows, modes)
     m, first = machine(), rows[0] if rows else {}
     commits = ", ".join(dict.fromkeys(str(r.get("commit", "?")) for r in rows))
     text = [
@@ -150,12 +161,13 @@ def write_results(name: str, rows: list[dict], out: Path, spec: Path) -> Path:
         f"Spec: `{spec}`. Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}; "
         f"measured at commit {commits}.",
         "",
-        "Compute: wall and CPU time (all threads) of each variant's training sessions, from loading the model "
-        "to the saved checkpoint; answers self-generated into the sweep's shared cache count in the variant "
-        "that generated them (the first to run).",
+        "Compute: wall and CPU time (all threads) of each variant's training sessions, from loading the "
+        "model to the saved checkpoint; answers self-generated into the sweep's shared cache count in the "
+        "variant that generated them (the first to run).",
         "",
-        f"Held-out: {first.get('prompts')} held-out prompts ({first.get('tokens')} plain tokens), decoded on the "
-        f"`{first.get('backend')}` backend; score settings `{json.dumps(first.get('score_settings'))}`.",
+        f"Held-out: {first.get('prompts')} held-out prompts ({first.get('tokens')} plain tokens), "
+        f"decoded on the `{first.get('backend')}` backend; "
+        f"score settings `{json.dumps(first.get('score_settings'))}`.",
         "",
         "Each cell: measured tokens/pass / predicted (decoder replay, train/predict.py) / wall-clock "
         "speedup over plain in the same run. `confadapt` = thresholds calibrated to 99 % token agreement.",
@@ -168,8 +180,8 @@ def write_results(name: str, rows: list[dict], out: Path, spec: Path) -> Path:
         "",
         compare_markdown(compared),
         "",
-        "The training log's last prediction (own answers to held-out training prompts, thresholds calibrated on "
-        "them), against the same measurement:",
+        "The training log's last prediction (own answers to held-out training prompts, thresholds "
+        "calibrated on them), against the same measurement:",
         "",
         compare_markdown(during) if during else "(none logged)",
         "",

@@ -182,7 +182,8 @@ def run_variant(sweep: Sweep, variant: Variant, progress: bool = True) -> dict:
 def run_sweep(
     path: Path, results: Path | None = None, progress: bool = True, only: list[str] | None = None
 ) -> Path:
-    """Every variant of the sweep file (or those named in `only`), then the table and plot; the results folder."""
+    """Every variant of the sweep file (or those named in `only`), then the table and plot; the results
+    folder."""
     from mtplm.experiments.report import write_results
 
     sweep = load_sweep(path)

@@ -1,0 +1,100 @@
+"""The bench's records and their totals: one Record per prompt and mode, summed into a row per mode,
+compared prompt by prompt with the mode it is measured against (plain, or an outside baseline's own)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Record:
+    """One prompt decoded in one mode."""
+
+    source: str  # gsm8k | HumanEval | mtbench | sharegpt: structured vs open text
+    tokens: list[int]
+    seconds: float
+    accepted: list[int]  # tokens per forward pass (empty for HF generate: it does not say)
+    ttft_s: float | None
+    peak_rss_mb: float
+    scores: dict[str, float] = field(default_factory=dict)  # task metrics (tasks.score_example), 0 or 1 each
+    passes: int | None = None  # forward passes, for outside engines that report them without `accepted`
+
+
+def summarize(mode: str, records: list[Record], plain: list[Record]) -> dict:
+    """Totals over records (tokens/s = all tokens / all seconds), compared prompt by prompt with plain."""
+    tokens = sum(len(r.tokens) for r in records)
+    seconds = sum(r.seconds for r in records)
+    forwards = sum(len(r.accepted) if r.passes is None else r.passes for r in records)
+    plain_rate = sum(len(r.tokens) for r in plain) / max(1e-9, sum(r.seconds for r in plain))
+    ttfts = [r.ttft_s for r in records if r.ttft_s is not None]
+    return {
+        "mode": mode,
+        "prompts": len(records),
+        "tokens": tokens,
+        "tokens_per_s": tokens / max(seconds, 1e-9),
+        "speedup": tokens / max(seconds, 1e-9) / max(plain_rate, 1e-9),
+        "tokens_per_forward": tokens / forwards if forwards else None,
+        "ms_per_forward": 1000 * seconds / forwards if forwards else None,
+        "ttft_ms": 1000 * sum(ttfts) / len(ttfts) if ttfts else None,
+        "peak_rss_mb": max(r.peak_rss_mb for r in records),
+        "identical_outputs": sum(a.tokens == b.tokens for a, b in zip(records, plain, strict=False))
+        / len(plain),
+        "prefix_agreement": sum(
+            _common_prefix(a.tokens, b.tokens) / max(1, len(b.tokens))
+            for a, b in zip(records, plain, strict=False)
+        )
+        / len(plain),
+        "task_scores": _mean_scores(records),
+        "task_accuracy": _task_accuracy(records),
+    }
+
+
+def summarize_all(
+    records: dict[str, list[Record]], compared_with: dict[str, str]
+) -> tuple[list[dict], dict[str, list[dict]]]:
+    """A row per mode over every prompt, and the same rows per prompt source; each mode is compared with
+    `compared_with[mode]`, plain (`ntp`) where it names none."""
+    reference = {name: records[compared_with.get(name, "ntp")] for name in records}
+    rows = [summarize(name, recs, reference[name]) for name, recs in records.items()]
+    sources = sorted({r.source for r in records["ntp"]})
+    by_source = {
+        src: [
+            summarize(
+                name, [r for r in recs if r.source == src], [r for r in reference[name] if r.source == src]
+            )
+            for name, recs in records.items()
+        ]
+        for src in sources
+    }
+    return rows, by_source
+
+
+HEADLINE = ("gsm8k", "humaneval_first_try", "json", "sql")  # one pass/fail per scored record
+
+
+def _task_accuracy(records: list[Record]) -> float | None:
+    """Share of scored records that pass their task (GSM8K exact match, HumanEval first try, parses)."""
+    passed = [r.scores[key] for r in records for key in HEADLINE if key in r.scores]
+    return sum(passed) / len(passed) if passed else None
+
+
+def _mean_scores(records: list[Record]) -> dict[str, dict]:
+    """Per task metric: the mean over the records that have it, and how many those are."""
+    metrics = sorted({key for r in records for key in r.scores})
+    values = {key: [r.scores[key] for r in records if key in r.scores] for key in metrics}
+    return {key: {"mean": sum(v) / len(v), "n": len(v)} for key, v in values.items()}
+
+
+def histogram(accepted: list[int]) -> dict[int, float]:
+    """Share of forward passes that emitted each number of tokens."""
+    total = max(1, len(accepted))
+    return {n: accepted.count(n) / total for n in sorted(set(accepted))}
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
