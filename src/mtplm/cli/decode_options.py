@@ -1,0 +1,94 @@
+"""The decoding options of `mtplm generate` (mode, block sizes, drafting, sampling) and the DecodeConfig
+they make."""
+
+from __future__ import annotations
+
+import argparse
+
+from mtplm.config import DEFAULT_MODE, LOOKUP_TOKENS, DecodeConfig, parse_mode
+from mtplm.options import add_backend_argument, add_dtype_argument
+from mtplm.registry import CONFIDENCE, STRATEGIES, WINDOWS
+
+
+def add_decode_arguments(p: argparse.ArgumentParser) -> None:
+    d = DecodeConfig()
+    p.add_argument(
+        "--mode",
+        default=None,
+        help=f"{STRATEGIES.describe()} (default: {DEFAULT_MODE}, the fastest lossless mode measured)",
+    )
+    p.add_argument(
+        "--k", type=int, default=d.k, help="static mode: tokens per forward (default: %(default)s)"
+    )
+    p.add_argument(
+        "--k-max",
+        type=int,
+        default=None,
+        help="ConfAdapt block size / verified: most tokens per pass (default: the checkpoint's)",
+    )
+    p.add_argument(
+        "--drafting",
+        default=None,
+        help="verified: linear | quadratic | tree (top choices per depth, verified at once) | lookup "
+        "(drafts copied from the text alone) (default: linear with --mode, else lookup)",
+    )
+    p.add_argument(
+        "--tree-widths",
+        default=d.tree_widths,
+        help="tree drafting: candidates per depth from the top choices (default: %(default)s)",
+    )
+    p.add_argument(
+        "--lookup",
+        type=int,
+        default=d.lookup,
+        metavar="N",
+        help="verified: also draft up to N tokens copied from the prompt and answer so far (prompt "
+        f"lookup; greedy); --drafting lookup: those drafts alone, on any model (default N "
+        f"{LOOKUP_TOKENS}) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--window", default=d.window, help=f"verified: {WINDOWS.describe()} (default: %(default)s)"
+    )
+    p.add_argument(
+        "--tau", type=float, default=None, help="ConfAdapt threshold in (0, 1] (default: the checkpoint's)"
+    )
+    p.add_argument(
+        "--confidence", default=d.confidence, help=f"{CONFIDENCE.describe()} (default: %(default)s)"
+    )
+    p.add_argument(
+        "--backoff", action="store_true", help="shrink the block after repeated single-token steps"
+    )
+    p.add_argument(
+        "--temperature", type=float, default=d.temperature, help="0 = greedy (default: %(default)s)"
+    )
+    p.add_argument("--top-k", type=int, default=d.top_k)
+    p.add_argument("--top-p", type=float, default=d.top_p)
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--seed", type=int, default=d.seed)
+    add_dtype_argument(p)
+    add_backend_argument(p)
+
+
+def decode_config(args) -> DecodeConfig:
+    """The options as a DecodeConfig: no --mode and no --drafting decodes with DEFAULT_MODE; --drafting alone
+    means verified."""
+    default = parse_mode(DEFAULT_MODE)
+    mode = args.mode or ("verified" if args.drafting else default.mode)
+    drafting = args.drafting or (default.drafting if args.mode is None else DecodeConfig.drafting)
+    return DecodeConfig(
+        mode=mode,
+        k=args.k,
+        k_max=args.k_max,
+        tau=args.tau,
+        confidence=args.confidence,
+        backoff=args.backoff,
+        drafting=drafting,
+        tree_widths=args.tree_widths,
+        lookup=args.lookup,
+        window=args.window,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+    ).validate()
