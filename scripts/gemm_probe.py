@@ -1,4 +1,5 @@
-"""Few-row bf16 products at the memory bound (issue 29 item 1): one decode pass's GEMMs, timed per kernel path.
+"""Few-row bf16 products at the memory bound (issue 29 item 1): one decode pass's GEMMs, timed per kernel
+path.
 
 A chain with the shapes of one pass of a Llama-family model (default SmolLM2-135M: per layer the fused qkv
 [(H + 2 KVH) d, D], o [D, H d], gate/up [2 I, D] and down [D, I] products, the next input sliced from the
@@ -56,7 +57,8 @@ def chain(x: torch.Tensor, weights: list[torch.Tensor], product) -> torch.Tensor
 
 
 class Packed(nn.Module):
-    """The compiled backend's kernel: prepacked weights as buffers (graph inputs) through mtplm::packed_linear."""
+    """The compiled backend's kernel: prepacked weights as buffers (graph inputs) through
+    mtplm::packed_linear."""
 
     def __init__(self, plain: Chain) -> None:
         super().__init__()

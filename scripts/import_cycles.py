@@ -26,7 +26,8 @@ def modules(src: Path, package: str) -> dict[str, Path]:
 
 
 def _named(node: ast.Import | ast.ImportFrom, module: str, is_package: bool) -> list[str]:
-    """The dotted names one import statement may refer to (a `from` import: the module and each name in it)."""
+    """The dotted names one import statement may refer to (a `from` import: the module and each name in
+    it)."""
     if isinstance(node, ast.Import):
         return [alias.name for alias in node.names]
     base = node.module or ""

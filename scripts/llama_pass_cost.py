@@ -1,5 +1,6 @@
-"""llama-server's own pass cost: milliseconds of one pass that feeds n new rows behind a cached context, as its
-timings report them (`prompt_n`, `prompt_ms` of a request whose prompt extends the previous one by n tokens).
+"""llama-server's own pass cost: milliseconds of one pass that feeds n new rows behind a cached context, as
+its timings report them (`prompt_n`, `prompt_ms` of a request whose prompt extends the previous one by n
+tokens).
 
 A drafter's verification pass feeds 1 + drafts rows, so this curve, beside the bench's ms per pass of a
 drafted row (`mtplm bench --llama-server f16,f16+eagle3`), splits that pass into verification and drafting.
@@ -53,7 +54,8 @@ def main() -> None:
                 if timings.get("prompt_n") == n:
                     best[n] = min(best[n], timings["prompt_ms"])
     print(
-        f"{args.gguf.name}, {torch.get_num_threads()} threads, context {args.context}, best of {args.repeats}: "
+        f"{args.gguf.name}, {torch.get_num_threads()} threads, context {args.context}, "
+        f"best of {args.repeats}: "
         "ms per pass of n new rows (ratio to 1 row)"
     )
     print("  ".join(f"{n} rows {best[n]:.1f} ({best[n] / best[rows[0]]:.2f}x)" for n in rows))

@@ -7,7 +7,8 @@ and a PNG. Modes run in rounds, in alternating order, so slow drift on a shared 
 
     python scripts/load_test.py --start --clients 8 --modes ntp,static:4,confadapt,verified
     python scripts/load_test.py --url http://127.0.0.1:8000 --model smollm2-135m-mtp
-    python scripts/load_test.py --start --engine --clients 1 --modes ntp,verified:lookup   # beside the engine alone
+    # beside the engine alone:
+    python scripts/load_test.py --start --engine --clients 1 --modes ntp,verified:lookup
 
 --engine first runs the same workload on the batch engine in this process (scripts/load_engine.py), then
 the HTTP test, and reports each mode's server throughput over the engine's.
@@ -174,8 +175,9 @@ async def _run(args, url: str) -> dict:
             walls[mode] += time.perf_counter() - began
             records[mode] += [r for batch in batches for r in batch]
             done = [r for r in records[mode] if not r["error"]]
+            rate = sum(r["tokens"] for r in done) / walls[mode]
             print(
-                f"round {round_ + 1}/{args.rounds} {mode:>22}: {sum(r['tokens'] for r in done) / walls[mode]:6.1f} "
+                f"round {round_ + 1}/{args.rounds} {mode:>22}: {rate:6.1f} "
                 f"tok/s so far, {len(records[mode]) - len(done)} errors",
                 file=sys.stderr,
                 flush=True,

@@ -13,7 +13,8 @@ measured 1-row pass over that floor.
 
     python scripts/pass_cost.py --backends eager,compiled --batches 1,8 --rows 1,2,4,8,16
     python scripts/pass_cost.py --backends compiled --batches 1 --kinds mask --json runs/compiled-cost.json
-    python scripts/pass_cost.py --random-like scripts/gpu/smollm2-135m-config.json --device cuda   # (gpu_check.sh)
+    # (gpu_check.sh):
+    python scripts/pass_cost.py --random-like scripts/gpu/smollm2-135m-config.json --device cuda
 
 `--random-like CONFIG` times a model of that shape with random weights, a `<mtp>` row and rank-32 gated
 adapters (a pass's cost depends on shapes only), so a machine without the installed model can be measured.
@@ -54,7 +55,8 @@ def bandwidth(device: str, megabytes: int = 512, repeats: int = 5) -> float:
 
 
 def random_model(config_file: Path, dtype: str) -> MTPModel:
-    """A model of the shape `config_file` describes, random weights, with `<mtp>` and rank-32 gated adapters."""
+    """A model of the shape `config_file` describes, random weights, with `<mtp>` and rank-32 gated
+    adapters."""
     from tokenizers import Tokenizer, models
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -179,11 +181,15 @@ def main() -> None:
     rate = bandwidth(args.device)
     print(
         f"roofline: copy bandwidth {rate / 1e9:.1f} GB/s; "
-        + ", ".join(
-            f"{name} 1-row pass {1e3 * t:.1f} ms reads {read_bytes(model, name) / 1e6:.0f} MB of weights: floor "
-            f"{1e3 * read_bytes(model, name) / rate:.1f} ms, {t * rate / read_bytes(model, name):.2f}x the floor"
-            for name, t in one_row.items()
-        )
+        + ", ".join(roofline(name, t, read_bytes(model, name), rate) for name, t in one_row.items())
+    )
+
+
+def roofline(name: str, seconds: float, weight_bytes: int, rate: float) -> str:
+    """One backend's 1-row pass beside the time its weight reads take at copy bandwidth `rate` (bytes/s)."""
+    return (
+        f"{name} 1-row pass {1e3 * seconds:.1f} ms reads {weight_bytes / 1e6:.0f} MB of weights: floor "
+        f"{1e3 * weight_bytes / rate:.1f} ms, {seconds * rate / weight_bytes:.2f}x the floor"
     )
 
 

@@ -2,8 +2,9 @@
 calibrate ConfAdapt to 99 % token agreement, decode each mode, replay the same modes over the plain answers
 (train/predict.py), and put both beside the packed training estimate the checkpoint recorded.
 
-    python scripts/predicted_vs_measured.py smollm2-135m-mtp --prompts 16 --calibration 8 --max-new-tokens 96 \\
-        --modes verified,verified:linear:adaptive,verified:quadratic,confadapt --out docs/results/smollm2-135m-predictor
+    python scripts/predicted_vs_measured.py smollm2-135m-mtp --prompts 16 --calibration 8 \\
+        --max-new-tokens 96 --modes verified,verified:linear:adaptive,verified:quadratic,confadapt \\
+        --out docs/results/smollm2-135m-predictor
 """
 
 from __future__ import annotations
@@ -43,9 +44,9 @@ def report(result: dict, command: str) -> str:
     ]
     if packed.get("verified") and "verified" in measured:
         lines += [
-            f"The packed training estimate the checkpoint recorded said {packed['verified']:.2f} for verified "
-            f"decoding ({100 * (packed['verified'] / measured['verified'] - 1):+.0f} % against the measured "
-            f"{measured['verified']:.2f}).",
+            f"The packed training estimate the checkpoint recorded said {packed['verified']:.2f} "
+            f"for verified decoding ({100 * (packed['verified'] / measured['verified'] - 1):+.0f} % "
+            f"against the measured {measured['verified']:.2f}).",
             "",
         ]
     lines += [

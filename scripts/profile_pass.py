@@ -123,14 +123,12 @@ def profile(name: str, run, repeats: int) -> None:
     print(f"\n{name}: {wall:.2f} ms per pass under the profiler; ops account for {accounted:.2f} ms")
     for group, ms in sorted(groups.items(), key=lambda kv: -kv[1]):
         print(f"  {group:24s} {ms:7.2f} ms  {100 * ms / wall:5.1f} %")
-    print(
-        f"  {'python/dispatch (rest)':24s} {wall - accounted:7.2f} ms  {100 * (wall - accounted) / wall:5.1f} %"
-    )
+    rest = wall - accounted
+    print(f"  {'python/dispatch (rest)':24s} {rest:7.2f} ms  {100 * rest / wall:5.1f} %")
     print("  top ops (self ms per pass, calls per pass):")
     for event in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:12]:
-        print(
-            f"    {event.key[:60]:60s} {event.self_cpu_time_total / repeats / 1e3:7.2f}  {event.count // repeats}"
-        )
+        self_ms = event.self_cpu_time_total / repeats / 1e3
+        print(f"    {event.key[:60]:60s} {self_ms:7.2f}  {event.count // repeats}")
 
 
 def _group(key: str) -> str:
@@ -165,7 +163,8 @@ def main() -> None:
     layers, head = weight_bytes(model)
     floor = layers / gbps / 1e6
     print(
-        f"{args.model} {args.dtype}, batch {args.batch}, {args.rows} rows ({'mask' if args.mask_rows else 'plain'}), "
+        f"{args.model} {args.dtype}, batch {args.batch}, "
+        f"{args.rows} rows ({'mask' if args.mask_rows else 'plain'}), "
         f"context {args.context}, {args.threads} threads"
     )
     print(

@@ -112,7 +112,8 @@ def data_file(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def chain_checkpoint(base_dir, data_file, tmp_path_factory):
-    """A gated-LoRA conversion (k_max 4, 300 steps) of the tiny base: its mask slots have learned the language."""
+    """A gated-LoRA conversion (k_max 4, 300 steps) of the tiny base: its mask slots have learned the
+    language."""
     from synthetic import train_config
 
     from mtplm.train.trainer import train

@@ -51,7 +51,8 @@ class LiveServer:
         budget_gb: float = 0.0,
         max_body_bytes: int = 1 << 20,
     ) -> None:
-        # no load cap: the tests batch multi-token passes (mtplm serve's default caps them from 2 sequences on)
+        # no load cap: the tests batch multi-token passes (mtplm serve's default caps them from 2 sequences
+        # on)
         self.repository = build_repository([], repository_dir, "fp32", max_batch, budget_gb, None, "off")
         self.settings = Settings(
             api_key=api_key,

@@ -86,9 +86,9 @@ def train_config(base_dir: Path, data_file: Path, out: Path, **overrides):
 
 
 def second_token_check(model, prompt: list[int], sample_two, n: int = 3000) -> tuple[float, int]:
-    """Sampling exactness at temperature 1: the total-variation distance between the second sampled token over
-    seeds 0..n-1 (`sample_two(seed) -> (tokens, drafts kept)`) and its exact distribution sum_t1 p(t1) p(t2 | t1),
-    and how many drafts were kept in all."""
+    """Sampling exactness at temperature 1: the total-variation distance between the second sampled token
+    over seeds 0..n-1 (`sample_two(seed) -> (tokens, drafts kept)`) and its exact distribution
+    sum_t1 p(t1) p(t2 | t1), and how many drafts were kept in all."""
     vocab = model.hf.config.vocab_size
     with torch.no_grad():
         p1 = torch.softmax(model.logits(torch.tensor([prompt]))[0, -1], -1)

@@ -96,7 +96,8 @@ def test_stop_matcher_agrees_with_a_naive_search_for_any_split():
 def test_a_long_stop_string_is_matched_incrementally():
     """A 40,000-character stop string fed one character at a time: the held text grows with the partial
     match, drops to nothing when it breaks, and the match is found where it completes. (Each piece costs
-    O(piece) amortized, not O(L^2) as the old `endswith` over every prefix did; benchmarks, not tests, time it.)"""
+    O(piece) amortized, not O(L^2) as the old `endswith` over every prefix did; benchmarks, not tests, time
+    it.)"""
     from mtplm.text import StopMatcher
 
     stop = "ab" * 20_000

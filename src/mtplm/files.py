@@ -10,7 +10,8 @@ from pathlib import Path
 
 
 def home() -> Path:
-    """`$MTPLM_HOME`, or `~/.cache/mtplm`: installed models and data sets, GGUFs, llama.cpp, compile caches."""
+    """`$MTPLM_HOME`, or `~/.cache/mtplm`: installed models and data sets, GGUFs, llama.cpp, compile
+    caches."""
     return Path(os.environ.get("MTPLM_HOME") or Path.home() / ".cache" / "mtplm").expanduser()
 
 

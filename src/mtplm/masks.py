@@ -109,7 +109,8 @@ def pack(
 
 
 def _blocked_mask(q_block, q_slot, q_limit, k_block, k_slot, k_pos, dtype) -> torch.Tensor:
-    """Additive mask [B, 1, Q, T]: ground truth up to the query's limit, plus earlier slots of its own region."""
+    """Additive mask [B, 1, Q, T]: ground truth up to the query's limit, plus earlier slots of its own
+    region."""
     k_is_gt = (k_block == -1).unsqueeze(1)  # [B, 1, T]
     sees_gt = k_is_gt & (k_pos.unsqueeze(1) <= q_limit.unsqueeze(2))
     same_region = (k_block.unsqueeze(1) == q_block.unsqueeze(2)) & (q_block.unsqueeze(2) >= 0)

@@ -1,8 +1,8 @@
 """MTPModel: an unmodified Hugging Face causal LM plus one `<mtp>` mask token, optional adapters, metadata.
 
 The model adds the mask token, attaches adapters or heads, and runs the forward pass; `load_model` (also
-`MTPModel.load`) builds one from a checkpoint. The checkpoint files' formats are modelio.py's, which sits below
-this module and never imports it.
+`MTPModel.load`) builds one from a checkpoint. The checkpoint files' formats are modelio.py's, which sits
+below this module and never imports it.
 
 Shapes: B batch, S sequence (fed tokens), V vocabulary.
 """
@@ -48,11 +48,13 @@ class MTPModel:
     # ---- construction -------------------------------------------------------------------------
     @classmethod
     def load(cls, spec: str | os.PathLike, dtype: str = "fp32") -> MTPModel:
-        """A shipped checkpoint name, a converted checkpoint (full, delta or heads) or a base model: load_model."""
+        """A shipped checkpoint name, a converted checkpoint (full, delta or heads) or a base model:
+        load_model."""
         return load_model(spec, dtype)
 
     def add_mask_token(self, k_max: int, base_identity: dict, seed: int = 0) -> None:
-        """Add `<mtp>` with embedding (and untied LM-head) rows drawn from N(mean, cov) of the existing rows."""
+        """Add `<mtp>` with embedding (and untied LM-head) rows drawn from N(mean, cov) of the existing
+        rows."""
         tok = self.tokenizer
         if MASK_TOKEN not in tok.get_vocab():
             tok.add_special_tokens(
@@ -242,8 +244,9 @@ class MTPModel:
 
 
 def _sample_like_rows(rows: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One draw from N(mean, cov) of the given rows [N, D] (diagonal fallback if cov is not PD), made on the CPU
-    (the generator's device) whatever device the rows and the default device are: the same row everywhere."""
+    """One draw from N(mean, cov) of the given rows [N, D] (diagonal fallback if cov is not PD), made on the
+    CPU (the generator's device) whatever device the rows and the default device are: the same row
+    everywhere."""
     rows = rows.detach().to("cpu", torch.float64)
     mean = rows.mean(0)
     centered = rows - mean

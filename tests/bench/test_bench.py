@@ -1,4 +1,5 @@
-"""`mtplm bench` runs end to end on a tiny checkpoint and writes its report (it measures; it never asserts)."""
+"""`mtplm bench` runs end to end on a tiny checkpoint and writes its report (it measures; it never
+asserts)."""
 
 from __future__ import annotations
 

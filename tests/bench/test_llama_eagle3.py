@@ -1,6 +1,6 @@
-"""`mtplm export --format gguf-eagle3` and `--llama-server f16+eagle3`: bad input is one line and exit 2 (tiny
-models, always run); with llama.cpp installed, an eagle3 drafter on the real SmolLM2 converts, and llama-server
-drafting with it gives exactly llama-server's plain greedy token ids (slow)."""
+"""`mtplm export --format gguf-eagle3` and `--llama-server f16+eagle3`: bad input is one line and exit 2
+(tiny models, always run); with llama.cpp installed, an eagle3 drafter on the real SmolLM2 converts, and
+llama-server drafting with it gives exactly llama-server's plain greedy token ids (slow)."""
 
 from __future__ import annotations
 
@@ -158,11 +158,13 @@ def test_llama_server_with_our_drafter_is_plain_greedy(drafter_gguf):
     assert sum(t.get("draft_n", 0) for t in drafted.timings) > 0  # the drafter ran and was verified
 
 
-# ---- a Qwen2-architecture target (Qwen2.5 models): its llama.cpp graph must hand EAGLE-3 its layer inputs ----
+# ---- a Qwen2-architecture target (Qwen2.5 models) --------------------------------------------------------
+# its llama.cpp graph must hand EAGLE-3 its layer inputs
 @pytest.fixture(scope="module")
 def tiny_qwen2(tmp_path_factory) -> tuple[Path, Path]:
-    """A random 4-layer Qwen2ForCausalLM with the installed SmolLM2 tokenizer (a tokenizer llama.cpp's converter
-    knows); (its folder, its GGUF in f32, so that batched and single-row passes round alike at near ties)."""
+    """A random 4-layer Qwen2ForCausalLM with the installed SmolLM2 tokenizer (a tokenizer llama.cpp's
+    converter knows); (its folder, its GGUF in f32, so that batched and single-row passes round alike at
+    near ties)."""
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
@@ -193,26 +195,26 @@ def tiny_qwen2(tmp_path_factory) -> tuple[Path, Path]:
         "merges.txt",
         "special_tokens_map.json",
     ):
-        if (
-            BASE / name
-        ).is_file():  # copied as they are: the converter recognizes this tokenizer by its files
+        # copied as they are: the converter recognizes this tokenizer by its files
+        if (BASE / name).is_file():
             shutil.copy(BASE / name, out / name)
-    # transformers loads the tokenizer of any model_type "qwen2" folder as Qwen2Tokenizer (Qwen's pre-tokenizer),
-    # which the converter does not recognize on this vocabulary; it converts a copy whose config says "llama" to
-    # transformers, while the converter still builds the graph from `architectures` (Qwen2ForCausalLM: qwen2)
+    # transformers loads the tokenizer of any model_type "qwen2" folder as Qwen2Tokenizer (Qwen's
+    # pre-tokenizer), which the converter does not recognize on this vocabulary; it converts a copy whose
+    # config says "llama" to transformers, while the converter still builds the graph from `architectures`
+    # (Qwen2ForCausalLM: qwen2)
     copy = out.parent / "for-the-converter"
     shutil.copytree(out, copy)
     config = json.loads((copy / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
-    gguf = llamacpp.convert(
-        copy, out.parent / "target.gguf", "--outtype", "f32"
-    )  # f32: random logits lie close
+    # f32: random logits lie close
+    gguf = llamacpp.convert(copy, out.parent / "target.gguf", "--outtype", "f32")
     return out, gguf
 
 
 @pytest.mark.slow
 def test_a_qwen2_target_drafts_with_our_eagle3_drafter_in_llama_server(tiny_qwen2, tmp_path):
-    """Stock llama.cpp 11434 aborts here (its qwen2 graph records no layer inputs); the install patches that."""
+    """Stock llama.cpp 11434 aborts here (its qwen2 graph records no layer inputs); the install patches
+    that."""
     from gguf import GGUFReader
 
     base, target = tiny_qwen2

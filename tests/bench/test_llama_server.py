@@ -1,5 +1,6 @@
-"""`mtplm bench --llama-server`: variants, bad input, bounded startup (fake binaries, always run), and the real
-llama-server on the installed SmolLM2 (slow; skipped unless scripts/install_llama_server.sh and `mtplm setup` ran)."""
+"""`mtplm bench --llama-server`: variants, bad input, bounded startup (fake binaries, always run), and the
+real llama-server on the installed SmolLM2 (slow; skipped unless scripts/install_llama_server.sh and
+`mtplm setup` ran)."""
 
 from __future__ import annotations
 
@@ -120,7 +121,7 @@ def test_sigterm_to_a_command_stops_its_server_and_exits_with_one_line(tmp_path)
     assert not psutil.pid_exists(server_pid) or psutil.Process(server_pid).status() == psutil.STATUS_ZOMBIE
 
 
-# --- the real server on the installed SmolLM2 -------------------------------------------------------------------
+# --- the real server on the installed SmolLM2 ---------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -158,9 +159,9 @@ def test_greedy_decoding_of_token_ids_is_deterministic(prompts):
 
 @pytest.mark.slow
 def test_an_ngram_drafter_is_lossless_on_the_f16_gguf(prompts):
-    """At temperature 0, drafting changes the number of passes, never the tokens. Checked on the f16 GGUF: on the
-    Q4_1 GGUF a batched verification pass can break a near-tie differently from a 1-row pass (seen on 2 of 12
-    prompts, after 90+ identical tokens), so there the drafter is not exactly lossless."""
+    """At temperature 0, drafting changes the number of passes, never the tokens. Checked on the f16 GGUF: on
+    the Q4_1 GGUF a batched verification pass can break a near-tie differently from a 1-row pass (seen on 2
+    of 12 prompts, after 90+ identical tokens), so there the drafter is not exactly lossless."""
     gguf = f16_gguf(BASE)
     with (
         LlamaServer(gguf, threads=2, context=1024) as plain,
@@ -188,8 +189,9 @@ def test_a_real_server_on_a_bad_gguf_fails_fast_with_its_log(tmp_path, prompts):
 
 @pytest.mark.slow
 def test_self_generation_on_llama_server_caches_exactly_what_the_server_decodes(tmp_path, prompts):
-    """self_gen_engine=llama-server: the cached answers are the server's greedy decoding of each training prompt
-    (chat formatted, cut at the end of turn, decoded to text), and a second call reads the cache alone."""
+    """self_gen_engine=llama-server: the cached answers are the server's greedy decoding of each training
+    prompt (chat formatted, cut at the end of turn, decoded to text), and a second call reads the cache
+    alone."""
     from types import SimpleNamespace
 
     from transformers import AutoTokenizer

@@ -1,4 +1,5 @@
-"""The pass-cost curve: <mtp> passes and real-row passes, priced apart, and what a replay's speedup reads from it."""
+"""The pass-cost curve: <mtp> passes and real-row passes, priced apart, and what a replay's speedup reads
+from it."""
 
 from __future__ import annotations
 

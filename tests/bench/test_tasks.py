@@ -55,7 +55,8 @@ def test_gsm8k_right_answers(completion: str) -> None:
     [
         "16 - 3 - 4 = 9 eggs, 9 * 2 = 18. The answer is 17.",
         "#### 9",
-        "The answer is 18. Correction: she also sells 3 duck eggs, so the answer is 24.",  # the last explicit form
+        # the last explicit form counts
+        "The answer is 18. Correction: she also sells 3 duck eggs, so the answer is 24.",
         "I am not sure how to solve this.",
         "",
     ],
@@ -75,7 +76,10 @@ def test_gsm8k_number_normalisation() -> None:
 
 # ---- HumanEval -------------------------------------------------------------------------------------
 
-RIGHT_BODY = "    return any(abs(a - b) < threshold for i, a in enumerate(numbers) for j, b in enumerate(numbers) if i != j)\n"
+RIGHT_BODY = (
+    "    return any(abs(a - b) < threshold"
+    " for i, a in enumerate(numbers) for j, b in enumerate(numbers) if i != j)\n"
+)
 WRONG_BODY = "    return False\n"
 LOOPING_BODY = "    while True:\n        pass\n"
 RIGHT_FUNCTION = "def has_close_elements(numbers: List[float], threshold: float) -> bool:\n" + RIGHT_BODY

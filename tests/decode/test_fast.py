@@ -1,4 +1,5 @@
-"""The static-cache backend (decode/fast) against the eager reference (ragged.ragged_pass) on tiny random models.
+"""The static-cache backend (decode/fast) against the eager reference (ragged.ragged_pass) on tiny random
+models.
 
 Equivalence runs uncompiled (the same functions the compiled graphs trace; fast to test); one test
 compiles a few buckets to check that compiled == uncompiled and that the graph count stays bounded.
@@ -75,7 +76,8 @@ def tree(tokens: list[int], parents: tuple[int, ...], model: MTPModel | None = N
 def anchored(
     model: MTPModel, tokens: list[int], parents: tuple[int, ...], anchors: tuple[int, ...], slots: int
 ) -> Feed:
-    """A draft tree whose mask blocks follow only the `anchors` (a chain of mask drafts and a copied branch)."""
+    """A draft tree whose mask blocks follow only the `anchors` (a chain of mask drafts and a copied
+    branch)."""
     pending = len(tokens) - len(parents)
     return Feed(
         tokens + [model.mask_id] * (len(anchors) * slots),

@@ -1,4 +1,5 @@
-"""Prompt lookup: drafts copied from the text so far, alone or beside mask drafts; the output stays plain greedy."""
+"""Prompt lookup: drafts copied from the text so far, alone or beside mask drafts; the output stays plain
+greedy."""
 
 from __future__ import annotations
 
@@ -98,7 +99,8 @@ def test_lookup_beside_mask_drafts_is_plain_greedy_on_random_models(gated):
 
 
 def test_lookup_alone_decodes_a_base_model_on_every_backend(base_dir):
-    """A model without <mtp> slots: the copied drafts are its whole drafter, and the output is plain greedy."""
+    """A model without <mtp> slots: the copied drafts are its whole drafter, and the output is plain
+    greedy."""
     model = load_model(str(base_dir), "fp32")
     assert model.meta is None  # no <mtp> token, no heads
     cfg = parse_mode("verified:lookup")

@@ -188,7 +188,8 @@ def test_mask_slot_trees_are_plain_greedy(chain_checkpoint, widths):
 
 
 def test_a_mask_slot_tree_stays_within_the_row_budget(chain_checkpoint):
-    """Deep windows and wide trees: every pass feeds at most MAX_TREE_ROWS rows from its last pending token on."""
+    """Deep windows and wide trees: every pass feeds at most MAX_TREE_ROWS rows from its last pending token
+    on."""
     from mtplm.decode.backends import EagerBackend
     from mtplm.decode.verified import MAX_TREE_ROWS
 

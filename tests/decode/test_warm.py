@@ -1,4 +1,5 @@
-"""Compiles happen before anything is timed or served (decode/warm.py), on the compiled backend and a tiny model.
+"""Compiles happen before anything is timed or served (decode/warm.py), on the compiled backend and a tiny
+model.
 
 These compile real buckets (tens of seconds on two cores): the demo, the bench and a served request each
 check that nothing compiled where it would have been timed or waited for.

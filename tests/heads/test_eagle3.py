@@ -61,7 +61,8 @@ def test_unrolled_training_equals_incremental_drafting():
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_verified_decoding_with_an_untrained_eagle3_drafter_is_plain_greedy(seed):
-    """fp32: linear (fixed and adaptive windows) and tree drafting emit exactly the bare target's greedy tokens."""
+    """fp32: linear (fixed and adaptive windows) and tree drafting emit exactly the bare target's greedy
+    tokens."""
     model, base = _random_drafter_model(seed)
     for ids in ([1, 2, 3], [5, 9, 11, 40, 2, 17, 33]):
         plain = generate(base, ids, DecodeConfig(mode="ntp", max_new_tokens=32)).tokens
@@ -138,7 +139,8 @@ def deep_base_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def eagle3_checkpoint(deep_base_dir, data_file, tmp_path_factory) -> Path:
-    """An eagle3 drafter (K = 5: four drafting steps) trained 150 steps (about 10 s) on the frozen 4-layer base."""
+    """An eagle3 drafter (K = 5: four drafting steps) trained 150 steps (about 10 s) on the frozen 4-layer
+    base."""
     from synthetic import train_config
 
     from mtplm.train.trainer import train

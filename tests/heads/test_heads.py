@@ -93,7 +93,8 @@ def test_verified_decoding_with_heads_is_plain_greedy(heads_checkpoint):
 
 
 def test_untrained_heads_stay_lossless_and_lossy_modes_run(base_dir):
-    """Random (untrained, perturbed) heads draft mostly wrong tokens: verified output is still plain greedy."""
+    """Random (untrained, perturbed) heads draft mostly wrong tokens: verified output is still plain
+    greedy."""
     model = with_random_heads(base_dir, "sequential")
     ids = model.tokenizer("t1 t2 t3")["input_ids"]
     plain = generate(model, ids, DecodeConfig(mode="ntp", max_new_tokens=20)).tokens

@@ -132,7 +132,8 @@ def test_local_chat_completions_with_the_chat_template(server, base_dir, tasks):
         "hf", f"pretrained={base_dir},dtype=float32,device=cpu", ["chain_gen"], tasks, chat=True
     )
     print(
-        f"\nlm-eval chat chain_gen exact_match: served {served['results']['chain_gen']['exact_match,none']:.4f}, "
+        "\nlm-eval chat chain_gen exact_match: "
+        f"served {served['results']['chain_gen']['exact_match,none']:.4f}, "
         f"hf {local['results']['chain_gen']['exact_match,none']:.4f}"
     )
     assert (

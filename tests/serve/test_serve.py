@@ -155,13 +155,13 @@ def test_concurrent_requests_batch_and_match_sequential_answers(server, client):
         together = list(pool.map(ask, range(8)))
     assert together == alone
     metrics = httpx.get(f"{server.url}/metrics").text
-    value = lambda prefix: float(
-        next(line for line in metrics.splitlines() if line.startswith(prefix)).split()[-1]
-    )  # noqa: E731
+
+    def value(prefix: str) -> float:
+        return float(next(line for line in metrics.splitlines() if line.startswith(prefix)).split()[-1])
+
     single = value('mtplm_batch_sequences_bucket{le="1.0",model="chain"}')
-    assert single < value(
-        'mtplm_batch_sequences_count{model="chain"}'
-    )  # some passes decoded several sequences
+    # some passes decoded several sequences
+    assert single < value('mtplm_batch_sequences_count{model="chain"}')
 
 
 def test_stop_strings_cut_the_text_in_both_forms(client):
@@ -259,7 +259,8 @@ def test_bad_requests_get_openai_style_errors(client, request_args, status, need
 
 
 def test_a_base_model_serves_prompt_lookup_losslessly(client):
-    """verified:lookup needs no conversion: a base model decodes with copied drafts, and the text is plain greedy."""
+    """verified:lookup needs no conversion: a base model decodes with copied drafts, and the text is plain
+    greedy."""
     for i in range(3):
         args = dict(model="base", prompt=_prompt(i) * 2, max_tokens=24, temperature=0)
         plain = client.completions.create(**args, extra_body={"mode": "ntp"}).choices[0].text

@@ -163,7 +163,8 @@ def test_prefix_loss_needs_a_recipe_that_trains_the_real_rows():
         with pytest.raises(
             UserError, match="ntp_weight trains the real rows: use method=mask with trainable=lora"
         ):
-            ignored.validate()  # gated-lora (the default) and the heads' frozen trunk would silently ignore it
+            # gated-lora (the default) and the heads' frozen trunk would silently ignore it
+            ignored.validate()
     for fine in (
         TrainConfig(ntp_weight=0.1, trainable="lora"),
         TrainConfig(ntp_weight=0.1, trainable="full"),

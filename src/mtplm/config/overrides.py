@@ -26,7 +26,8 @@ def override(cfg, pairs: list[str]):
 
 
 def load_train_config(path: Path | None, pairs: list[str]) -> TrainConfig:
-    """TrainConfig defaults <- a TOML file (flat table of settings) <- key=value strings; unknown keys are errors."""
+    """TrainConfig defaults <- a TOML file (flat table of settings) <- key=value strings; unknown keys are
+    errors."""
     cfg = TrainConfig()
     if path is not None:
         try:

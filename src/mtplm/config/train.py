@@ -50,8 +50,8 @@ class TrainConfig:
     ground_truth_cache_gb: float = 8.0  # gated-lora: keep the texts' base KV in RAM up to this size
     region_width: int = 32  # packed layout (full / lora): tokens per region, ground truth + mask slots
     dtype: str = "bf16"  # bf16 | fp32 compute (trainable weights stay float32)
-    # one source (self:<prompt set> | sharegpt | gsm8k | humaneval | jsonl:<path> | text:<path>) or a mix of them
-    # with weights, e.g. self:mixed=0.3,sharegpt=0.5,gsm8k=0.2 (train/mix.py)
+    # one source (self:<prompt set> | sharegpt | gsm8k | humaneval | jsonl:<path> | text:<path>) or a mix
+    # of them with weights, e.g. self:mixed=0.3,sharegpt=0.5,gsm8k=0.2 (train/mix.py)
     data: str = "self:mixed"
     data_texts: int = 0  # distinct texts in the mix (0: self_gen_prompts)
     self_gen_prompts: int = 1200
@@ -159,7 +159,8 @@ LORA_GROUPS = {"all": DEFAULT_TARGETS, "attn": DEFAULT_TARGETS[:4], "mlp": DEFAU
 
 
 def lora_targets(spec: str) -> tuple[str, ...]:
-    """The projections a `lora_targets` setting names (all | attn | mlp | a comma list of projection names)."""
+    """The projections a `lora_targets` setting names (all | attn | mlp | a comma list of projection
+    names)."""
     names = LORA_GROUPS.get(spec.strip()) or tuple(n.strip() for n in spec.split(",") if n.strip())
     unknown = [n for n in names if n not in DEFAULT_TARGETS]
     if unknown or not names:

@@ -64,8 +64,9 @@ class Backend(Protocol):
 
     def run(self, start: int, feeds: Sequence[Feed], lengths: Sequence[int]) -> torch.Tensor:
         """Slots [start, start + len(feeds)) in one pass -> hidden states [b, Q, D]; sequence i's rows are
-        [i, :len(feeds[i].tokens)], the rest is padding. A model with feature layers (MTPModel.feature_layers)
-        gets [b, Q, D * (1 + layers)]: the final states, then the features (only the eager backend has them)."""
+        [i, :len(feeds[i].tokens)], the rest is padding. A model with feature layers
+        (MTPModel.feature_layers) gets [b, Q, D * (1 + layers)]: the final states, then the features (only
+        the eager backend has them)."""
         ...
 
     def kv(self, slot: int) -> KV: ...
@@ -79,7 +80,8 @@ class Backend(Protocol):
         ...
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM-head logits [..., V] in float32 of final hidden states [..., D], the <mtp> token never predicted."""
+        """LM-head logits [..., V] in float32 of final hidden states [..., D], the <mtp> token never
+        predicted."""
         ...
 
 
@@ -163,7 +165,8 @@ def describe(model: MTPModel, backend: Backend) -> DecodeModel:
     drafter, stop ids and thresholds.
 
     A drafter that reads inner layers (EAGLE-3) gets rows [final state | features] from the backend; the LM
-    head then reads the first D columns (a contiguous copy: the same values and the same GEMM as plain rows)."""
+    head then reads the first D columns (a contiguous copy: the same values and the same GEMM as plain
+    rows)."""
     thresholds = model.meta.decode_thresholds() if model.meta is not None else None
     mask_id = model.meta.mask_id if model.meta is not None else None
     drafter = model.new_drafter if model.heads is not None else None

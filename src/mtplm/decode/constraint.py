@@ -141,7 +141,8 @@ def compile(spec: Spec, tokenizer, stop_ids: Iterable[int]) -> Grammar:
         AttributeError,
     ) as exc:  # llguidance reads byte-level and sentencepiece kinds
         raise UserError(
-            f"{spec.name}: this model's tokenizer is not one the grammar engine can read ({_one_line(str(exc))})"
+            f"{spec.name}: this model's tokenizer is not one the grammar engine can read "
+            f"({_one_line(str(exc))})"
         ) from None
     grammar = Grammar(spec, engine_tokenizer, stops, len(tokenizer))
     with _LOCK:
@@ -298,9 +299,9 @@ class Constraint:
             self._mask = None
 
     def mask_chain(self, rows: torch.Tensor, prefix: Sequence[int]) -> torch.Tensor:
-        """rows [n, V] of a block that follows `prefix`, each masked by the grammar's state after the prefix and
-        the argmax tokens of the rows before it (the block's own greedy drafts); rows after a stop token, or
-        all rows when the grammar rejects the prefix, stay as they were. The state does not move."""
+        """rows [n, V] of a block that follows `prefix`, each masked by the grammar's state after the prefix
+        and the argmax tokens of the rows before it (the block's own greedy drafts); rows after a stop token,
+        or all rows when the grammar rejects the prefix, stay as they were. The state does not move."""
         consumed, out, root = 0, rows.clone(), self._mask
         try:
             for token in prefix:
@@ -340,9 +341,9 @@ class Constraint:
 class ConstrainedLogits(PassLogits):
     """A pass's logits under a constraint: each next-token row masked by the grammar's state after the
     committed text and the drafts on its path, so every strategy's target is the constrained distribution
-    (a row whose path the grammar rejects stays as it was: no strategy can reach it). A lossy strategy's block
-    is masked along its own greedy chain, so its slot tokens stay inside the grammar; the loop masks a drafting
-    strategy's block along the kept path and the chosen token (Constraint.mask_chain)."""
+    (a row whose path the grammar rejects stays as it was: no strategy can reach it). A lossy strategy's
+    block is masked along its own greedy chain, so its slot tokens stay inside the grammar; the loop masks a
+    drafting strategy's block along the kept path and the chosen token (Constraint.mask_chain)."""
 
     def __init__(self, constraint: Constraint, drafts: Sequence[int], *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

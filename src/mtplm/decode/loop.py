@@ -133,8 +133,8 @@ class Decoding:
         self.budget = min(left, self.cap or left)
         plan = self.strategy.plan(self.text, self.budget, self.last)
         # forced tokens (constraint.py) are taken when they run past the plan's drafts: drafts already start
-        # with them (a block is masked along its greedy chain) and the masked rows cannot reject them; a longer
-        # run is committed here (the strategy's drafts then trail it, and are verified and dropped)
+        # with them (a block is masked along its greedy chain) and the masked rows cannot reject them; a
+        # longer run is committed here (the strategy's drafts then trail it, and are verified and dropped)
         if self.constraint is not None and self.logprobs is None and self._forces_past(plan):
             taken = self._take_forced(self.budget - 1)
             if taken:  # plan again for the longer text

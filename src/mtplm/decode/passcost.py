@@ -99,7 +99,8 @@ def measure(
     backend=None,
 ) -> PassCost:
     """Time one pass per row count (best of `repeats`, row counts interleaved) on `model` (an MTPModel), on
-    `backend` if given (its slot 0 is overwritten; a compiled one keeps its compiled buckets), else a new one."""
+    `backend` if given (its slot 0 is overwritten; a compiled one keeps its compiled buckets), else a new
+    one."""
     from mtplm.decode.backends import make_backend
     from mtplm.decode.protocol import Feed
 

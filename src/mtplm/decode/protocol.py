@@ -71,9 +71,10 @@ class Drafter(Protocol):
     """One sequence's head drafter (a head-based model has one per sequence; medusa and sequential heads keep
     nothing between passes, an EAGLE-3 drafter keeps its own KV of the committed text).
 
-    `rows` [R, W] are this pass's rows that the committed text now ends with (its pending tokens, then the kept
-    drafts), at positions start .. start+R-1; `tokens` [R] is the token that follows each of them (the last one
-    is the token just chosen). W is D, or D plus the features the drafter reads (DecodeModel.head slices).
+    `rows` [R, W] are this pass's rows that the committed text now ends with (its pending tokens, then the
+    kept drafts), at positions start .. start+R-1; `tokens` [R] is the token that follows each of them (the
+    last one is the token just chosen). W is D, or D plus the features the drafter reads (DecodeModel.head
+    slices).
     """
 
     keeps_state: bool  # False: commit() does nothing, so callers need not build its arguments

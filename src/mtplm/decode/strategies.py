@@ -113,10 +113,10 @@ class ConfAdapt(_Block):
 
 
 class ConfidentVerified(Verified):
-    """ConfAdapt over verified drafting (lossy): a pass keeps the drafts the model confirms and its next token,
-    as Verified does, then emits, unverified, the new block's leading run that reaches ConfAdapt's thresholds.
-    The rest of the block, which ConfAdapt drops, stays as drafts the next pass verifies (with lookup, beside
-    copied ones), so only the confident run can differ from the model's own text."""
+    """ConfAdapt over verified drafting (lossy): a pass keeps the drafts the model confirms and its next
+    token, as Verified does, then emits, unverified, the new block's leading run that reaches ConfAdapt's
+    thresholds. The rest of the block, which ConfAdapt drops, stays as drafts the next pass verifies (with
+    lookup, beside copied ones), so only the confident run can differ from the model's own text."""
 
     def __init__(self, cfg: DecodeConfig, taus: list[float] | None = None) -> None:
         super().__init__(cfg)

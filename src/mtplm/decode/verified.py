@@ -128,7 +128,8 @@ class TreeVerified:
 
     Depth d offers the top tree_widths[d] tokens of block position d (1 beyond the list) under every node
     of depth d-1; one pass checks every node against its parent's next-token argmax and keeps the longest
-    agreeing path, whose KV the loop moves up and keeps (the backend's kv.keep_rows). The output is plain greedy.
+    agreeing path, whose KV the loop moves up and keeps (the backend's kv.keep_rows). The output is plain
+    greedy.
 
     The block comes from the heads, or from mask slots: then the pass also feeds a block after every node
     (step_layout), 1 + n + (n + 1) * depth rows for n nodes, so the tree is as deep as fits MAX_TREE_ROWS

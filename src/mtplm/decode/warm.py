@@ -89,8 +89,8 @@ def warm_up(
     fresh = len(set(todo) - set(getattr(backend, "compiled_buckets", {})))
     if fresh > 8:  # long enough to wonder about
         print(
-            f"mtplm: compiling {fresh} decode buckets{' for ' + what if what else ''} (reused from the compile "
-            f"cache where it has them)...",
+            f"mtplm: compiling {fresh} decode buckets{' for ' + what if what else ''} "
+            "(reused from the compile cache where it has them)...",
             file=sys.stderr,
             flush=True,
         )

@@ -38,7 +38,8 @@ def converter() -> Path:
 
 
 def convert(source: Path, out: Path, *options: str) -> Path:
-    """`convert_hf_to_gguf.py SOURCE OPTIONS --outfile OUT`, written to a temporary name and renamed into place."""
+    """`convert_hf_to_gguf.py SOURCE OPTIONS --outfile OUT`, written to a temporary name and renamed into
+    place."""
     script = converter()
     out.parent.mkdir(parents=True, exist_ok=True)
 

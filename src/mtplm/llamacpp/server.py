@@ -162,7 +162,8 @@ class LlamaServer:
             return "(no log)"
 
     def complete(self, ids: list[int], max_new_tokens: int, stops: list[int] | None = None) -> BaselineOutput:
-        """Greedy decoding of `ids` (prompt as token ids, no prompt cache); output cut after the first stop id."""
+        """Greedy decoding of `ids` (prompt as token ids, no prompt cache); output cut after the first stop
+        id."""
         body = {
             "prompt": list(ids),
             "n_predict": max_new_tokens,

@@ -1,4 +1,5 @@
-"""StaticBackend: the compiled decode pass with a preallocated KV store; a drop-in for RaggedCache + ragged_pass.
+"""StaticBackend: the compiled decode pass with a preallocated KV store; a drop-in for RaggedCache +
+ragged_pass.
 
 The store holds keys and values per layer as [S + 1, KVH, C, d]: slots 0 .. S-1 belong to sequences
 (the engine's slots), slot S is scratch that padded batch entries write to, so padding never touches
@@ -21,7 +22,8 @@ Inductor's compile cache lives under `$MTPLM_HOME/inductor` (unless TORCHINDUCTO
 so a second process reuses the generated kernels instead of recompiling them; inductor writes its
 cache entries atomically.
 
-Shapes: b sequences, Q fed rows, T key positions, D hidden, S slots, C capacity, KVH key/value heads, d head dim.
+Shapes: b sequences, Q fed rows, T key positions, D hidden, S slots, C capacity, KVH key/value heads,
+d head dim.
 """
 
 from __future__ import annotations

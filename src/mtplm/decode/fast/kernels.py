@@ -93,7 +93,8 @@ def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.
 
 
 def dequantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
-    """What quantize_int4's output stands for, [M, K] in weight's dtype (the reference the tests compare with)."""
+    """What quantize_int4's output stands for, [M, K] in weight's dtype (the reference the tests compare
+    with)."""
     m, k = weight.shape
     groups = weight.detach().float().view(m, k // group, group)
     low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)

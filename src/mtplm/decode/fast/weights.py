@@ -76,7 +76,8 @@ class FastWeights(nn.Module):
         hf = model.hf
         self.shape = check_supported(model)
         on_cpu = hf.get_input_embeddings().weight.device.type == "cpu"
-        # where bf16 prepacking pays: the LM head always (int8 kernels read it slower), projections unless int8
+        # where bf16 prepacking pays: the LM head always (int8 kernels read it slower), projections
+        # unless int8
         self.pack_head = on_cpu and (prepack_default(model.dtype) if prepack is None else prepack)
         self.prepacked = self.pack_head and not kind
         if (self.prepacked or kind) and not fuse:
