@@ -165,8 +165,8 @@ def _graceful_server(config, repository: Repository, grace_s: float):
             waiting, started = repository.in_flight, time.monotonic()
             if waiting:
                 say(
-                    f"shutting down: refusing new requests; waiting up to {grace_s:g} s for {waiting} in-flight "
-                    f"request{'s' * (waiting != 1)} to finish (signal again to stop at once)"
+                    f"shutting down: refusing new requests; waiting up to {grace_s:g} s for {waiting} "
+                    f"in-flight request{'s' * (waiting != 1)} to finish (signal again to stop at once)"
                 )
             else:
                 say("shutting down: no requests in flight")
@@ -200,8 +200,8 @@ def _check_exposure(host: str, settings: Settings) -> None:
         loopback = host == "localhost"
     if not loopback and settings.api_key is None:
         print(
-            f"mtplm: warning: serving on {host} without an API key: anyone who can reach this port can use it "
-            "(set --api-key or MTPLM_API_KEY)",
+            f"mtplm: warning: serving on {host} without an API key: anyone who can reach this port can "
+            "use it (set --api-key or MTPLM_API_KEY)",
             file=sys.stderr,
         )
 

@@ -22,7 +22,13 @@ def endpoint_label(path: str) -> str:
 
 class Metrics:
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry()
+        self._define_requests(self.registry)
+        self._define_tokens(self.registry)
+        self._define_passes(self.registry)
+
+    def _define_requests(self, r: CollectorRegistry) -> None:
+        """What clients see: requests answered, their latency and time to first token."""
         self.requests = Counter(
             "mtplm_requests", "HTTP requests answered", ["endpoint", "model", "status"], registry=r
         )
@@ -40,6 +46,9 @@ class Metrics:
             buckets=LATENCY,
             registry=r,
         )
+
+    def _define_tokens(self, r: CollectorRegistry) -> None:
+        """What each sequence got from its passes, by decoding mode: tokens, drafts and acceptance."""
         self.tokens = Counter("mtplm_generated_tokens", "tokens generated", ["model", "mode"], registry=r)
         self.sequence_passes = Counter(
             "mtplm_sequence_passes",
@@ -63,6 +72,9 @@ class Metrics:
             ["model", "mode"],
             registry=r,
         )
+
+    def _define_passes(self, r: CollectorRegistry) -> None:
+        """What the engines did: forward passes, their time and batches, queues and loaded models."""
         self.passes = Counter("mtplm_forward_passes", "engine forward passes", ["model", "kind"], registry=r)
         self.pass_seconds = Histogram(
             "mtplm_forward_pass_seconds",

@@ -194,7 +194,7 @@ def renamed() -> Iterator[None]:
 
 # ---- the reply -----------------------------------------------------------------------------------
 class Rendering:
-    """One request's Response object and stream events (app._respond calls body / events)."""
+    """One request's Response object and stream events (reply.respond calls body / events)."""
 
     def __init__(self, req: ResponsesRequest) -> None:
         self.req, self.ignored = req, req.ignored_fields()

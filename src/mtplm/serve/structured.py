@@ -129,7 +129,7 @@ def compile_request(spec: Spec | None, tokenizer, stop_ids) -> Grammar | None:
 
 
 def request_grammar(req, tokenizer, stop_ids) -> tuple[Grammar | None, list[str]]:
-    """A request's compiled constraint, and the tool names whose calls its reply parses (serve/app.py)."""
+    """A request's compiled constraint, and the tool names whose calls its reply parses (serve/reply.py)."""
     template = getattr(tokenizer, "chat_template", None)
     names: list[str] = []
     if getattr(req, "tools", None):
