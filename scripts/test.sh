@@ -18,6 +18,7 @@ if [ -z "${MTPLM_NO_LLAMA_SERVER:-}" ]; then
     bash scripts/install_llama_server.sh || echo "llama-server not installed: its tests will skip"
 fi
 .venv/bin/ruff check src tests scripts
+.venv/bin/ruff format --check src tests scripts
 .venv/bin/mypy
 .venv/bin/python scripts/check_sizes.py
 # the layers ([tool.importlinter] in pyproject.toml), and no import cycle among mtplm's modules with imports
