@@ -84,6 +84,7 @@ def save_progress(
 
 
 def describe_val(step: int, val: dict, tau: float) -> str:
+    """A validation as the line the run prints."""
     agree = " ".join(f"{a:.2f}" for a in val["agreement"][:6])
     conf = " ".join(f"{c:.2f}" for c in val["confidence"][:6])
     return (
