@@ -9,12 +9,12 @@ decoder layers, low / middle / high: `feature_layers`, concatenated) and the emb
     out    = y + mlp(post_attention_layernorm(y))             the layer's output, before the final norm
     logits = lm_head(norm(out))                               over the draft vocabulary (N tokens)
 
-and predicts token t+2. Drafting step j >= 1 replaces g by the drafter's own `out` of step j-1 and the token by
-step j-1's draft, one position further on; its query sees the committed rows' keys and the keys of its own
+and predicts token t+2. Drafting step j >= 1 replaces g by the drafter's own `out` of step j-1 and the token
+by step j-1's draft, one position further on; its query sees the committed rows' keys and the keys of its own
 chain's earlier steps. Training unrolls exactly that ("training-time test", `unroll`): step j at row t attends
 to step 0's keys at rows <= t and to its chain's keys (steps 1..j at row t). In decoding each sequence keeps
-the keys of its committed rows in its own small cache (`Eagle3Sequence`); a chain's keys sit past them and
-are overwritten by the next pass.
+the keys of its committed rows in its own small cache (`Eagle3Sequence`); a chain's keys sit past them and are
+overwritten by the next pass.
 
 Parameter names are speculators' (Eagle3Speculator: fc, layers.0.*, norm, lm_head), so export.py writes the
 state dict as it is. The draft vocabulary: d2t[i] is an offset (target id = i + d2t[i]), t2d a mask over the
@@ -58,8 +58,9 @@ def attend(
     allowed: torch.Tensor,
     own: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
-    """Attention of q [B, H, Q, d] over keys/values [B, G, S, d] where allowed [B, Q, S], plus each query row's
-    own extra keys (`own`: per chain step, [B, G, Q, d] each, key i of row r seen by row r only). [B, H, Q, d]."""
+    """Attention of q [B, H, Q, d] over keys/values [B, G, S, d] where allowed [B, Q, S], plus each query
+    row's own extra keys (`own`: per chain step, [B, G, Q, d] each, key i of row r seen by row r only).
+    [B, H, Q, d]."""
     repeat = q.shape[1] // keys.shape[1]  # grouped-query attention: G heads serve H
     keys, values = keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1)
     scale = q.shape[-1] ** -0.5
@@ -107,7 +108,8 @@ class MLP(nn.Module):
 
 
 class Layer(nn.Module):
-    """The one decoder layer; speculators' names (layers.0.input_layernorm, .hidden_norm, .self_attn.*, ...)."""
+    """The one decoder layer; speculators' names (layers.0.input_layernorm, .hidden_norm, .self_attn.*,
+    ...)."""
 
     def __init__(
         self, dim: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, eps: float
@@ -124,7 +126,8 @@ class Layer(nn.Module):
         return self.self_attn.project(x, positions, theta)
 
     def finish(self, g: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """The layer's output [B, R, D] from the attention's [B, H, R, d]; the residual is g (raw, not normed)."""
+        """The layer's output [B, R, D] from the attention's [B, H, R, d]; the residual is g (raw, not
+        normed)."""
         y = g + self.self_attn.o_proj(attended.transpose(1, 2).flatten(2))
         return y + self.mlp(self.post_attention_layernorm(y))
 
@@ -215,10 +218,12 @@ class Eagle3Drafter(nn.Module):
     def unroll(
         self, features: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor, steps: int, embed
     ) -> list[torch.Tensor]:
-        """Training: the layer outputs [B, T, D] of drafting steps 0..steps-1 at every row (training-time test).
+        """Training: the layer outputs [B, T, D] of drafting steps 0..steps-1 at every row (training-time
+        test).
 
-        features [B, T, 3D] of the text, tokens [B, T]; step j at row t reads token t+1+j (the text's; past the
-        end, the last token) and step j-1's output, at position t+j; `embed` maps ids to [.., D] embeddings.
+        features [B, T, 3D] of the text, tokens [B, T]; step j at row t reads token t+1+j (the text's; past
+        the end, the last token) and step j-1's output, at position t+j; `embed` maps ids to [.., D]
+        embeddings.
         """
         width = tokens.shape[1]
         rows = torch.arange(width)
@@ -242,7 +247,8 @@ class Eagle3Drafter(nn.Module):
         return outs
 
     def drafter(self, embed: nn.Module, lm_head=None) -> Eagle3Sequence:
-        """A sequence's drafter (decode.protocol.Drafter) with its own KV cache; the target's LM head is unused."""
+        """A sequence's drafter (decode.protocol.Drafter) with its own KV cache; the target's LM head is
+        unused."""
         return Eagle3Sequence(self, embed)
 
 
@@ -332,13 +338,15 @@ def resolve_layers(spec: str, num_layers: int) -> list[int]:
 
 
 def draft_vocabulary(counts: torch.Tensor, size: int) -> list[int]:
-    """The `size` most frequent target ids (ties and unused ids by lowest id), ascending (speculators' rule)."""
+    """The `size` most frequent target ids (ties and unused ids by lowest id), ascending (speculators'
+    rule)."""
     order = sorted(range(len(counts)), key=lambda i: (-int(counts[i]), i))
     return sorted(order[:size])
 
 
 def for_target(hf, k: int, layers: list[int], draft_ids: list[int]) -> Eagle3Drafter:
-    """A drafter shaped like one decoder layer of the target `hf`, its LM head and final norm copied from it."""
+    """A drafter shaped like one decoder layer of the target `hf`, its LM head and final norm copied from
+    it."""
     config = hf.config
     heads = config.num_attention_heads
     rope = getattr(config, "rope_parameters", None) or {}

@@ -1,6 +1,6 @@
 """Training an EAGLE-3 drafter on a frozen target (`mtplm train method=heads head_form=eagle3`).
 
-Like the other head forms it learns from cached target states (heads.train.trunk_states), here with the
+Like the other head forms it learns from cached target states (heads.trunk.trunk_states), here with the
 inputs of the three feature layers cached beside the final states, and it trains on whole rows (its
 attention reads every earlier row). The draft vocabulary is fixed first: the `draft_vocab` target tokens that
 the training labels use most (heads.eagle3.draft_vocabulary).
@@ -24,7 +24,8 @@ from mtplm.config import TrainConfig
 from mtplm.errors import UserError
 from mtplm.heads.eagle3 import Eagle3Drafter, draft_vocabulary, for_target, resolve_layers
 from mtplm.heads.forms import head_weights
-from mtplm.heads.train import HeadBatch, TrunkRow, train_heads
+from mtplm.heads.train import train_heads
+from mtplm.heads.trunk import HeadBatch, TrunkRow
 from mtplm.model import MTPModel
 from mtplm.registry import HEAD_TRAINERS
 
@@ -87,8 +88,8 @@ class Eagle3Trainer:
 
     @torch.no_grad()
     def validate(self, batches: list[HeadBatch]) -> dict:
-        """Per-depth top-1 agreement with the target's greedy token (depth k = drafting step k-2, chained on its
-        own states), and the verified-decoding estimate: 1 + the leading run of right depths, per row."""
+        """Per-depth top-1 agreement with the target's greedy token (depth k = drafting step k-2, chained on
+        its own states), and the verified-decoding estimate: 1 + the leading run of right depths, per row."""
         k_max = self.drafter.k
         right: list[list[torch.Tensor]] = [[] for _ in range(k_max + 1)]
         runs = []
@@ -109,7 +110,8 @@ class Eagle3Trainer:
 
 
 class Eagle3Training:
-    """heads.train.train_heads' hooks for EAGLE-3: cache the feature layers, whole rows, the draft vocabulary."""
+    """heads.train.train_heads' hooks for EAGLE-3: cache the feature layers, whole rows, the draft
+    vocabulary."""
 
     windows = False
 

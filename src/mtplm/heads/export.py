@@ -5,9 +5,9 @@ medusa  vLLM's Medusa draft-model layout (`--speculative-config` method "medusa"
         and `model.safetensors` with `blocks.{i}.layers.0.weight|bias` for Medusa head i (our head i + 2,
         token t+i+2) and `lm_heads.0.weight`, the base model's own LM head, which every head shares.
 eagle3  the speculators format (Eagle3Speculator, speculators 0.9): what vLLM loads with method "eagle3" and
-        llama.cpp's convert_hf_to_gguf.py turns into a draft-eagle3 GGUF (with --target-model-dir). `config.json`
-        holds speculators_model_type "eagle3", speculators_config (greedy proposals of K-1 tokens, the
-        verifier), transformer_layer_config (a one-layer Llama config: sizes, heads, rope, eps),
+        llama.cpp's convert_hf_to_gguf.py turns into a draft-eagle3 GGUF (with --target-model-dir).
+        `config.json` holds speculators_model_type "eagle3", speculators_config (greedy proposals of K-1
+        tokens, the verifier), transformer_layer_config (a one-layer Llama config: sizes, heads, rope, eps),
         draft_vocab_size, target_hidden_size, eagle_aux_hidden_state_layer_ids and the norm flags (all false:
         vLLM's default for a missing norm_before_residual is true); `model.safetensors` holds the drafter's
         state dict under speculators' names (fc.weight, layers.0.*, norm.weight, lm_head.weight) plus d2t
@@ -151,7 +151,8 @@ def export_gguf_eagle3(
 
 
 def check_target(target: Path, settings: dict) -> None:
-    """UserError unless `target` is an HF model directory the drafter described by `settings` was built for."""
+    """UserError unless `target` is an HF model directory the drafter described by `settings` was built
+    for."""
     try:
         config = json.loads((target / "config.json").read_text())
     except (OSError, ValueError) as exc:

@@ -48,7 +48,8 @@ class ResidualBlock(nn.Module):
 
 
 class Depth(nn.Module):
-    """One DeepSeek-style module: projection of [norm(x); norm(emb)] -> one transformer block (identity at init)."""
+    """One DeepSeek-style module: projection of [norm(x); norm(emb)] -> one transformer block (identity at
+    init)."""
 
     def __init__(self, dim: int, intermediate: int) -> None:
         super().__init__()

@@ -1,9 +1,9 @@
 """Training head-based MTP on a frozen trunk (doc 002; `mtplm train method=heads`).
 
 The trunk never changes, so its final hidden states for the training text are computed once
-(`trunk_states`) and every step trains only the heads on them: the cost per step is the heads and
-the LM-head softmaxes, not the model. Drafting stays lossless because the trunk and LM head are the
-base model's.
+(`trunk_states`, heads/trunk.py) and every step trains only the heads on them: the cost per step is the
+heads and the LM-head softmaxes, not the model. Drafting stays lossless because the trunk and LM head are
+the base model's.
 
 Per step (`HeadTrainer.step`):
   loss = sum_k alpha_k * CE_k  (+ lambda * consistency), heads k = 2..K, with
@@ -22,10 +22,8 @@ Per step (`HeadTrainer.step`):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,115 +32,16 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from mtplm.config import TrainConfig, as_dict
-from mtplm.files import atomic_file, home
+from mtplm.files import home
 from mtplm.heads.forms import Heads, head_lr_scale, head_weights
 from mtplm.heads.resume import Loop, restore, save, saved_state
+from mtplm.heads.trunk import HeadBatch, TrunkRow, trunk_states
 from mtplm.model import MTPModel
 from mtplm.registry import HEAD_TRAINERS
 from mtplm.train.checkpoint import ComputeClock, MetricsLog
-from mtplm.train.data import Sample, row_ids
 
-
-@dataclass(frozen=True)
-class TrunkRow:
-    hidden: torch.Tensor  # [L, D] final-norm hidden states of the frozen trunk
-    tokens: torch.Tensor  # [L]
-    greedy: torch.Tensor  # [L] the trunk's own greedy next token at each row
-    start: int  # first row whose next token is part of the response
-    features: torch.Tensor | None = None  # [L, 3D] the inputs of the drafter's feature layers (EAGLE-3)
-
-    def window(self, rows: int, k: int, rng: random.Random) -> TrunkRow:
-        """`rows` consecutive response rows (plus the k tokens their heads look ahead to), at random."""
-        if not rows or len(self.tokens) - self.start <= rows + k:
-            return self
-        a = rng.randrange(self.start, len(self.tokens) - rows - k + 1)
-        b = a + rows + k
-        features = self.features[a:b] if self.features is not None else None
-        return TrunkRow(self.hidden[a:b], self.tokens[a:b], self.greedy[a:b], 0, features)
-
-
-@torch.inference_mode()
-def trunk_states(
-    model: MTPModel,
-    samples: list[Sample],
-    seq_len: int,
-    progress: bool = True,
-    cache: Path | None = None,
-    layers: tuple[int, ...] = (),
-) -> list[TrunkRow]:
-    """One frozen-trunk forward per sample, kept for every epoch (hidden states in the model's dtype).
-
-    With `layers`, each row also keeps the inputs of those decoder layers, concatenated (`features`; EAGLE-3).
-    With `cache`, the states are stored under a key of the model, dtype, samples, seq_len (and layers), and
-    reused by later runs on the same text (an ablation trains many heads on one trunk).
-    """
-    path = None
-    if cache is not None:
-        key = hashlib.sha256(
-            json.dumps(
-                [
-                    model.meta_key(),
-                    str(model.dtype),
-                    seq_len,
-                    [(s.prompt_ids, s.response_ids) for s in samples],
-                ]
-                + ([list(layers)] if layers else [])
-            ).encode()
-        )
-        path = cache / f"trunk-{key.hexdigest()[:16]}.pt"
-        if path.is_file():
-            return [TrunkRow(**row) for row in torch.load(path)]
-    rows = []
-    for sample in tqdm(samples, desc="trunk states", unit="text", disable=not progress):
-        ids, prompt_len = row_ids(sample, seq_len)
-        states = model.decoder_states(torch.tensor([ids]), layers=layers)[0]  # [L, D * (1 + len(layers))]
-        hidden = states[:, : states.shape[1] // (1 + len(layers))]
-        features = states[:, hidden.shape[1] :].clone() if layers else None
-        greedy = torch.cat([model.head(chunk).argmax(-1) for chunk in hidden.split(256)])
-        rows.append(TrunkRow(hidden.clone(), torch.tensor(ids), greedy, max(0, prompt_len - 1), features))
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_file(path, lambda tmp: torch.save([vars(row) for row in rows], tmp))
-    return rows
-
-
-@dataclass(frozen=True)
-class HeadBatch:
-    hidden: torch.Tensor  # [B, T, D] float32
-    tokens: torch.Tensor  # [B, T]
-    greedy: torch.Tensor  # [B, T]
-    rows: torch.Tensor  # [B, T] bool: a response row (start <= t < length)
-    lengths: torch.Tensor  # [B]
-    features: torch.Tensor | None = None  # [B, T, 3D] float32 (EAGLE-3)
-
-    @classmethod
-    def of(cls, rows: list[TrunkRow]) -> HeadBatch:
-        width, dim = max(len(r.tokens) for r in rows), rows[0].hidden.shape[-1]
-        hidden = torch.zeros(len(rows), width, dim)
-        tokens = torch.zeros(len(rows), width, dtype=torch.long)
-        greedy = torch.zeros_like(tokens)
-        first = rows[0].features
-        features = torch.zeros(len(rows), width, first.shape[-1]) if first is not None else None
-        for i, r in enumerate(rows):
-            n = len(r.tokens)
-            hidden[i, :n], tokens[i, :n], greedy[i, :n] = r.hidden.float(), r.tokens, r.greedy
-            tokens[i, n:] = r.tokens[-1]
-            if features is not None and r.features is not None:
-                features[i, :n] = r.features.float()
-        t = torch.arange(width)
-        lengths = torch.tensor([len(r.tokens) for r in rows])
-        starts = torch.tensor([r.start for r in rows])
-        return cls(hidden, tokens, greedy, (t >= starts[:, None]) & (t < lengths[:, None]), lengths, features)
-
-    def valid(self, k: int) -> torch.Tensor:
-        """[B, T]: rows where head k has a target (token t+k exists)."""
-        return self.rows & (torch.arange(self.tokens.shape[1]) + k < self.lengths[:, None])
-
-    def targets(self, k: int, objective: str) -> torch.Tensor:
-        """[B, T] token t+k: the trunk's greedy choice at row t+k-1, or the text's token."""
-        source = self.tokens if objective == "ground-truth" else self.greedy
-        shift = k if objective == "ground-truth" else k - 1
-        return torch.cat([source[:, shift:], source[:, -1:].expand(-1, shift)], 1)
+# TrunkRow, HeadBatch and trunk_states live in heads/trunk.py; re-exported: the tests import them from here
+__all__ = ["BlockTraining", "HeadBatch", "HeadTrainer", "TrunkRow", "train_heads", "trunk_states"]
 
 
 class HeadTrainer:
@@ -359,8 +258,9 @@ def _fit(
     progress: bool,
     state: dict | None = None,
 ) -> dict:
-    """`cfg.steps` updates over shuffled batches (windows of `window` rows, 0 = whole rows); the last validation.
-    Saves out/train_state every `save_every` steps and when a SIGTERM / SIGINT stops it; `state` continues one."""
+    """`cfg.steps` updates over shuffled batches (windows of `window` rows, 0 = whole rows); the last
+    validation. Saves out/train_state every `save_every` steps and when a SIGTERM / SIGINT stops it; `state`
+    continues one."""
     from mtplm.train import checkpoint
 
     loop = Loop(list(range(len(train_rows))), len(train_rows), random.Random(cfg.seed))

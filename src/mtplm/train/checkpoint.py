@@ -142,7 +142,8 @@ def write_train_state(run_dir: Path, cfg: TrainConfig, state: dict, summary: dic
 
 def find_train_state(cfg: TrainConfig) -> Path | None:
     """The state `cfg.resume` names: '' none; auto/true <out>/train_state if there is one (else a fresh
-    start, so a preemptible job can always pass --resume); anything else a train_state folder that must exist."""
+    start, so a preemptible job can always pass --resume); anything else a train_state folder that must
+    exist."""
     if not cfg.resume:
         return None
     if cfg.resume.lower() in ("auto", "true"):

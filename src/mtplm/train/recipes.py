@@ -1,4 +1,5 @@
-"""Trainable variants: what `trainable=` decides, one small recipe object per variant (the TRAINABLE registry).
+"""Trainable variants: what `trainable=` decides, one small recipe object per variant (the TRAINABLE
+registry).
 
 A recipe says which weights train (`attach`), who the teacher is (`teacher`), how regions are drawn and which
 slot layout runs (`draw_regions`, `slots`, slots.py), whether the forward runs under autocast, the dtype the
@@ -66,7 +67,8 @@ class Recipe:
         return self.cfg.dtype
 
     def attach(self, model: MTPModel) -> list[nn.Parameter]:
-        """Make `model` trainable the recipe's way; the parameters that train (the caller freezes the rest)."""
+        """Make `model` trainable the recipe's way; the parameters that train (the caller freezes the
+        rest)."""
         raise NotImplementedError
 
     def shard(self, world: World) -> None:
@@ -201,7 +203,8 @@ class LoRA(Packed):
 
 @TRAINABLE.register("full", "every weight (packed layout); a frozen copy is the teacher")
 class Full(Packed):
-    """fp32 master weights (bf16 compute under autocast); the teacher is a frozen copy in the compute dtype."""
+    """fp32 master weights (bf16 compute under autocast); the teacher is a frozen copy in the compute
+    dtype."""
 
     def __init__(self, cfg: TrainConfig) -> None:
         super().__init__(cfg)

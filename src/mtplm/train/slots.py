@@ -69,9 +69,10 @@ class GroundTruthStore:
         length = batch.ids.shape[1]
         assert batch.indices is not None, "a cached-slots batch names its samples (collate(indices=...))"
         states = [self.states[int(i)] for i in batch.indices]
-        pad = lambda t, dim: torch.nn.functional.pad(
-            t, [0, 0] * (t.dim() - dim - 1) + [0, length - t.shape[dim]]
-        )  # noqa: E731
+
+        def pad(t: torch.Tensor, dim: int) -> torch.Tensor:  # right-pads dimension `dim` to `length`
+            return torch.nn.functional.pad(t, [0, 0] * (t.dim() - dim - 1) + [0, length - t.shape[dim]])
+
         layers = [
             (
                 torch.cat([pad(s.layers[n][0], 2) for s in states]),

@@ -90,8 +90,9 @@ def _prompt(tokenizer, example, cfg) -> list[int]:
 
 @contextmanager
 def _answerer(hf_model, tokenizer, cfg) -> Iterator:
-    """(answer(chunk) -> greedy answer texts, chunk size) for the configured engine (cfg.self_gen_engine). The
-    server is sent 8 batches at a time, so its slots refill as answers end instead of waiting for the longest."""
+    """(answer(chunk) -> greedy answer texts, chunk size) for the configured engine (cfg.self_gen_engine).
+    The server is sent 8 batches at a time, so its slots refill as answers end instead of waiting for the
+    longest."""
     if cfg.self_gen_engine == "hf":
         yield (lambda chunk: _answer(hf_model, tokenizer, chunk, cfg)), cfg.self_gen_batch
         return
