@@ -32,7 +32,7 @@ MAX_LOGPROBS = 20  # most alternatives per token (decode/logprobs.MAX_TOP)
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 # accepted and ignored: they steer OpenAI's hosted service (storage, billing tier, tracing, reasoning models,
 # parallel tool calls when no tools are given), never what a local model decodes
-IGNORED = (
+HOSTED = (  # fields of OpenAI's hosted service that every endpoint accepts and ignores
     "user",
     "store",
     "metadata",
@@ -41,12 +41,9 @@ IGNORED = (
     "prompt_cache_key",
     "prompt_cache_retention",
     "prompt_cache_options",
-    "prediction",
     "parallel_tool_calls",
-    "reasoning_effort",
-    "verbosity",
-    "modalities",
 )
+IGNORED = (*HOSTED, "prediction", "reasoning_effort", "verbosity", "modalities")
 
 
 class APIError(Exception):

@@ -25,26 +25,21 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from mtplm.serve.protocol import STRICT, APIError, ChatMessage, ChatRequest, new_id, now, null_is_unset
+from mtplm.serve.protocol import (
+    HOSTED,
+    STRICT,
+    APIError,
+    ChatMessage,
+    ChatRequest,
+    new_id,
+    now,
+    null_is_unset,
+)
 from mtplm.serve.run import Run
 
 log = logging.getLogger("mtplm.serve")
 # accepted and ignored: OpenAI's hosted service (storage, tiers, caching, moderation, reasoning models)
-IGNORED = (
-    "user",
-    "store",
-    "metadata",
-    "service_tier",
-    "safety_identifier",
-    "prompt_cache_key",
-    "prompt_cache_retention",
-    "prompt_cache_options",
-    "parallel_tool_calls",
-    "reasoning",
-    "truncation",
-    "moderation",
-    "context_management",
-)
+IGNORED = (*HOSTED, "reasoning", "truncation", "moderation", "context_management")
 # the chat checks' names for this API's fields, in refusals
 RENAMED = {
     "max_completion_tokens": "max_output_tokens",

@@ -43,6 +43,7 @@ def decode_pass(
     kv_len: int,
     adapters: bool = True,
     step: Callable | None = None,
+    masking: Callable | None = None,
 ) -> torch.Tensor:
     """Final-norm hidden states [b, Q, D]; writes every fed row's KV into keys/values[layer] [S, KVH, C, d].
 
@@ -52,7 +53,9 @@ def decode_pass(
     one when it compiles layer by layer).
     """
     shape, step = weights.shape, step or layer
-    hidden, rope, mask, gate, write = prepare(weights, ids, positions, lengths, allowed, kv_len, adapters)
+    hidden, rope, mask, gate, write = prepare(
+        weights, ids, positions, lengths, allowed, kv_len, adapters, masking or attention_mask
+    )
     for block, key_store, value_store in zip(weights.blocks, keys, values, strict=False):
         hidden = step(block, shape, hidden, rope, mask, gate, (key_store, value_store), slots, write, kv_len)
     return rms_norm(hidden, weights.final_norm, shape.eps)
@@ -66,13 +69,15 @@ def prepare(
     allowed: torch.Tensor,
     kv_len: int,
     adapters: bool = True,
+    masking: Callable | None = None,
 ) -> tuple:
-    """What every layer shares: embeddings [b, Q, D], (cos, sin) [b, Q, 1, d], the additive mask
-    [b, 1, 1, Q, T], the adapters' gate [b, Q, 1] (None without adapters), store write positions [b, Q]."""
+    """What every layer shares: embeddings [b, Q, D], (cos, sin) [b, Q, 1, d], the mask (`masking`:
+    attention_mask's additive [b, 1, 1, Q, T] by default), the adapters' gate [b, Q, 1] (None without
+    adapters), store write positions [b, Q]."""
     shape = weights.shape
     hidden = F.embedding(ids, weights.embed)  # [b, Q, D]
     rope = rope_tables(positions, weights.inv_freq, shape.rope_scaling, hidden.dtype)
-    mask = attention_mask(lengths, allowed, kv_len)
+    mask = (masking or attention_mask)(lengths, allowed, kv_len)
     gate = (ids == shape.mask_id).unsqueeze(-1) * shape.lora_scale if shape.gated and adapters else None
     write = lengths.unsqueeze(1) + torch.arange(ids.shape[1], device=ids.device)
     return hidden, rope, mask, gate, write
@@ -89,8 +94,10 @@ def layer(
     slots: torch.Tensor,
     write: torch.Tensor,
     kv_len: int,
+    attention: Callable | None = None,
 ) -> torch.Tensor:
-    """One decoder layer: attention over the store, then the SiLU-gated MLP; hidden [b, Q, D] in and out."""
+    """One decoder layer: attention over the store (`attend`, or `attention` with its signature), then the
+    SiLU-gated MLP; hidden [b, Q, D] in and out."""
     b, q, _ = hidden.shape
     heads, kv_heads, d = shape.heads, shape.kv_heads, shape.head_dim
     qkv = project(block, "qkv", rms_norm(hidden, block.attn_norm, shape.eps), gate)  # [b, Q, (H + 2 KVH) d]
@@ -100,7 +107,7 @@ def layer(
     key_store, value_store = store
     key_store[slots.unsqueeze(1), :, write] = key  # each sequence's rows at its own offset of its slot
     value_store[slots.unsqueeze(1), :, write] = value.view(b, q, kv_heads, d)
-    attended = attend(query, key_store, value_store, slots, kv_len, mask, shape.scaling)  # [b, Q, H d]
+    attended = (attention or attend)(query, key_store, value_store, slots, kv_len, mask, shape.scaling)
     hidden = hidden + project(block, "o", attended, gate)
     gate_up = project(block, "gate_up", rms_norm(hidden, block.mlp_norm, shape.eps), gate)  # [b, Q, 2 I]
     gated, up = gate_up.chunk(2, dim=-1)

@@ -15,11 +15,13 @@ d head dim.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
-from mtplm.decode.fast.forward import project, rms_norm, rope_tables, rotate
-from mtplm.decode.fast.weights import FastWeights, Shape
+from mtplm.decode.fast.forward import decode_pass, layer
+from mtplm.decode.fast.weights import FastWeights
 
 
 def wide_pass(
@@ -36,17 +38,20 @@ def wide_pass(
 ) -> torch.Tensor:
     """forward.decode_pass's contract (same arguments, same result) with fused attention: final-norm
     hidden states [b, Q, D]; every fed row's KV is written into keys/values[layer] [S, KVH, C, d]."""
-    shape = weights.shape
-    hidden = F.embedding(ids, weights.embed)  # [b, Q, D]
-    rope = rope_tables(positions, weights.inv_freq, shape.rope_scaling, hidden.dtype)
-    visible = visible_keys(lengths, allowed, kv_len)  # [b, 1, Q, T]
-    gate = (ids == shape.mask_id).unsqueeze(-1) * shape.lora_scale if shape.gated and adapters else None
-    write = lengths.unsqueeze(1) + torch.arange(ids.shape[1], device=ids.device)  # [b, Q]
-    for block, key_store, value_store in zip(weights.blocks, keys, values, strict=False):
-        hidden = _wide_layer(
-            block, shape, hidden, rope, visible, gate, (key_store, value_store), slots, write, kv_len
-        )
-    return rms_norm(hidden, weights.final_norm, shape.eps)
+    return decode_pass(
+        weights,
+        keys,
+        values,
+        ids,
+        positions,
+        lengths,
+        allowed,
+        slots,
+        kv_len,
+        adapters,
+        step=_wide_layer,
+        masking=visible_keys,
+    )
 
 
 def visible_keys(lengths: torch.Tensor, allowed: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -61,28 +66,18 @@ def visible_keys(lengths: torch.Tensor, allowed: torch.Tensor, kv_len: int) -> t
     return visible.unsqueeze(1)
 
 
-def _wide_layer(
-    block,
-    shape: Shape,
-    hidden: torch.Tensor,
-    rope: tuple[torch.Tensor, torch.Tensor],
-    visible: torch.Tensor,
-    gate: torch.Tensor | None,
-    store: tuple[torch.Tensor, torch.Tensor],
+def fused_attention(
+    query: torch.Tensor,
+    key_store: torch.Tensor,
+    value_store: torch.Tensor,
     slots: torch.Tensor,
-    write: torch.Tensor,
     kv_len: int,
+    visible: torch.Tensor,
+    scaling: float,
 ) -> torch.Tensor:
-    """forward.layer with scaled_dot_product_attention over the store: hidden [b, Q, D] in and out."""
-    b, q, _ = hidden.shape
-    heads, kv_heads, d = shape.heads, shape.kv_heads, shape.head_dim
-    qkv = project(block, "qkv", rms_norm(hidden, block.attn_norm, shape.eps), gate)  # [b, Q, (H + 2 KVH) d]
-    query, key, value = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
-    query = rotate(query.view(b, q, heads, d), *rope)  # [b, Q, H, d]
-    key = rotate(key.view(b, q, kv_heads, d), *rope)  # [b, Q, KVH, d]
-    key_store, value_store = store
-    key_store[slots.unsqueeze(1), :, write] = key
-    value_store[slots.unsqueeze(1), :, write] = value.view(b, q, kv_heads, d)
+    """forward.attend's contract with scaled_dot_product_attention and a boolean mask [b, 1, Q, T]:
+    query [b, Q, H, d] -> [b, Q, H d], no float32 score matrix."""
+    b, q, heads, d = query.shape
     keys = key_store[:, :, :kv_len].index_select(0, slots)  # [b, KVH, T, d]
     values = value_store[:, :, :kv_len].index_select(0, slots)
     attended = F.scaled_dot_product_attention(
@@ -90,10 +85,10 @@ def _wide_layer(
         keys,
         values,
         attn_mask=visible,
-        scale=shape.scaling,
-        enable_gqa=heads != kv_heads,
+        scale=scaling,
+        enable_gqa=heads != key_store.shape[1],
     )  # [b, H, Q, d]
-    hidden = hidden + project(block, "o", attended.transpose(1, 2).reshape(b, q, heads * d), gate)
-    gate_up = project(block, "gate_up", rms_norm(hidden, block.mlp_norm, shape.eps), gate)  # [b, Q, 2 I]
-    gated, up = gate_up.chunk(2, dim=-1)
-    return hidden + project(block, "down", F.silu(gated) * up, gate)
+    return attended.transpose(1, 2).reshape(b, q, heads * d)
+
+
+_wide_layer = partial(layer, attention=fused_attention)  # forward.layer, attention fused
