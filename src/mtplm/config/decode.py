@@ -85,6 +85,10 @@ class DecodeConfig:
         """Whether the mode needs mask slots or heads (every mode but plain, and lookup drafting alone)."""
         return self.mode != "ntp" and not (self.mode == "verified" and self.drafting == "lookup")
 
+    def block_tokens(self) -> int | None:
+        """The most tokens the mode asks one pass for (static's k, else k_max; None: the checkpoint's)."""
+        return self.k if self.mode == "static" else self.k_max
+
     def lookup_tokens(self) -> int:
         """Copied drafts per pass: `lookup`, or LOOKUP_TOKENS for drafting=lookup (alone: any model) left
         at 0."""

@@ -80,7 +80,7 @@ def _mode(mode: str | None, spec: DecodeModel, default_mode: str) -> DecodeConfi
             "invalid_mode",
         )
     limit = spec.thresholds.k_max
-    k = cfg.k if cfg.mode == "static" else cfg.k_max
+    k = cfg.block_tokens()
     if k is not None and k > limit:
         raise APIError(
             400,
