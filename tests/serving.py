@@ -40,6 +40,13 @@ def tiny_converted(directory: Path, seed: int = 0) -> Path:
     return tiny_mtp(seed=seed, gated=True).save(directory)
 
 
+def mtp_and_base(root: Path, base_dir: Path | str) -> Path:
+    """A manifest under `root` of a tiny converted model ("mtp", default mode confadapt:0.6@4) and the given
+    base model ("base")."""
+    models = {"mtp": (tiny_converted(root / "mtp"), "confadapt:0.6@4"), "base": (base_dir, None)}
+    return write_manifest(root / "repo", models)
+
+
 class LiveServer:
     """A real uvicorn server in a background thread (signals stay with the main thread)."""
 

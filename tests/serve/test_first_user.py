@@ -7,7 +7,7 @@ import logging
 
 import httpx
 import pytest
-from serving import LiveServer, tiny_converted, write_manifest
+from serving import LiveServer, mtp_and_base, write_manifest
 
 from mtplm.errors import UserError
 from mtplm.serve import build_repository
@@ -16,10 +16,7 @@ from mtplm.text import MAX_STOP_CHARS
 
 @pytest.fixture(scope="module")
 def server(base_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("first_user")
-    repo = write_manifest(
-        root / "repo", {"mtp": (tiny_converted(root / "mtp"), "confadapt:0.6@4"), "base": (base_dir, None)}
-    )
+    repo = mtp_and_base(tmp_path_factory.mktemp("first_user"), base_dir)
     with LiveServer(repo, api_key=None) as live:
         yield live
 

@@ -11,15 +11,12 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serving import LiveServer, tiny_converted, write_manifest
+from serving import LiveServer, mtp_and_base
 
 
 @pytest.fixture(scope="module")
 def server(base_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("requests")
-    repo = write_manifest(
-        root / "repo", {"mtp": (tiny_converted(root / "mtp"), "confadapt:0.6@4"), "base": (base_dir, None)}
-    )
+    repo = mtp_and_base(tmp_path_factory.mktemp("requests"), base_dir)
     with LiveServer(repo, api_key=None) as live:
         yield live
 

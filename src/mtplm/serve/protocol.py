@@ -74,7 +74,21 @@ class StreamOptions(BaseModel):
         return null_is_unset(cls, data)
 
 
-class _Sampling(BaseModel):
+class HostedFields(BaseModel):
+    """OpenAI's hosted-service fields (HOSTED) that every endpoint accepts and ignores, declared once."""
+
+    user: Optional[str] = None
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, str]] = None
+    service_tier: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None
+    prompt_cache_options: Optional[dict[str, Any]] = None
+    parallel_tool_calls: Optional[bool] = None
+
+
+class _Sampling(HostedFields):
     """Fields shared by both endpoints."""
 
     model_config = STRICT
@@ -94,15 +108,7 @@ class _Sampling(BaseModel):
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None
-    # OpenAI parameters that do not change local decoding: accepted, reported ignored (IGNORED)
-    user: Optional[str] = None
-    store: Optional[bool] = None
-    metadata: Optional[dict[str, str]] = None
-    service_tier: Optional[str] = None
-    safety_identifier: Optional[str] = None
-    prompt_cache_key: Optional[str] = None
-    prompt_cache_retention: Optional[str] = None
-    prompt_cache_options: Optional[dict[str, Any]] = None
+    # OpenAI parameters that do not change local decoding (HostedFields too): accepted, reported ignored
     prediction: Optional[dict[str, Any]] = None  # predicted outputs: a latency hint; the output is the same
 
     # structured outputs, vLLM's fields (serve/structured.py; chat also takes OpenAI's response_format)
@@ -152,7 +158,6 @@ class ChatRequest(_Sampling):
     response_format: Optional[dict[str, Any]] = None
     audio: Optional[dict[str, Any]] = None
     web_search_options: Optional[dict[str, Any]] = None
-    parallel_tool_calls: Optional[bool] = None
     reasoning_effort: Optional[str] = None
     verbosity: Optional[str] = None
     modalities: Optional[list[str]] = None

@@ -31,6 +31,7 @@ from mtplm.serve.protocol import (
     APIError,
     ChatMessage,
     ChatRequest,
+    HostedFields,
     new_id,
     now,
     null_is_unset,
@@ -62,7 +63,7 @@ class InputMessage(BaseModel):
     content: Union[str, list[dict[str, Any]]]
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(HostedFields):
     model_config = STRICT
     model: str
     input: Union[str, list[InputMessage]]
@@ -86,16 +87,7 @@ class ResponsesRequest(BaseModel):
     include: Optional[list[str]] = None
     top_logprobs: Optional[int] = None
     max_tool_calls: Optional[int] = None
-    # no effect on local decoding: accepted, reported ignored (IGNORED)
-    user: Optional[str] = None
-    store: Optional[bool] = None
-    metadata: Optional[dict[str, str]] = None
-    service_tier: Optional[str] = None
-    safety_identifier: Optional[str] = None
-    prompt_cache_key: Optional[str] = None
-    prompt_cache_retention: Optional[str] = None
-    prompt_cache_options: Optional[dict[str, Any]] = None
-    parallel_tool_calls: Optional[bool] = None
+    # no effect on local decoding (HostedFields too): accepted, reported ignored (IGNORED)
     reasoning: Optional[dict[str, Any]] = None
     truncation: Optional[Literal["auto", "disabled"]] = None
     moderation: Optional[Any] = None
