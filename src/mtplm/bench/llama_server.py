@@ -174,7 +174,7 @@ def summarize_timings(server: LlamaServer) -> dict:
     drafted = sum(t.get("draft_n", 0) for t in timed)
     decode_ms = sum(t.get("predicted_ms", 0.0) for t in timed)
     return {
-        "gguf": str(server.gguf),
+        "gguf": server.gguf.name,  # the file, not where this machine keeps it
         "gguf_mb": round(server.gguf.stat().st_size / 2**20, 1),
         "flags": " ".join(server.flags()),
         "startup_s": round(server.startup_s or 0, 1),
