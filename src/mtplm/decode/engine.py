@@ -93,7 +93,8 @@ class Engine:
         self.backend = backend or EagerBackend(model, max_batch)
         self.spec = describe(model, self.backend)  # what decoding needs of the model
         # prompt rows per step: the backend's own chunk (measured best for a prompt's cost) unless told
-        self.prefill_chunk = prefill_chunk or getattr(self.backend, "prefill_chunk", PREFILL_CHUNK)
+        own: int = getattr(self.backend, "prefill_chunk", PREFILL_CHUNK)
+        self.prefill_chunk: int = prefill_chunk if prefill_chunk is not None else own
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []  # running[i] decodes in slot i
         self.closing = self.stopped = False
