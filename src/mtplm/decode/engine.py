@@ -1,11 +1,18 @@
 """The batch engine: one thread that decodes every running sequence of one model together.
 
-Each loop iteration admits waiting jobs into free slots, runs each newcomer's first pass (the prompt
-and its first block) on its own, then runs one pass of the backend (backends.py) over every other
-running sequence, whatever its mode, its k this step or its context length. Every sequence keeps its
-own strategy (plain, static k, ConfAdapt, verified) and its own seed, so a sequence emits the same
-tokens alone or batched. A finished or cancelled sequence leaves at once; the last slot moves into its hole,
-so the running sequences always fill slots [0, n) and a pass reads one contiguous slice of the store.
+Each loop iteration (a step) runs at most `prefill_chunk` rows of prompt work on its own, then one pass
+of the backend (backends.py) over every running sequence, whatever its mode, its k this step or its
+context length. Every sequence keeps its own strategy (plain, static k, ConfAdapt, verified) and its own
+seed, so a sequence emits the same tokens alone or batched. A finished or cancelled sequence leaves at
+once; the last slot moves into its hole, so the running sequences always fill slots [0, n) and a pass
+reads one contiguous slice of the store.
+
+Admission (chunked prefill, as vLLM's and Sarathi's): the prompt work of a step is either one chunk of
+`prefill_chunk` tokens of a long prompt (a pass of its own, no LM head) or the first passes (the rest of
+the prompt and the first block) of as many newcomers as fit in `prefill_chunk` prompt tokens, at least
+one. Waiting jobs take a slot only when their prompt work starts, first come first served, so at most one
+sequence is part-way through its prompt, in the last slot, and a running sequence waits at most one
+chunk's pass (or one newcomer's first pass) between two of its own passes.
 
 Callers talk to the engine from other threads: `submit` (validates the job, raises UserError),
 `cancel`, `close`. Results go to each job's `emit(step, error)` callback, called on the engine thread.
@@ -23,10 +30,11 @@ import torch
 
 from mtplm.config import DecodeConfig
 from mtplm.decode.backends import KV, Backend, EagerBackend, describe
+from mtplm.decode.chunked import PREFILL_CHUNK
 from mtplm.decode.constraint import Constraint
 from mtplm.decode.loop import Decoding, Step
 from mtplm.decode.policy import make_policy
-from mtplm.decode.protocol import mode_entry
+from mtplm.decode.protocol import Feed, mode_entry
 from mtplm.decode.strategies import make_strategy
 from mtplm.errors import UserError
 from mtplm.model import MTPModel
@@ -56,7 +64,7 @@ class Job:
 
 @dataclass(frozen=True)
 class PassStats:
-    kind: str  # "prefill" (a newcomer's first pass) or "decode" (the batched pass)
+    kind: str  # "chunk" (a prompt chunk), "prefill" (a newcomer's first pass) or "decode" (the batched pass)
     sequences: int
     rows: int  # fed rows, padding included
     padding: int  # of which padding
@@ -73,14 +81,20 @@ class Engine:
         on_pass: Callable[[PassStats], None] | None = None,
         k_by_batch: dict[int, int] | str | None = None,
         backend: Backend | None = None,
+        prefill_chunk: int | None = None,
     ) -> None:
         if max_batch < 1:
             raise UserError(f"max_batch must be >= 1, got {max_batch}")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise UserError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.model, self.max_batch, self.on_pass = model, max_batch, on_pass
         self.policy = make_policy(k_by_batch)  # policy.py: {batch size: k}, "auto", or None (no cap)
         self._measure: tuple[int, bool] | None = None  # (batch size, capped) of the coming decode pass
         self.backend = backend or EagerBackend(model, max_batch)
         self.spec = describe(model, self.backend)  # what decoding needs of the model
+        # prompt rows per step: the backend's own chunk (measured best for a prompt's cost) unless told
+        own: int = getattr(self.backend, "prefill_chunk", PREFILL_CHUNK)
+        self.prefill_chunk: int = prefill_chunk if prefill_chunk is not None else own
         self.waiting: deque[Job] = deque()
         self.running: list[Job] = []  # running[i] decodes in slot i
         self.closing = self.stopped = False
@@ -150,13 +164,17 @@ class Engine:
                 self._wake.wait()
             if self.stopped:
                 return False
-            newcomers = self._admit()
-        old = len(self.running) - len(newcomers)
+            prefilling = self._admit()
+        started = len(self.running) - len(prefilling)  # the sequences past their first pass: slots [0, n)
         self._apply_caps()
-        for slot in range(old, len(self.running)):
-            self._pass("prefill", slot, slot + 1)
-        if old:
-            self._pass("decode", 0, old)
+        for job in prefilling:
+            chunk = job.decoding.prompt_chunk(self.prefill_chunk)
+            if chunk is not None:
+                self._chunk(job, chunk)
+            else:
+                self._pass("prefill", job.kv.slot, job.kv.slot + 1)
+        if started:
+            self._pass("decode", 0, started)
         with self._wake:
             self._retire()
             self._wake.notify_all()
@@ -176,15 +194,42 @@ class Engine:
             job.decoding.cap = cap
 
     def _admit(self) -> list[Job]:
-        """Move waiting jobs into free slots (cancelled ones are dropped wherever they wait)."""
+        """This step's prompt work, in slot order: the sequence part-way through its prompt (the last slot),
+        then waiting jobs moved into free slots while their prompt tokens fit the step's `prefill_chunk`
+        (a long prompt's chunk counts as a whole one; the first job of a step always fits). Cancelled
+        jobs are dropped wherever they wait."""
         self.waiting = deque(job for job in self.waiting if not job.cancelled)
-        newcomers = []
-        while self.waiting and len(self.running) < self.max_batch:
+        last = self.running[-1] if self.running else None
+        work = [last] if last is not None and not last.decoding.started and not last.cancelled else []
+        spent = sum(self._cost(job) for job in work)
+        while self.waiting and len(self.running) < self.max_batch and spent < self.prefill_chunk:
+            cost = self._cost(self.waiting[0])
+            if spent and spent + cost > self.prefill_chunk:
+                break
             job = self.waiting.popleft()
             job.kv = self.backend.kv(len(self.running))
             self.running.append(job)
-            newcomers.append(job)
-        return newcomers
+            work.append(job)
+            spent += cost
+        return work
+
+    def _cost(self, job: Job) -> int:
+        """Prompt rows of a job's next prompt work: a chunk, or the pending tokens of its first pass."""
+        return min(len(job.decoding.pending), self.prefill_chunk)
+
+    def _chunk(self, job: Job, chunk: Feed) -> None:
+        """One chunk of a long prompt, a pass of its own: its KV is cached, no token is chosen."""
+        began = time.perf_counter()
+        try:
+            hidden = self.backend.run(job.kv.slot, [chunk], [job.decoding.past])[0]  # [rows, W]
+            job.decoding.absorb(chunk, hidden)
+        except Exception as exc:  # a failed pass fails its sequence, never the engine
+            job.emit(None, exc)
+            job.cancelled = True
+            return
+        if self.on_pass is not None:
+            rows = len(chunk.tokens)
+            self.on_pass(PassStats("chunk", 1, rows, 0, time.perf_counter() - began, (), ()))
 
     def _pass(self, kind: str, start: int, stop: int) -> None:
         jobs = self.running[start:stop]
@@ -225,7 +270,11 @@ class Engine:
             job.emit(step, None)
 
     def _retire(self) -> None:
-        """Drop finished and cancelled sequences; the last running sequence moves into each hole."""
+        """Drop finished and cancelled sequences; the last running sequence moves into each hole. A sequence
+        part-way through its prompt stays last: it moves to the end of the others."""
+        partway = self.running[-1] if self.running and not self.running[-1].decoding.started else None
+        if partway is not None:
+            self.running.pop()
         slot = 0
         while slot < len(self.running):
             job = self.running[slot]
@@ -237,3 +286,8 @@ class Engine:
                 self.backend.move(last.kv.slot, slot, last.decoding.past)
                 last.kv.slot = slot
                 self.running[slot] = last
+        if partway is not None and not partway.cancelled:
+            if partway.kv.slot != len(self.running):
+                self.backend.move(partway.kv.slot, len(self.running), partway.decoding.past)
+                partway.kv.slot = len(self.running)
+            self.running.append(partway)

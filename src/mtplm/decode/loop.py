@@ -24,7 +24,7 @@ from mtplm.config import DecodeConfig
 from mtplm.decode.backends import KV, Backend, EagerBackend, describe
 from mtplm.decode.backends import stop_ids as stop_ids
 from mtplm.decode.constraint import ConstrainedLogits, Constraint, trim
-from mtplm.decode.logprobs import TokenLogprob, prompt_logprobs, step_logprobs
+from mtplm.decode.logprobs import TokenLogprob, prompt_logprobs, rows_logprobs, step_logprobs
 from mtplm.decode.protocol import DecodeModel, Drafting, Feed, Outcome, PassLogits, Plan, Strategy
 from mtplm.decode.strategies import make_strategy
 from mtplm.errors import UserError
@@ -126,6 +126,33 @@ class Decoding:
         # constraint.py: the grammar the output must match; the tokens it forces ride in the next pass as
         # committed tokens (no logprobs for them, so not when logprobs are asked for)
         self.constraint, self.forced = constraint, list[int]()
+        self.echoed: list[TokenLogprob] = []  # with echo: the prompt chunks' token logprobs (prompt_chunk)
+
+    @property
+    def started(self) -> bool:
+        """Its first pass (the prompt's last chunk and the first block) has run."""
+        return self.last is not None
+
+    def prompt_chunk(self, size: int) -> Feed | None:
+        """The next `size` prompt tokens as a pass of their own (the batch engine admits a long prompt chunk
+        by chunk, decode/engine.py), while more than `size` are pending before the first pass; None when the
+        first pass (`feed`) takes the rest."""
+        if self.started or len(self.pending) <= size:
+            return None
+        return Feed(self.pending[:size], size, 0, 0, False, None)
+
+    def absorb(self, feed: Feed, hidden: torch.Tensor) -> None:
+        """A prompt chunk's pass ran (its KV is cached): its rows [size, W] go to the drafter (one that keeps
+        its own KV) and, with echo, score the prompt tokens after them; the chunk is no longer pending."""
+        count = len(feed.tokens)
+        assert feed.tokens == self.pending[:count], "absorb() takes this Decoding's prompt_chunk()"
+        following = self.pending[1 : count + 1]
+        if self.drafter is not None and self.drafter.keeps_state:
+            self.drafter.commit(self.past, hidden[:count], following)
+        if self.echo and self.logprobs is not None:
+            self.echoed += rows_logprobs(self.model.head(hidden[:count]), following, self.logprobs)
+        self.past += count
+        self.pending = self.pending[count:]
 
     def feed(self) -> Feed:
         """The next pass's rows: the pending tokens, the plan's drafts, and its mask blocks."""
@@ -239,8 +266,9 @@ class Decoding:
         if self.logprobs is not None:
             emitted = rows.candidates()[1:] if plan.emits_block else block
             scored = tuple(step_logprobs(rows, outcome, kept, self.logprobs, emitted)[: len(new)])
-            if self.echo and start == pending:  # the first pass fed the whole prompt
-                prompt = tuple(prompt_logprobs(self.model.head, hidden, self.pending, self.logprobs))
+            if self.echo and not self.started:  # the first pass fed the prompt (after any chunks)
+                scored_prompt = prompt_logprobs(self.model.head, hidden, self.pending, self.logprobs)
+                prompt = tuple(self.echoed + scored_prompt)
         self.produced += len(new)
         self.text.extend(new)
         self.pending, self.last = list(outcome.new), outcome
