@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 import torch
@@ -140,10 +140,20 @@ class Decoding:
             if taken:  # plan again for the longer text
                 self.budget -= taken
                 plan = self.strategy.plan(self.text, self.budget, self.last)
+        if self.constraint is not None and plan.parents is None and plan.proposal is None and plan.drafts:
+            plan = self._pruned(plan)
         self.plan = plan
         slots = 0 if self.drafter is not None else plan.slots  # heads read the block from real rows
         self.fed = Feed.of(plan, self.pending, slots, self._mask_id)
         return self.fed
+
+    def _pruned(self, plan: Plan) -> Plan:
+        """The plan's draft chain cut at its first token the grammar rejects (verification could never keep
+        it nor anything after it). Greedy or copied drafts only: cutting a sampled draft would change what
+        speculative sampling draws."""
+        assert self.constraint is not None
+        kept = self.constraint.accepts(plan.drafts)
+        return plan if kept >= len(plan.drafts) else replace(plan, drafts=plan.drafts[:kept])
 
     def _forces_past(self, plan: Plan) -> bool:
         assert self.constraint is not None
