@@ -284,6 +284,18 @@ class Constraint:
             return []
         return [int(t) for t in self._m.compute_ff_tokens()]
 
+    def forced_after(self, tokens: Sequence[int]) -> list[int]:
+        """The tokens the grammar forces after `tokens` (which it must accept, no stop token among them);
+        the state does not move."""
+        if not tokens:
+            return self.forced()
+        if not self._m.consume_tokens(list(tokens)):
+            return []
+        try:
+            return [] if self._m.is_stopped() else [int(t) for t in self._m.compute_ff_tokens()]
+        finally:
+            self._m.rollback(len(tokens))
+
     def copy(self) -> Constraint:
         return Constraint(self.grammar, self._m.deep_copy())
 

@@ -149,11 +149,17 @@ class Decoding:
 
     def _pruned(self, plan: Plan) -> Plan:
         """The plan's draft chain cut at its first token the grammar rejects (verification could never keep
-        it nor anything after it). Greedy or copied drafts only: cutting a sampled draft would change what
-        speculative sampling draws."""
+        it nor anything after it), and a chain without blocks then extended by the tokens the grammar forces
+        after it (drafts the masked rows cannot reject: the pass's new token lands after them, not on them).
+        Greedy or copied drafts only: cutting a sampled draft would change what speculative sampling draws."""
         assert self.constraint is not None
-        kept = self.constraint.accepts(plan.drafts)
-        return plan if kept >= len(plan.drafts) else replace(plan, drafts=plan.drafts[:kept])
+        kept = plan.drafts[: self.constraint.accepts(plan.drafts)]
+        if kept and kept[-1] in self.stop_ids:
+            return replace(plan, drafts=kept)
+        if not plan.slots and kept:
+            kept += tuple(self.constraint.forced_after(kept)[: max(0, self.budget - 1 - len(kept))])
+            return replace(plan, k=max(plan.k, 1 + len(kept)), drafts=kept)
+        return plan if len(kept) == len(plan.drafts) else replace(plan, drafts=kept)
 
     def _forces_past(self, plan: Plan) -> bool:
         assert self.constraint is not None
