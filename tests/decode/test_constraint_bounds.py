@@ -73,6 +73,9 @@ def test_a_schemas_own_bounds_are_kept():
     assert "maximum" not in far and far["minimum"] == 10**20
     assert bounded({"enum": [10**30]}) == {"enum": [10**30]}  # literal values are not schemas
     assert bounded({"type": ["string", "integer"]})["maximum"] == SAFE_INTEGER
+    # property names are names, not keywords: a property called "properties" is not closed
+    keywords = bounded({"type": "object", "properties": {"properties": {"type": "integer"}, "type": {}}})
+    assert keywords["properties"] == {"properties": bounded({"type": "integer"}), "type": {}}
 
 
 FRACTIONS = st.text("0123456789", min_size=1, max_size=FRACTION_DIGITS).filter(lambda f: not f.endswith("0"))

@@ -21,6 +21,7 @@ KINDS = ("json_schema", "json_object", "regex", "grammar")
 SAFE_INTEGER = 2**53 - 1  # RFC 8259 section 6: integers in [-(2^53)+1, 2^53-1] are interoperable
 FRACTION_DIGITS = 10  # digits after the decimal point (llguidance's multipleOf takes at most 10)
 _LITERAL_KEYS = ("enum", "const", "default", "examples")  # values, not schemas: never rewritten
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ def bounded(schema: object) -> object:
         return [bounded(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {key: (value if key in _LITERAL_KEYS else bounded(value)) for key, value in schema.items()}
+    out = {key: _bounded_value(key, value) for key, value in schema.items()}
     if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
         out["additionalProperties"] = False
     types = out.get("type")
@@ -69,6 +70,14 @@ def bounded(schema: object) -> object:
     if "integer" in types or "number" in types:
         _bound_numbers(out, fraction="number" in types)
     return out
+
+
+def _bounded_value(key: str, value: object) -> object:
+    if key in _LITERAL_KEYS:
+        return value
+    if key in _SCHEMA_MAPS and isinstance(value, dict):  # names -> schemas: a name is never a keyword
+        return {name: bounded(schema) for name, schema in value.items()}
+    return bounded(value)
 
 
 def _bound_numbers(schema: dict, fraction: bool) -> None:
