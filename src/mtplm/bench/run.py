@@ -84,6 +84,13 @@ def _add_prompt_arguments(p) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument(
+        "--constrained",
+        action="store_true",
+        help="with --prompt-set structured: the constrained set (JSON schemas, SQL grammar, regexes), "
+        "every mode with and without its constraint: valid share, tokens/pass forced + model, speed vs "
+        "constrained plain (bench/structured.py; --out/structured.md)",
+    )
 
 
 def _add_mode_arguments(p) -> None:
@@ -183,6 +190,8 @@ def run_bench(args) -> dict:
     if args.prompts < 1 or args.max_new_tokens < 1:
         raise UserError("--prompts and --max-new-tokens must be >= 1")
     modes = parse_modes(args.modes, args.k_max, args.confidence)
+    if getattr(args, "constrained", False):
+        return _constrained(args, modes)
     model = _load(args, modes)
     examples = prompt_set(args.prompt_set, None if args.full else args.prompts, args.seed, split="eval")
     prompts = [eval_prompt_ids(model.tokenizer, e.prompt) for e in examples]
@@ -230,6 +239,19 @@ def run_bench(args) -> dict:
     }
     _write(report, rows, predicted, args.out)
     return report
+
+
+def _constrained(args, modes: list) -> dict:
+    """`--constrained`: the constrained structured set on the eager pass (bench/structured.py)."""
+    from mtplm.bench.structured import run_structured_bench
+
+    if args.prompt_set != "structured":
+        raise UserError(
+            f"--constrained runs the structured set: use --prompt-set structured, not {args.prompt_set}"
+        )
+    if any(_on_backend(item)[1] for item, _ in modes):
+        raise UserError("--constrained: rows on another [backend] are not supported; name modes without one")
+    return run_structured_bench(args, modes, _load(args, modes))
 
 
 def _load(args, modes: list):

@@ -16,76 +16,26 @@ Shapes: V vocabulary (the logits' width; the tokenizer's ids are its first colum
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 import numpy as np
 import torch
 
+from mtplm.decode.constraint_spec import KINDS, Spec, any_json_object, json_schema
 from mtplm.decode.protocol import Outcome, PassLogits
 from mtplm.errors import UserError
 
-KINDS = ("json_schema", "json_object", "regex", "grammar")
+__all__ = ["KINDS", "Spec", "json_schema", "compile", "Grammar", "Constraint", "ConstrainedLogits", "trim"]
+
 MAX_SOURCE_CHARS = 100_000  # a schema, regex or grammar longer than this is refused before compiling
 # compact JSON with the separators models write most ("a": 1, "b": 2): no free whitespace, so keys,
 # braces and separators are forced; a schema's own "x-guidance" options override these
 JSON_OPTIONS: Any = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
-
-
-@dataclass(frozen=True)
-class Spec:
-    """What the output must match. kind: json_schema (source: the schema's JSON text), json_object (any
-    JSON object; source unused), regex (source: the pattern, matched whole), grammar (Lark or GBNF)."""
-
-    kind: str
-    source: str = ""
-    name: str = "constraint"  # the field or option it came from, named in errors
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise UserError(f"{self.name}: unknown constraint kind {self.kind!r} (one of {', '.join(KINDS)})")
-
-
-def json_schema(schema: object, name: str = "json_schema") -> Spec:
-    """A Spec from a schema given as a dict (or bool), or as JSON text."""
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as exc:
-            raise UserError(
-                f"{name}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
-            ) from None
-    if schema is True:
-        schema = {}  # any JSON value
-    if schema is False:
-        raise UserError(f"{name}: the schema `false` matches nothing")
-    if not isinstance(schema, dict):
-        raise UserError(f"{name}: a JSON schema is an object, got {type(schema).__name__}")
-    return Spec(
-        "json_schema", json.dumps(_closed(schema)), name
-    )  # key order kept: properties are written in it
-
-
-def _closed(schema: object) -> object:
-    """The schema with every object that lists properties closed to others unless it says otherwise (as
-    OpenAI's strict schemas and vLLM's default): a small model otherwise invents keys until max tokens."""
-    if isinstance(schema, list):
-        return [_closed(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {
-        key: (value if key in ("enum", "const", "default", "examples") else _closed(value))
-        for key, value in schema.items()
-    }
-    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
-        out["additionalProperties"] = False
-    return out
 
 
 def _grammar_text(spec: Spec) -> str:
@@ -97,7 +47,7 @@ def _grammar_text(spec: Spec) -> str:
             f"{spec.name}: {len(spec.source)} characters is too large (at most {MAX_SOURCE_CHARS})"
         )
     if spec.kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(any_json_object(), defaults=JSON_OPTIONS)
     if spec.kind == "json_schema":
         return llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults=JSON_OPTIONS)
     if spec.kind == "regex":
@@ -333,6 +283,18 @@ class Constraint:
         if self.finished:
             return []
         return [int(t) for t in self._m.compute_ff_tokens()]
+
+    def forced_after(self, tokens: Sequence[int]) -> list[int]:
+        """The tokens the grammar forces after `tokens` (which it must accept, no stop token among them);
+        the state does not move."""
+        if not tokens:
+            return self.forced()
+        if not self._m.consume_tokens(list(tokens)):
+            return []
+        try:
+            return [] if self._m.is_stopped() else [int(t) for t in self._m.compute_ff_tokens()]
+        finally:
+            self._m.rollback(len(tokens))
 
     def copy(self) -> Constraint:
         return Constraint(self.grammar, self._m.deep_copy())

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 import torch
@@ -167,10 +167,26 @@ class Decoding:
             if taken:  # plan again for the longer text
                 self.budget -= taken
                 plan = self.strategy.plan(self.text, self.budget, self.last)
+        if self.constraint is not None and plan.parents is None and plan.proposal is None and plan.drafts:
+            plan = self._pruned(plan)
         self.plan = plan
         slots = 0 if self.drafter is not None else plan.slots  # heads read the block from real rows
         self.fed = Feed.of(plan, self.pending, slots, self._mask_id)
         return self.fed
+
+    def _pruned(self, plan: Plan) -> Plan:
+        """The plan's draft chain cut at its first token the grammar rejects (verification could never keep
+        it nor anything after it), and a chain without blocks then extended by the tokens the grammar forces
+        after it (drafts the masked rows cannot reject: the pass's new token lands after them, not on them).
+        Greedy or copied drafts only: cutting a sampled draft would change what speculative sampling draws."""
+        assert self.constraint is not None
+        kept = plan.drafts[: self.constraint.accepts(plan.drafts)]
+        if kept and kept[-1] in self.stop_ids:
+            return replace(plan, drafts=kept)
+        if not plan.slots and kept:
+            kept += tuple(self.constraint.forced_after(kept)[: max(0, self.budget - 1 - len(kept))])
+            return replace(plan, k=max(plan.k, 1 + len(kept)), drafts=kept)
+        return plan if len(kept) == len(plan.drafts) else replace(plan, drafts=kept)
 
     def _forces_past(self, plan: Plan) -> bool:
         assert self.constraint is not None

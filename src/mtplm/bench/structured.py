@@ -1,0 +1,173 @@
+"""The constrained structured bench (`mtplm bench --prompt-set structured --constrained`,
+scripts/structured_bench.py): every mode with and without each case's constraint (bench/structured_set.py),
+per row the share of answers that validate, tokens per pass split into forced and model-chosen tokens,
+speed, the grammar engine's share of a pass, and speed against constrained plain decoding.
+
+Cases run interleaved (case 1 in every row, then case 2, ...) after one untimed warm-up generation per row,
+so machine noise spreads over the rows. Measures, never asserts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+
+from mtplm.bench.structured_set import CASES, Case, spec_of, valid
+
+_ENGINE_CALLS = ("masks_along", "forced", "accepts", "advance")  # mask() runs inside masks_along
+
+
+@contextmanager
+def grammar_clock():
+    """Seconds spent in the grammar engine's calls while the block runs (a one-item list, read after)."""
+    from mtplm.decode import constraint as constraint_module
+
+    spent = [0.0]
+    originals = {name: getattr(constraint_module.Constraint, name) for name in _ENGINE_CALLS}
+
+    def timed(method):
+        def wrapper(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - began
+
+        return wrapper
+
+    for name, method in originals.items():
+        setattr(constraint_module.Constraint, name, timed(method))
+    try:
+        yield spent
+    finally:
+        for name, method in originals.items():
+            setattr(constraint_module.Constraint, name, method)
+
+
+def compile_ms(model, cases: list[Case]) -> dict[str, float]:
+    """Each case's grammar compile time (ms), uncached (the tokenizer's engine view is built before)."""
+    from mtplm.decode.constraint import Grammar, _ll_tokenizer
+    from mtplm.decode.loop import stop_ids
+
+    stops = frozenset(stop_ids(model))
+    engine_tokenizer = _ll_tokenizer(model.tokenizer, stops)
+    out = {}
+    for case in cases:
+        began = time.perf_counter()
+        Grammar(spec_of(case), engine_tokenizer, stops, len(model.tokenizer))
+        out[case.name] = round(1e3 * (time.perf_counter() - began), 2)
+    return out
+
+
+def run_structured(model, modes: list, max_new_tokens: int, cases: list[Case] | None = None) -> dict:
+    """Rows for every (mode, constrained) pair over `cases` (default: the whole set); `modes` is a list of
+    (name, DecodeConfig) with plain decoding ("ntp") among them."""
+    from mtplm.decode.constraint import compile
+    from mtplm.decode.loop import generate, stop_ids
+    from mtplm.text import chat_prompt_ids
+
+    cases = list(cases or CASES)
+    stops = stop_ids(model)
+    grammars = [compile(spec_of(case), model.tokenizer, stops) for case in cases]
+    prompts = [chat_prompt_ids(model.tokenizer, case.prompt) for case in cases]
+    rows = [(name, _with_limit(cfg, max_new_tokens), c) for name, cfg in modes for c in (False, True)]
+    totals = {(name, c): _empty() for name, _, c in rows}
+    answers: dict = {(name, c): [] for name, _, c in rows}
+    for _name, cfg, c in rows:  # warm-up, untimed
+        generate(model, prompts[0], cfg, constraint=grammars[0].start() if c else None)
+    for case, ids, grammar in zip(cases, prompts, grammars, strict=True):
+        for name, cfg, c in rows:
+            with grammar_clock() as spent:
+                out = generate(model, ids, cfg, constraint=grammar.start() if c else None)
+            text = model.tokenizer.decode(out.tokens, skip_special_tokens=True)
+            ok = valid(case, text, grammar, model.tokenizer)
+            _add(totals[(name, c)], out, ok, spent[0])
+            answers[(name, c)].append({"case": case.name, "valid": ok, "text": text})
+    table = [_row(name, c, totals[(name, c)], totals.get(("ntp", True))) for name, _, c in rows]
+    return {
+        "rows": table,
+        "compile_ms": compile_ms(model, cases),
+        "cases": [asdict(case) for case in cases],
+        "answers": {f"{name}|{'constrained' if c else 'free'}": a for (name, c), a in answers.items()},
+    }
+
+
+def _with_limit(cfg, max_new_tokens: int):
+    from mtplm.config import DecodeConfig
+
+    return DecodeConfig(**{**asdict(cfg), "max_new_tokens": max_new_tokens}).validate()
+
+
+def _empty() -> dict:
+    return {"valid": 0, "cases": 0, "tokens": 0, "forced": 0, "passes": 0, "seconds": 0.0, "grammar_s": 0.0}
+
+
+def _add(total: dict, out, ok: bool, grammar_s: float) -> None:
+    total["valid"] += ok
+    total["cases"] += 1
+    total["tokens"] += len(out.tokens)
+    total["forced"] += out.forced
+    total["passes"] += out.forwards
+    total["seconds"] += out.elapsed_s
+    total["grammar_s"] += grammar_s
+
+
+def _row(name: str, constrained: bool, t: dict, plain: dict | None) -> dict:
+    passes, rate = max(1, t["passes"]), t["tokens"] / max(1e-9, t["seconds"])
+    plain_rate = plain["tokens"] / max(1e-9, plain["seconds"]) if plain else None
+    return {
+        "mode": name,
+        "constrained": constrained,
+        "valid": f"{t['valid']}/{t['cases']}",
+        "valid_share": round(t["valid"] / max(1, t["cases"]), 3),
+        "tokens_per_pass": round(t["tokens"] / passes, 2),
+        "forced_per_pass": round(t["forced"] / passes, 2),
+        "model_per_pass": round((t["tokens"] - t["forced"]) / passes, 2),
+        "tokens": t["tokens"],
+        "tokens_per_s": round(rate, 1),
+        "ms_per_pass": round(1e3 * t["seconds"] / passes, 2),
+        "grammar_ms_per_pass": round(1e3 * t["grammar_s"] / passes, 3),
+        "vs_constrained_plain": round(rate / plain_rate, 2) if plain_rate else None,
+    }
+
+
+def markdown(rows: list[dict]) -> str:
+    head = (
+        "| mode | constraint | valid | tokens/pass (forced + model) | tokens/s | ms/pass | grammar ms/pass "
+        "| vs constrained plain |"
+    )
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['mode']} | {'on' if r['constrained'] else 'off'} | {r['valid']} | {r['tokens_per_pass']} "
+            f"({r['forced_per_pass']} + {r['model_per_pass']}) | {r['tokens_per_s']} | {r['ms_per_pass']} "
+            f"| {r['grammar_ms_per_pass']} | {r['vs_constrained_plain']}x |"
+        )
+    return "\n".join(lines)
+
+
+def run_structured_bench(args, modes: list, model) -> dict:
+    """`mtplm bench --constrained`: the rows over the set's first --prompts cases, written to
+    --out/structured.json and structured.md and printed."""
+    from mtplm.bench.machine import machine
+
+    report = run_structured(model, modes, args.max_new_tokens, CASES[: max(1, args.prompts)])
+    report = {
+        "command": "mtplm bench " + " ".join(getattr(args, "argv", [])),
+        "model": args.model,
+        "dtype": args.dtype,
+        "max_new_tokens": args.max_new_tokens,
+        "machine": machine(),
+        **report,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "structured.json").write_text(json.dumps(report, indent=2))
+    table = markdown(report["rows"])
+    (out / "structured.md").write_text(f"`{report['command']}`\n\n{table}\n")
+    print(table)
+    print(f"\nreport: {out / 'structured.md'}")
+    return report
