@@ -85,6 +85,7 @@ class StaticBackend:
         self._grow(capacity)
         self.compiled_buckets: dict[tuple, float] = {}  # (b, Q, T, adapters) -> compile seconds
         self._quiet = False  # warm() reports its compiles as one line
+        self._identities: dict[tuple[int, int], torch.Tensor] = {}  # (b, Q) -> [b, Q, Q] identity
         self._step: Callable[..., torch.Tensor] = decode_pass
         if compile:
             _use_mtplm_compile_cache()
@@ -215,23 +216,39 @@ class StaticBackend:
     def _inputs(
         self, start: int, feeds: list, lengths: list[int], batch: int, rows: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """ids, positions [b, Q]; lengths [b]; allowed [b, Q, Q]; slots [b] for a padded pass."""
-        ids = torch.zeros(batch, rows, dtype=torch.long)
-        positions = torch.arange(rows).repeat(batch, 1)  # padded rows: any finite position
-        cached = torch.zeros(batch, dtype=torch.long)
-        allowed = torch.eye(rows, dtype=torch.bool).repeat(batch, 1, 1)  # padded rows see themselves
-        slots = torch.full((batch,), self.slots, dtype=torch.long)  # padded entries: the scratch slot
+        """ids, positions [b, Q]; lengths [b]; allowed [b, Q, Q]; slots [b] for a padded pass. Built from
+        Python lists (one torch.tensor each) and a cached identity for `allowed`: a few us a pass."""
+        ids, positions = [0] * (batch * rows), list(range(rows)) * batch  # padded rows: any finite position
+        cached, slots = [0] * batch, [self.slots] * batch  # padded entries: the scratch slot, length 0
+        allowed = self._identity(batch, rows).clone()  # padded rows see themselves
         for i, (feed, past) in enumerate(zip(feeds, lengths, strict=False)):
-            q = len(feed.tokens)
-            offsets, local = feed.layout()  # [q], [q, q]
-            ids[i, :q] = torch.tensor(feed.tokens)
-            positions[i] += past
-            positions[i, :q] = offsets + past
-            cached[i] = past
-            allowed[i, :q, :q] = local
-            slots[i] = start + i
+            q, row = len(feed.tokens), i * rows
+            offsets, local = feed.layout()  # [q], [q, q] (cached layouts: read, never written)
+            ids[row : row + q] = feed.tokens
+            positions[row : row + rows] = [past + offset for offset in offsets.tolist()] + list(
+                range(past + q, past + rows)
+            )
+            cached[i], slots[i] = past, start + i
+            if q > 1:  # one row sees itself: the identity already says so
+                allowed[i, :q, :q] = local
+        built = (
+            torch.tensor(ids).view(batch, rows),
+            torch.tensor(positions).view(batch, rows),
+            torch.tensor(cached),
+            allowed,
+            torch.tensor(slots),
+        )
         device = self.weights.embed.device  # built on the host, moved in one go (a GPU model: five copies)
-        return tuple(t.to(device, non_blocking=True) for t in (ids, positions, cached, allowed, slots))  # type: ignore
+        if device.type == "cpu":
+            return built
+        return tuple(t.to(device, non_blocking=True) for t in built)  # type: ignore
+
+    def _identity(self, batch: int, rows: int) -> torch.Tensor:
+        """[b, Q, Q] bool identities, one per (b, Q), built once (callers clone it)."""
+        found = self._identities.get((batch, rows))
+        if found is None:
+            found = self._identities[(batch, rows)] = torch.eye(rows, dtype=torch.bool).repeat(batch, 1, 1)
+        return found
 
     def _key_length(self, needed: int) -> int:
         if not self.key_buckets:
