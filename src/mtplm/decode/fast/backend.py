@@ -47,8 +47,8 @@ from mtplm.registry import BACKENDS
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
 MIN_KEYS = 128
-# one-sequence buckets of up to this many rows compile the whole pass as one graph (plain decoding's
-# bucket): measured ~23 % faster a pass than 30 per-layer graph calls, but ~20x the cold compile
+# one-sequence buckets of up to this many rows and no <mtp> row compile the whole pass as one graph (plain
+# decoding's bucket): measured ~23 % faster a pass than 30 per-layer graph calls, ~10x the cold compile
 WHOLE_PASS_ROWS = 1
 
 
@@ -86,7 +86,7 @@ class StaticBackend:
         self._identities: dict[tuple[int, int], torch.Tensor] = {}  # (b, Q) -> [b, Q, Q] identity
         self._step: Callable[..., torch.Tensor] = decode_pass
         self._whole: Callable[..., torch.Tensor] | None = None  # the whole pass as one graph
-        self.whole_rows = 0  # one-sequence buckets of up to this many rows take the whole-pass graph
+        self.whole_rows = 0  # one-sequence buckets of up to this many plain rows: the whole-pass graph
         if compile:
             self._step, self._whole = graphs.compile_steps(self.weights, regional, whole_rows)
             self.whole_rows = whole_rows if self._whole is not None else 0
@@ -185,7 +185,8 @@ class StaticBackend:
         first = bucket not in self.compiled_buckets
         began = time.perf_counter()
         limit = 8 * len(ROW_BUCKETS) * 16  # buckets: every (b, Q, T) this backend may meet
-        whole = self._whole is not None and bucket[0] == 1 and bucket[1] <= self.whole_rows
+        hot = bucket[0] == 1 and bucket[1] <= self.whole_rows and not bucket[3]  # one plain sequence
+        whole = self._whole is not None and hot
         step = self._whole if whole else self._step
         with (
             torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=limit),
