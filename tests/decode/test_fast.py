@@ -215,6 +215,29 @@ def test_compiled_graphs_match_and_stay_bounded():
     assert counters["stats"]["unique_graphs"] == 4
 
 
+def test_whole_pass_graphs_and_skipped_guards_match_as_the_store_grows():
+    """Hot one-sequence plain buckets run the whole pass as one graph, the rest a graph per layer; after a
+    bucket's first call only the guards that tell graphs apart run. Both must give the uncompiled pass's rows,
+    also once the store has grown (new shapes: every guard checked again) and for a second model of the same
+    shapes sharing the compiled code."""
+    torch._dynamo.reset()
+    for seed in (0, 1):
+        model = tiny_mtp(gated=True, seed=seed)
+        fast = StaticBackend(model, 1, capacity=16, compile=True, whole_rows=2)
+        eager = StaticBackend(model, 1, capacity=16, compile=False)
+        length = 3
+        with torch.inference_mode():
+            for backend in (fast, eager):
+                backend.run(0, [plain([3, 4, 5])], [0])
+            for i in range(18):  # 1 or 2 plain rows: whole-pass graphs; 3 rows with <mtp>: per-layer graphs
+                feed = [plain([5 + i]), plain([5 + i, 6]), masked(model, [5], 0, 2, False)]
+                got = fast.run(0, [feed[i % 3]], [length])
+                torch.testing.assert_close(got, eager.run(0, [feed[i % 3]], [length]), atol=1e-5, rtol=1e-4)
+                length += 1
+        assert fast.capacity > 16 and fast.whole_rows == 2
+        assert {(1, 1, 32, False), (1, 2, 32, False), (1, 4, 32, True)} <= set(fast.compiled_buckets)
+
+
 def test_unsupported_architectures_are_refused():
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)).eval()
     with pytest.raises(UserError, match="GPT2LMHeadModel"):

@@ -2,7 +2,9 @@
 compiled inside a timed region.
 
 A compiled backend (decode/fast/backend.py) compiles one graph per pass bucket (sequences b, fed rows Q,
-key length T, <mtp> rows or not) the first time a pass needs it. `warm_up` compiles every bucket a
+key length T, <mtp> rows or not) the first time a pass needs it. (one-sequence one-row plain buckets compile
+the whole pass as one graph, the rest one graph per layer: fast/graphs.py; warming goes through the same
+dispatch, so it compiles exactly the graphs the passes will use.) `warm_up` compiles every bucket a
 workload can meet, given its decoding modes, the range of its prompt lengths, its new tokens and its
 batch size, and says in one line on stderr how many and how long: one-sequence passes take every row
 bucket (a prompt's last chunk and a newcomer's first pass can be any width up to 32), batched passes

@@ -1,0 +1,75 @@
+"""How the compiled backend (fast/backend.py) compiles its pass: which functions become graphs, with which
+inductor options, where the compile cache lives, and how much of dynamo's guard checking a call pays.
+
+Measured choices (docs/backends-kernels.md, SmolLM2-135M bf16 on a 2-vCPU Xeon with AMX):
+  - one graph per bucket for a layer, shared by all layers (`regional`): ~2 s cold compile a bucket, but 30
+    graph calls a pass (~3-5 ms of a ~23 ms 1-row pass in guards, wrappers and per-call Python);
+  - the whole pass as one graph: ~23 % faster a 1-row pass, ~20x the cold compile (40-70 s a bucket), so
+    only the hot one-sequence decode buckets take it (WHOLE_PASS_ROWS in backend.py);
+  - on a CPU, inductor's C++ wrapper (`cpp_wrapper`) calls the kernels with no Python between them;
+  - after a bucket's first call, only the guards that tell its cached graphs apart (`guards`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from contextlib import nullcontext
+from functools import partial
+
+import torch
+
+from mtplm.decode.fast.forward import decode_pass, layer
+from mtplm.decode.fast.weights import FastWeights
+
+
+def compile_steps(
+    weights: FastWeights, regional: bool, whole_rows: int
+) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor] | None]:
+    """(the pass for every bucket, the whole-pass graph for the hot buckets or None), both called like
+    decode_pass. `regional`: one graph per bucket for a layer, called once per layer; else the whole pass
+    as one graph for every bucket. On a CPU with `whole_rows`, the regional pass comes with a whole-pass
+    graph for one-sequence buckets of up to that many rows."""
+    _use_mtplm_compile_cache()
+    on_gpu = weights.embed.is_cuda
+    # on a GPU, CUDA graphs replay each bucket's kernels without launch overhead (the store is static)
+    mode = "reduce-overhead" if on_gpu else None
+    compiled = partial(torch.compile, dynamic=False, fullgraph=True, mode=mode)
+    if not regional:
+        return compiled(decode_pass), None
+    # a C++ wrapper for the layer graph (not the whole pass's: 2-3x its 40-60 s cold compile)
+    python_wrapper = on_gpu or weights.quantized  # CUDA graphs; quantized: not measured
+    step = compiled(layer) if python_wrapper else compiled(layer, options={"cpp_wrapper": True})
+    regional_pass = partial(decode_pass, step=_copied(step) if mode else step)
+    return regional_pass, compiled(decode_pass) if whole_rows and not on_gpu else None
+
+
+def _copied(step: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """A per-layer CUDA graph writes every replay into the same output buffer: the next layer's replay would
+    overwrite the input it reads, so each layer's output is copied out first."""
+    return lambda *args: step(*args).clone()
+
+
+def guards(checked: bool):
+    """Dynamo's guards for a compiled call: all of them until a bucket's graph ran once on this store, then
+    only those that tell its cached graphs apart (torch.compiler.set_stance skip_guard_eval_unsafe; ~40 us
+    a layer call otherwise). Safe here because nothing else a bucket's graph guards on changes between
+    passes: the weights, the Shape and the store's shapes are fixed until the store grows (which checks
+    every guard again), and a pass's own tensors are built to the bucket's shapes."""
+    if not checked:
+        return nullcontext()
+    return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+
+
+def _use_mtplm_compile_cache() -> None:
+    """Point inductor's cache at $MTPLM_HOME/inductor unless the user chose a directory. Inductor fills in
+    its own default (a temp dir) the first time anything asks, so that value counts as unset."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    from torch._inductor.utils import clear_caches
+
+    from mtplm.files import home
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(home() / "inductor")
+        clear_caches()
