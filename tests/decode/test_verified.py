@@ -10,7 +10,7 @@ from synthetic import chain_rows, second_token_check
 from mtplm.cache import cache_layers, crop_to, new_cache
 from mtplm.config import DecodeConfig, Thresholds
 from mtplm.decode.loop import generate, stream
-from mtplm.decode.sampling import speculative_accept
+from mtplm.decode.sampling import greedy, speculative_accept
 from mtplm.decode.strategies import make_strategy
 from mtplm.masks import draft_layout
 from mtplm.model import MTPModel
@@ -120,6 +120,22 @@ def test_cache_bookkeeping_and_budget_in_verified_mode(chain_checkpoint):
         assert len(step.tokens) == step.accepted + 1 or emitted + len(step.tokens) == 23
         emitted += len(step.tokens)
     assert emitted == 23
+
+
+def test_greedy_picks_what_argmax_picks_ties_nan_and_inf_included():
+    """Every greedy choice in decoding goes through sampling.greedy (max(-1), faster than argmax on the CPU):
+    ties go to the first maximal index, a NaN counts as the maximum, an all -inf row picks index 0."""
+    inf, nan = float("inf"), float("nan")
+    rows = torch.tensor(
+        [[1.0, 3.0, 3.0, 2.0], [-inf, -inf, -inf, -inf], [0.0, nan, 5.0, nan], [2.0, 2.0, 2.0, 2.0]]
+    )
+    assert greedy(rows).tolist() == [1, 0, 1, 0]
+    assert int(greedy(rows[0])) == 1
+    g = torch.Generator().manual_seed(0)
+    for width in (7, 4096, 49152):  # bf16-rounded logits, cast up: many exact ties, as a bf16 head gives
+        logits = torch.randint(0, 9, (33, width), generator=g).float().bfloat16().float()
+        assert torch.equal(greedy(logits), logits.argmax(-1))
+        assert torch.equal(greedy(logits[5:9]), logits[5:9].argmax(-1))
 
 
 @pytest.mark.parametrize("drafts_from", ["proposal", "argmax"])

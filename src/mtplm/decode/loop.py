@@ -26,6 +26,7 @@ from mtplm.decode.backends import stop_ids as stop_ids
 from mtplm.decode.constraint import ConstrainedLogits, Constraint, trim
 from mtplm.decode.logprobs import TokenLogprob, prompt_logprobs, rows_logprobs, step_logprobs
 from mtplm.decode.protocol import DecodeModel, Drafting, Feed, Outcome, PassLogits, Plan, Strategy
+from mtplm.decode.sampling import greedy
 from mtplm.decode.strategies import make_strategy
 from mtplm.errors import UserError
 from mtplm.model import MTPModel
@@ -222,7 +223,7 @@ class Decoding:
         )
         block = None  # the block whose tokens this pass emits or drafts from
         if plan.emits_block and plan.slots and self.drafter is not None:  # heads draft it before choose
-            block = self._heads(hidden, [], int(rows.next_token[0].argmax()), plan.slots)
+            block = self._heads(hidden, [], int(greedy(rows.next_token[0])), plan.slots)
             rows = rows.with_block(block)
         outcome = self.strategy.choose(plan, rows, self.generator)
         if plan.slots and not plan.emits_block:  # it drafts the next pass from the block after the kept path

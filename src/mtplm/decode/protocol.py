@@ -110,10 +110,11 @@ class Feed:
     @classmethod
     def of(cls, plan: Plan, pending: list[int], slots: int, mask_id: Callable[[], int]) -> Feed:
         """The rows of `plan` behind the `pending` tokens, with `slots` mask slots per block (0: none fed)."""
-        shape = cls([], len(pending), len(plan.drafts), slots, plan.quadratic, plan.parents, plan.anchors)
-        blocks = len(shape.anchors or ())
-        tokens = list(pending) + list(plan.drafts) + ([mask_id()] * (blocks * slots) if blocks else [])
-        return dataclasses.replace(shape, tokens=tokens)
+        drafts, tree = len(plan.drafts), plan.parents is not None
+        anchors = block_anchors(drafts, plan.quadratic, tree) if plan.anchors is None else plan.anchors
+        blocks = len(anchors) if slots else 0
+        tokens = [*pending, *plan.drafts, *([mask_id()] * (blocks * slots) if blocks else ())]
+        return cls(tokens, len(pending), drafts, slots, plan.quadratic, plan.parents, tuple(anchors))
 
     def block_start(self, anchor: int) -> int | None:
         """The first row of the block after draft `anchor`, counted from the last pending token (PassLogits'

