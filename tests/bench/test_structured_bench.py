@@ -35,10 +35,16 @@ def test_every_case_compiles(model):
         ("person", '{"name": "Ada", "age": 36, "city": "Oslo"}', '{"name": "Ada", "age": "3", "city": "x"}'),
         ("pet-enum", '```json\n{"species": "cat", "name": "Tom"}\n```', '{"species": "cow", "name": "Tom"}'),
         ("colors-array", '{"colors": ["red", "green", "blue"]}', '{"colors": ["red", "green"]}'),
-        ("event-date", '{"title": "x", "date": "2026-12-02", "attendees": []}', '{"title": "x", "date": '
-         '"2026-13-45", "attendees": []}'),
-        ("product-number", '{"name": "p", "price": 9.5, "rating": 4}', '{"name": "p", "price": 1, "rating": 6'
-         "}"),
+        (
+            "event-date",
+            '{"title": "x", "date": "2026-12-02", "attendees": []}',
+            '{"title": "x", "date": "2026-13-45", "attendees": []}',
+        ),
+        (
+            "product-number",
+            '{"name": "p", "price": 9.5, "rating": 4}',
+            '{"name": "p", "price": 1, "rating": 6}',
+        ),
         ("date-regex", "1969-07-20", "July 20, 1969"),
         ("clock-regex", " 12:00\n", "12:00 noon"),
     ],

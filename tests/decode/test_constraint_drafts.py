@@ -15,8 +15,11 @@ from mtplm.decode.strategies import make_strategy
 
 SCHEMA = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 6}, "tags": {"type": "array", "maxItems": 3,
-                   "items": {"enum": ["admin", "user"]}}, "count": {"type": "integer", "maximum": 99}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "tags": {"type": "array", "maxItems": 3, "items": {"enum": ["admin", "user"]}},
+        "count": {"type": "integer", "maximum": 99},
+    },
     "required": ["name", "tags", "count"],
 }
 # the prompt repeats JSON the grammar does not allow here, so lookup copies drafts it rejects
@@ -30,7 +33,12 @@ def _fed_chains(model, cfg: DecodeConfig) -> tuple[list[int], int, int, int]:
     backend = EagerBackend(model, slots=1)
     strategy = make_strategy(cfg, Thresholds())
     sequence = Decoding(
-        describe(model, backend), ids, strategy, cfg.max_new_tokens, stop_ids(model), 0,
+        describe(model, backend),
+        ids,
+        strategy,
+        cfg.max_new_tokens,
+        stop_ids(model),
+        0,
         constraint=grammar.start(),
     )
     planned, original = [], strategy.plan
