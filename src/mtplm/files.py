@@ -47,4 +47,6 @@ def atomic_dir(target: Path, write) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    for stale in target.parent.glob(f".{target.name}.*"):  # a killed writer's half-written folder
+        shutil.rmtree(stale, ignore_errors=True)
     return target
