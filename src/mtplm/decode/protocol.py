@@ -103,18 +103,17 @@ class Feed:
     anchors: tuple[int, ...] | None = None  # the drafts the blocks follow; None: masks.block_anchors' default
 
     def __post_init__(self) -> None:
-        tree = self.parents is not None
-        anchors = block_anchors(self.drafts, self.quadratic, tree) if self.anchors is None else self.anchors
-        object.__setattr__(self, "anchors", tuple(anchors) if self.slots else ())
+        anchors = _anchors(self.drafts, self.quadratic, self.parents, self.anchors)
+        object.__setattr__(self, "anchors", anchors if self.slots else ())
 
     @classmethod
     def of(cls, plan: Plan, pending: list[int], slots: int, mask_id: Callable[[], int]) -> Feed:
         """The rows of `plan` behind the `pending` tokens, with `slots` mask slots per block (0: none fed)."""
-        drafts, tree = len(plan.drafts), plan.parents is not None
-        anchors = block_anchors(drafts, plan.quadratic, tree) if plan.anchors is None else plan.anchors
+        drafts = len(plan.drafts)
+        anchors = _anchors(drafts, plan.quadratic, plan.parents, plan.anchors)
         blocks = len(anchors) if slots else 0
         tokens = [*pending, *plan.drafts, *([mask_id()] * (blocks * slots) if blocks else ())]
-        return cls(tokens, len(pending), drafts, slots, plan.quadratic, plan.parents, tuple(anchors))
+        return cls(tokens, len(pending), drafts, slots, plan.quadratic, plan.parents, anchors)
 
     def block_start(self, anchor: int) -> int | None:
         """The first row of the block after draft `anchor`, counted from the last pending token (PassLogits'
@@ -242,3 +241,10 @@ class DecodeModel:
     drafter: Callable[[], Drafter] | None  # heads: a new sequence's drafter
     stop_ids: frozenset[int]  # end-of-sequence ids
     thresholds: Thresholds | None  # the checkpoint's decoding defaults; None for a base model
+
+
+def _anchors(
+    drafts: int, quadratic: bool, parents: tuple[int, ...] | None, anchors: tuple[int, ...] | None
+) -> tuple[int, ...]:
+    """The drafts a pass's mask blocks follow: the plan's own, else masks.block_anchors' default."""
+    return tuple(block_anchors(drafts, quadratic, parents is not None) if anchors is None else anchors)

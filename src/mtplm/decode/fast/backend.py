@@ -48,7 +48,8 @@ from mtplm.registry import BACKENDS
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
 MIN_KEYS = 128
 # one-sequence buckets of up to this many rows and no <mtp> row compile the whole pass as one graph (plain
-# decoding's bucket): measured ~23 % faster a pass than 30 per-layer graph calls, ~10x the cold compile
+# decoding's bucket): measured 18.6 against 24.2 ms a 1-row pass, but 37-61 s a cold compile against 3-5 s
+# (docs/backends-kernels.md)
 WHOLE_PASS_ROWS = 1
 
 
@@ -186,8 +187,7 @@ class StaticBackend:
         began = time.perf_counter()
         limit = 8 * len(ROW_BUCKETS) * 16  # buckets: every (b, Q, T) this backend may meet
         hot = bucket[0] == 1 and bucket[1] <= self.whole_rows and not bucket[3]  # one plain sequence
-        whole = self._whole is not None and hot
-        step = self._whole if whole else self._step
+        step = self._whole if hot and self._whole is not None else self._step
         with (
             torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=limit),
             graphs.guards(bucket in self._guarded),

@@ -4,8 +4,9 @@ inductor options, where the compile cache lives, and how much of dynamo's guard 
 Measured choices (docs/backends-kernels.md, SmolLM2-135M bf16 on a 2-vCPU Xeon with AMX):
   - one graph per bucket for a layer, shared by all layers (`regional`): ~2 s cold compile a bucket, but 30
     graph calls a pass (~3-5 ms of a ~23 ms 1-row pass in guards, wrappers and per-call Python);
-  - the whole pass as one graph: ~23 % faster a 1-row pass, ~20x the cold compile (40-70 s a bucket), so
-    only the hot one-sequence decode buckets take it (WHOLE_PASS_ROWS in backend.py);
+  - the whole pass as one graph: 18.6 against 24.2 ms a 1-row pass, but 37-61 s a cold compile a bucket
+    (3-5 s per layer graph), so only the hot one-sequence decode buckets take it (WHOLE_PASS_ROWS in
+    backend.py); it loads in ~3.5 s from a warm cache;
   - on a CPU, inductor's C++ wrapper (`cpp_wrapper`) calls the kernels with no Python between them;
   - after a bucket's first call, only the guards that tell its cached graphs apart (`guards`).
 """
