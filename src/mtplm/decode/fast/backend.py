@@ -193,7 +193,7 @@ class StaticBackend:
             graphs.guards(bucket in self._guarded),
         ):
             try:
-                hidden = step(self.weights, self.keys, self.values, *inputs, *bucket[2:])  # type: ignore
+                hidden = step(self.weights, self.keys, self.values, *inputs, *bucket[2:])
             except torch._dynamo.exc.BackendCompilerFailed as exc:  # e.g. the C++ compiler failed
                 if not first:
                     raise
