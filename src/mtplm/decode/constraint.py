@@ -94,7 +94,7 @@ def compile(spec: Spec, tokenizer, stop_ids: Iterable[int]) -> Grammar:
             f"{spec.name}: this model's tokenizer is not one the grammar engine can read "
             f"({_one_line(str(exc))})"
         ) from None
-    grammar = Grammar(spec, engine_tokenizer, stops, len(tokenizer))
+    grammar = Grammar(spec, engine_tokenizer, stops, len(tokenizer), tokenizer.eos_token_id)
     with _LOCK:
         cached = _GRAMMARS.setdefault(tokenizer, {})
         if len(cached) >= MAX_CACHED:
@@ -114,10 +114,15 @@ def _one_line(message: str) -> str:
 class Grammar:
     """A checked grammar over one tokenizer: `start()` gives each sequence its own Constraint."""
 
-    def __init__(self, spec: Spec, ll_tokenizer, stop_ids: frozenset[int], vocab: int) -> None:
+    def __init__(
+        self, spec: Spec, ll_tokenizer, stop_ids: frozenset[int], vocab: int, end_token: int | None = None
+    ) -> None:
         import llguidance
 
         self.spec, self.stop_ids, self.vocab = spec, stop_ids, vocab
+        # the stop token emitted when the grammar is finished and allows nothing else (loop.py): the
+        # tokenizer's end of sequence where it is a stop id, else the smallest stop id
+        self.end_token = end_token if end_token in stop_ids else min(stop_ids, default=-1)
         try:
             text = _grammar_text(spec)
         except ValueError as exc:
