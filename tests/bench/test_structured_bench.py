@@ -77,6 +77,7 @@ def test_constrained_rows_are_valid_and_split_forced_from_model_tokens(model):
         assert on["forced_per_pass"] > 0  # "-" and ":" in the regexes are forced
         assert on["vs_constrained_plain"] is not None
     assert rows[("ntp", True)]["vs_constrained_plain"] == 1.0
+    assert rows[("ntp", False)]["vs_free_plain"] == 1.0  # the baseline without jump-forward
     assert all(rows[(m, False)]["forced_per_pass"] == 0 for m, _ in modes)
     assert set(report["compile_ms"]) == {case.name for case in cases}
 
