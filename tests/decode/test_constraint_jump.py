@@ -141,3 +141,52 @@ def test_no_forced_end_with_logprobs(model):
             passes += 1
             assert step.logprobs is not None and len(step.logprobs) == len(step.tokens)
     assert passes > 1 and step.complete
+
+
+def test_schema_strings_are_names_and_string_values_in_order():
+    from mtplm.decode.constraint_drafts import schema_strings
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "kind": {"enum": ["admin", "user", 3]},
+            "inner": {"type": "object", "properties": {"flag": {"const": "on"}, "kind": {"type": "string"}}},
+        },
+    }
+    assert schema_strings(schema) == ["kind", "inner", "admin", "user", "flag", "on"]
+
+
+def test_schema_strings_are_drafted_at_choice_points_and_tokens_stay_plain(model):
+    """verified:lookup with nothing to copy at an enum: one of the schema's strings is fed as drafts (only
+    where the grammar allows few tokens, never inside a free string), and the output is constrained
+    plain's."""
+    from mtplm.decode.constraint_drafts import NARROW
+
+    cfg = DecodeConfig(mode="verified", drafting="lookup", max_new_tokens=80)
+    ids = model.tokenizer('{"kind": "', add_special_tokens=False)["input_ids"]
+    backend = EagerBackend(model, slots=1)
+    grammar = C.compile(C.json_schema(SCHEMA), model.tokenizer, stop_ids(model))
+    assert grammar.literals
+    strategy = make_strategy(cfg, Thresholds())
+    sequence = Decoding(
+        describe(model, backend), ids, strategy, 80, stop_ids(model), 0, constraint=grammar.start()
+    )
+    planned, original = [], strategy.plan
+
+    def plan(*args, **kwargs):
+        planned.append(original(*args, **kwargs))
+        return planned[-1]
+
+    strategy.plan = plan
+    tokens, literal_passes, kv = [], 0, backend.kv(0)
+    with torch.inference_mode():
+        while not sequence.done:
+            feed = sequence.feed()
+            if sequence.plan.drafts and not planned[-1].drafts:  # drafts the strategy did not propose
+                literal_passes += 1
+                assert int(sequence.constraint.mask().sum()) <= NARROW
+            hidden = backend.run(0, [feed], [sequence.past])[0, : len(feed.tokens)]
+            tokens += sequence.advance(hidden, kv, model.head(hidden[feed.pending - 1 :])).tokens
+    assert literal_passes >= 1
+    plain = generate(model, ids, DecodeConfig(mode="ntp", max_new_tokens=80), constraint=grammar.start())
+    assert tokens == plain.tokens

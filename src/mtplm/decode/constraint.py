@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mtplm.decode.constraint_drafts import literal_drafts
 from mtplm.decode.constraint_spec import KINDS, Spec, any_json_object, json_schema
 from mtplm.decode.protocol import Outcome, PassLogits
 from mtplm.errors import UserError
@@ -95,6 +96,8 @@ def compile(spec: Spec, tokenizer, stop_ids: Iterable[int]) -> Grammar:
             f"({_one_line(str(exc))})"
         ) from None
     grammar = Grammar(spec, engine_tokenizer, stops, len(tokenizer), tokenizer.eos_token_id)
+    if spec.kind == "json_schema":  # the schema's own strings, as drafts (constraint_drafts.py)
+        grammar.literals = literal_drafts(spec.source, tokenizer)
     with _LOCK:
         cached = _GRAMMARS.setdefault(tokenizer, {})
         if len(cached) >= MAX_CACHED:
@@ -113,6 +116,8 @@ def _one_line(message: str) -> str:
 
 class Grammar:
     """A checked grammar over one tokenizer: `start()` gives each sequence its own Constraint."""
+
+    literals: list[tuple[int, ...]] = []  # token spellings of a JSON schema's strings (compile sets them)
 
     def __init__(
         self, spec: Spec, ll_tokenizer, stop_ids: frozenset[int], vocab: int, end_token: int | None = None

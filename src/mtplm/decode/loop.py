@@ -24,6 +24,7 @@ from mtplm.config import DecodeConfig
 from mtplm.decode.backends import KV, Backend, EagerBackend, describe
 from mtplm.decode.backends import stop_ids as stop_ids
 from mtplm.decode.constraint import ConstrainedLogits, Constraint, trim
+from mtplm.decode.constraint_drafts import literal_plan
 from mtplm.decode.logprobs import TokenLogprob, prompt_logprobs, rows_logprobs, step_logprobs
 from mtplm.decode.protocol import DecodeModel, Drafting, Feed, Outcome, PassLogits, Plan, Strategy
 from mtplm.decode.sampling import greedy
@@ -191,16 +192,16 @@ class Decoding:
         if plan.parents is None and plan.proposal is None and plan.drafts:
             plan = self._pruned(plan)
         if self.logprobs is not None or self._covers(plan, forced := self.constraint.forced()):
-            return plan
+            return literal_plan(self.constraint, plan, self.text, self.budget)
         if not self._take_forced(forced, self.budget - 1):
-            return plan
+            return literal_plan(self.constraint, plan, self.text, self.budget)
         self.budget -= len(self.forced)
         if self.last is not None:  # they followed the text before the forced run: none can be kept now
             self.last = self.last.replace(drafts=(), proposal=None, block=None)
         plan = self.strategy.plan(self.text, self.budget, self.last)
         if plan.parents is None and plan.proposal is None and plan.drafts:
             plan = self._pruned(plan)
-        return plan
+        return literal_plan(self.constraint, plan, self.text, self.budget)
 
     @staticmethod
     def _covers(plan: Plan, forced: list[int]) -> bool:
