@@ -20,6 +20,9 @@ from pathlib import Path
 
 from mtplm.bench.structured_set import CASES, Case, spec_of, valid
 
+# constrained plain decoding spending a pass on every token, forced ones too (no jump-forward): what a
+# constrained server without jump-forward does
+NO_JUMP = "ntp no-jump-forward"
 _ENGINE_CALLS = ("masks_along", "forced", "accepts", "advance")  # mask() runs inside masks_along
 
 
@@ -82,6 +85,7 @@ def run_structured(
     grammars = [compile(spec_of(case), model.tokenizer, stops) for case in cases]
     prompts = [chat_prompt_ids(model.tokenizer, case.prompt) for case in cases]
     rows = [(name, _with_limit(cfg, max_new_tokens), c) for name, cfg in modes for c in (False, True)]
+    rows += [(NO_JUMP, cfg, True) for name, cfg, c in rows if name == "ntp" and c]  # the baseline
     totals = {(name, c): _empty() for name, _, c in rows}
     answers: dict = {(name, c): [] for name, _, c in rows}
     runner = make_backend(backend, model, slots=1)
@@ -91,7 +95,7 @@ def run_structured(
         generate(model, prompts[0], cfg, backend=runner, constraint=grammars[0].start() if c else None)
     for case, ids, grammar in zip(cases, prompts, grammars, strict=True):
         for name, cfg, c in rows:
-            run = partial(_timed, model, ids, cfg, runner, grammar if c else None)
+            run = partial(_timed, model, ids, cfg, runner, grammar if c else None, name != NO_JUMP)
             out, spent = untimed_compiles(run, runner)
             text = model.tokenizer.decode(out.tokens, skip_special_tokens=True)
             ok = valid(case, text, grammar, model.tokenizer)
@@ -108,12 +112,14 @@ def run_structured(
     }
 
 
-def _timed(model, ids: list[int], cfg, runner, grammar) -> tuple:
-    """One generation on `runner` (under `grammar` unless None) and the grammar engine's seconds in it."""
+def _timed(model, ids: list[int], cfg, runner, grammar, jump: bool = True) -> tuple:
+    """One generation on `runner` (under `grammar` unless None, with jump-forward unless `jump` is False)
+    and the grammar engine's seconds in it."""
     from mtplm.decode.loop import generate
 
+    constraint = grammar.start(jump_forward=jump) if grammar else None
     with grammar_clock() as spent:
-        out = generate(model, ids, cfg, backend=runner, constraint=grammar.start() if grammar else None)
+        out = generate(model, ids, cfg, backend=runner, constraint=constraint)
     return out, spent
 
 

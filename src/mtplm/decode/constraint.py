@@ -143,8 +143,12 @@ class Grammar:
         if first._m.is_error() or (not first.accepting and not allowed):
             raise UserError(f"{spec.name}: matches no text at all (nothing can be generated under it)")
 
-    def start(self) -> Constraint:
-        return Constraint(self, self._matcher.deep_copy())
+    def start(self, jump_forward: bool = True) -> Constraint:
+        """A sequence's constraint at the start; `jump_forward=False` has the loop spend a pass on every
+        token, forced ones too (a baseline: what a server without jump-forward does)."""
+        constraint = Constraint(self, self._matcher.deep_copy())
+        constraint.jump_forward = jump_forward
+        return constraint
 
 
 def _unpack(bits: np.ndarray, vocab: int) -> torch.Tensor:
@@ -159,6 +163,7 @@ class Constraint:
         self.grammar, self._m = grammar, matcher
         self._words = (grammar.vocab + 31) // 32
         self._mask: torch.Tensor | None = None  # of the current state
+        self.jump_forward = True  # the loop takes forced runs and the forced end without a pass (loop.py)
 
     @property
     def accepting(self) -> bool:
@@ -307,7 +312,9 @@ class Constraint:
             self._m.rollback(len(tokens))
 
     def copy(self) -> Constraint:
-        return Constraint(self.grammar, self._m.deep_copy())
+        copied = Constraint(self.grammar, self._m.deep_copy())
+        copied.jump_forward = self.jump_forward
+        return copied
 
 
 class ConstrainedLogits(PassLogits):

@@ -172,8 +172,10 @@ class Decoding:
         """The plan's draft chain cut at its first token the grammar rejects (verification could never keep
         it nor anything after it), and a chain without blocks then extended by the tokens the grammar forces
         after it (drafts the masked rows cannot reject: the pass's new token lands after them, not on them).
-        Greedy or copied drafts only: cutting a sampled draft would change what speculative sampling draws."""
+        Greedy or copied chains only (docs/structured.md: cutting a sampled draft would not be exact)."""
         assert self.constraint is not None
+        if plan.parents is not None or plan.proposal is not None or not plan.drafts:
+            return plan
         kept = plan.drafts[: self.constraint.accepts(plan.drafts)]
         if kept and kept[-1] in self.stop_ids:
             return replace(plan, drafts=kept)
@@ -189,18 +191,13 @@ class Decoding:
         come out at the front of its Step), the strategy's stale drafts dropped, and the strategy plans
         again after them. Not when logprobs are asked for (every token then gets its pass's scores)."""
         assert self.constraint is not None
-        if plan.parents is None and plan.proposal is None and plan.drafts:
-            plan = self._pruned(plan)
-        if self.logprobs is not None or self._covers(plan, forced := self.constraint.forced()):
-            return literal_plan(self.constraint, plan, self.text, self.budget)
-        if not self._take_forced(forced, self.budget - 1):
-            return literal_plan(self.constraint, plan, self.text, self.budget)
-        self.budget -= len(self.forced)
-        if self.last is not None:  # they followed the text before the forced run: none can be kept now
-            self.last = self.last.replace(drafts=(), proposal=None, block=None)
-        plan = self.strategy.plan(self.text, self.budget, self.last)
-        if plan.parents is None and plan.proposal is None and plan.drafts:
-            plan = self._pruned(plan)
+        plan, jump = self._pruned(plan), self.logprobs is None and self.constraint.jump_forward
+        forced = self.constraint.forced() if jump else []
+        if jump and not self._covers(plan, forced) and self._take_forced(forced, self.budget - 1):
+            self.budget -= len(self.forced)
+            if self.last is not None:  # they followed the text before the forced run: none can be kept now
+                self.last = self.last.replace(drafts=(), proposal=None, block=None)
+            plan = self._pruned(self.strategy.plan(self.text, self.budget, self.last))
         return literal_plan(self.constraint, plan, self.text, self.budget)
 
     @staticmethod
@@ -230,7 +227,7 @@ class Decoding:
         of costing a pass (not with logprobs: each token then gets its pass's scores)."""
         assert self.constraint is not None
         room = self.produced + emitting < self.max_new_tokens
-        return room and self.logprobs is None and self.constraint.finished
+        return room and self.logprobs is None and self.constraint.jump_forward and self.constraint.finished
 
     def _mask_id(self) -> int:
         if self.model.mask_id is None:
