@@ -4,6 +4,10 @@ pass split into forced and model tokens, speed, grammar ms per pass, speed vs co
 The same rows as `mtplm bench --prompt-set structured --constrained`. Usage (under the shared lock):
 
     flock /tmp/mtplm-heavy.lock python scripts/structured_bench.py [--model smollm2-135m-mtp] [--n 128]
+        [--dtype bf16] [--backend auto]
+
+The defaults are the product's: bf16 on the `auto` backend (the compiled pass for Llama models, warmed
+before anything is timed).
 
 Prints one JSON line per row, then the Markdown table; --json PATH writes the whole report. Measures, never
 asserts.
@@ -28,7 +32,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2-135m-mtp")
     parser.add_argument("--n", type=int, default=128, help="max new tokens per answer")
-    parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--backend", default="auto", help="auto: compiled for Llama | eager | ...")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--cases", default=None, help="comma list of case names (default: all)")
     parser.add_argument("--json", type=Path, default=None, help="write the whole report here")
@@ -39,7 +44,7 @@ def main() -> None:
     from mtplm.bench.structured_set import CASES
 
     cases = [c for c in CASES if args.cases is None or c.name in args.cases.split(",")]
-    report = run_structured(model, modes, args.n, cases)
+    report = run_structured(model, modes, args.n, cases, args.backend)
     for row in report["rows"]:
         print(json.dumps(row), flush=True)
     print(json.dumps({"compile_ms": report["compile_ms"]}))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from grammar_model import json_mtp
-from mtplm.bench.structured import run_structured
+from mtplm.bench.structured import NO_JUMP, run_structured
 from mtplm.bench.structured_set import CASES, spec_of, valid
 from mtplm.config import parse_mode
 from mtplm.decode.constraint import compile
@@ -70,13 +70,16 @@ def test_constrained_rows_are_valid_and_split_forced_from_model_tokens(model):
     modes = [("ntp", parse_mode("ntp")), ("verified:lookup", parse_mode("verified:lookup"))]
     report = run_structured(model, modes, 48, cases)
     rows = {(r["mode"], r["constrained"]): r for r in report["rows"]}
-    assert set(rows) == {(m, c) for m, _ in modes for c in (False, True)}
+    assert set(rows) == {(m, c) for m, _ in modes for c in (False, True)} | {(NO_JUMP, True)}
+    # without jump-forward every token costs a pass; with it, forced runs ride along
+    assert rows[(NO_JUMP, True)]["tokens_per_pass"] == 1.0 < rows[("ntp", True)]["tokens_per_pass"]
     for mode, _ in modes:
         on = rows[(mode, True)]
         assert on["tokens_per_pass"] == pytest.approx(on["forced_per_pass"] + on["model_per_pass"], abs=0.011)
         assert on["forced_per_pass"] > 0  # "-" and ":" in the regexes are forced
         assert on["vs_constrained_plain"] is not None
     assert rows[("ntp", True)]["vs_constrained_plain"] == 1.0
+    assert rows[("ntp", False)]["vs_free_plain"] == 1.0  # the baseline without jump-forward
     assert all(rows[(m, False)]["forced_per_pass"] == 0 for m, _ in modes)
     assert set(report["compile_ms"]) == {case.name for case in cases}
 

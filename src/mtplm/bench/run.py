@@ -242,7 +242,7 @@ def run_bench(args) -> dict:
 
 
 def _constrained(args, modes: list) -> dict:
-    """`--constrained`: the constrained structured set on the eager pass (bench/structured.py)."""
+    """`--constrained`: the constrained structured set on --backend, warmed first (bench/structured.py)."""
     from mtplm.bench.structured import run_structured_bench
 
     if args.prompt_set != "structured":

@@ -4,7 +4,9 @@ per row the share of answers that validate, tokens per pass split into forced an
 speed, the grammar engine's share of a pass, and speed against constrained plain decoding.
 
 Cases run interleaved (case 1 in every row, then case 2, ...) after one untimed warm-up generation per row,
-so machine noise spreads over the rows. Measures, never asserts.
+so machine noise spreads over the rows. On a compiled backend every bucket the rows can meet is compiled
+first (decode/warm.py) and a generation that compiled anyway is timed again, so no compile is timed.
+Measures, never asserts.
 """
 
 from __future__ import annotations
@@ -13,10 +15,14 @@ import json
 import time
 from contextlib import contextmanager
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 from mtplm.bench.structured_set import CASES, Case, spec_of, valid
 
+# constrained plain decoding spending a pass on every token, forced ones too (no jump-forward): what a
+# constrained server without jump-forward does
+NO_JUMP = "ntp no-jump-forward"
 _ENGINE_CALLS = ("masks_along", "forced", "accepts", "advance")  # mask() runs inside masks_along
 
 
@@ -62,11 +68,16 @@ def compile_ms(model, cases: list[Case]) -> dict[str, float]:
     return out
 
 
-def run_structured(model, modes: list, max_new_tokens: int, cases: list[Case] | None = None) -> dict:
-    """Rows for every (mode, constrained) pair over `cases` (default: the whole set); `modes` is a list of
-    (name, DecodeConfig) with plain decoding ("ntp") among them."""
+def run_structured(
+    model, modes: list, max_new_tokens: int, cases: list[Case] | None = None, backend: str = "eager"
+) -> dict:
+    """Rows for every (mode, constrained) pair over `cases` (default: the whole set) on `backend` (a name,
+    `auto` as the product resolves it); `modes` is a list of (name, DecodeConfig) with plain decoding
+    ("ntp") among them."""
+    from mtplm.decode.backends import make_backend, resolve_backend
     from mtplm.decode.constraint import compile
     from mtplm.decode.loop import generate, stop_ids
+    from mtplm.decode.warm import untimed_compiles, warm_up
     from mtplm.text import chat_prompt_ids
 
     cases = list(cases or CASES)
@@ -74,25 +85,42 @@ def run_structured(model, modes: list, max_new_tokens: int, cases: list[Case] | 
     grammars = [compile(spec_of(case), model.tokenizer, stops) for case in cases]
     prompts = [chat_prompt_ids(model.tokenizer, case.prompt) for case in cases]
     rows = [(name, _with_limit(cfg, max_new_tokens), c) for name, cfg in modes for c in (False, True)]
+    rows += [(NO_JUMP, cfg, True) for name, cfg, c in rows if name == "ntp" and c]  # the baseline
     totals = {(name, c): _empty() for name, _, c in rows}
     answers: dict = {(name, c): [] for name, _, c in rows}
+    runner = make_backend(backend, model, slots=1)
+    lengths = (min(map(len, prompts)), max(map(len, prompts)))
+    warm_up(runner, model, [cfg for _, cfg, _ in rows], lengths, max_new_tokens, what="the structured set")
     for _name, cfg, c in rows:  # warm-up, untimed
-        generate(model, prompts[0], cfg, constraint=grammars[0].start() if c else None)
+        generate(model, prompts[0], cfg, backend=runner, constraint=grammars[0].start() if c else None)
     for case, ids, grammar in zip(cases, prompts, grammars, strict=True):
         for name, cfg, c in rows:
-            with grammar_clock() as spent:
-                out = generate(model, ids, cfg, constraint=grammar.start() if c else None)
+            run = partial(_timed, model, ids, cfg, runner, grammar if c else None, name != NO_JUMP)
+            out, spent = untimed_compiles(run, runner)
             text = model.tokenizer.decode(out.tokens, skip_special_tokens=True)
             ok = valid(case, text, grammar, model.tokenizer)
             _add(totals[(name, c)], out, ok, spent[0])
             answers[(name, c)].append({"case": case.name, "valid": ok, "text": text})
-    table = [_row(name, c, totals[(name, c)], totals.get(("ntp", True))) for name, _, c in rows]
+    plain = totals.get(("ntp", True)), totals.get(("ntp", False))
+    table = [_row(name, c, totals[(name, c)], *plain) for name, _, c in rows]
     return {
         "rows": table,
+        "backend": resolve_backend(backend, model),
         "compile_ms": compile_ms(model, cases),
         "cases": [asdict(case) for case in cases],
         "answers": {f"{name}|{'constrained' if c else 'free'}": a for (name, c), a in answers.items()},
     }
+
+
+def _timed(model, ids: list[int], cfg, runner, grammar, jump: bool = True) -> tuple:
+    """One generation on `runner` (under `grammar` unless None, with jump-forward unless `jump` is False)
+    and the grammar engine's seconds in it."""
+    from mtplm.decode.loop import generate
+
+    constraint = grammar.start(jump_forward=jump) if grammar else None
+    with grammar_clock() as spent:
+        out = generate(model, ids, cfg, backend=runner, constraint=constraint)
+    return out, spent
 
 
 def _with_limit(cfg, max_new_tokens: int):
@@ -115,9 +143,15 @@ def _add(total: dict, out, ok: bool, grammar_s: float) -> None:
     total["grammar_s"] += grammar_s
 
 
-def _row(name: str, constrained: bool, t: dict, plain: dict | None) -> dict:
+def _rate(t: dict | None) -> float | None:
+    return t["tokens"] / max(1e-9, t["seconds"]) if t else None
+
+
+def _row(name: str, constrained: bool, t: dict, plain: dict | None, free: dict | None = None) -> dict:
+    """One row; `plain` and `free` are constrained and unconstrained plain decoding's totals (unconstrained
+    plain spends a pass on every token: what constrained decoding costs without jump-forward)."""
     passes, rate = max(1, t["passes"]), t["tokens"] / max(1e-9, t["seconds"])
-    plain_rate = plain["tokens"] / max(1e-9, plain["seconds"]) if plain else None
+    plain_rate, free_rate = _rate(plain), _rate(free)
     return {
         "mode": name,
         "constrained": constrained,
@@ -131,20 +165,21 @@ def _row(name: str, constrained: bool, t: dict, plain: dict | None) -> dict:
         "ms_per_pass": round(1e3 * t["seconds"] / passes, 2),
         "grammar_ms_per_pass": round(1e3 * t["grammar_s"] / passes, 3),
         "vs_constrained_plain": round(rate / plain_rate, 2) if plain_rate else None,
+        "vs_free_plain": round(rate / free_rate, 2) if free_rate else None,
     }
 
 
 def markdown(rows: list[dict]) -> str:
     head = (
         "| mode | constraint | valid | tokens/pass (forced + model) | tokens/s | ms/pass | grammar ms/pass "
-        "| vs constrained plain |"
+        "| vs constrained plain | vs free plain |"
     )
-    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['mode']} | {'on' if r['constrained'] else 'off'} | {r['valid']} | {r['tokens_per_pass']} "
             f"({r['forced_per_pass']} + {r['model_per_pass']}) | {r['tokens_per_s']} | {r['ms_per_pass']} "
-            f"| {r['grammar_ms_per_pass']} | {r['vs_constrained_plain']}x |"
+            f"| {r['grammar_ms_per_pass']} | {r['vs_constrained_plain']}x | {r.get('vs_free_plain')}x |"
         )
     return "\n".join(lines)
 
@@ -154,7 +189,8 @@ def run_structured_bench(args, modes: list, model) -> dict:
     --out/structured.json and structured.md and printed."""
     from mtplm.bench.machine import machine
 
-    report = run_structured(model, modes, args.max_new_tokens, CASES[: max(1, args.prompts)])
+    cases = CASES[: max(1, args.prompts)]
+    report = run_structured(model, modes, args.max_new_tokens, cases, args.backend)
     report = {
         "command": "mtplm bench " + " ".join(getattr(args, "argv", [])),
         "model": args.model,

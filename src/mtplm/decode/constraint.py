@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mtplm.decode.constraint_drafts import literal_drafts
 from mtplm.decode.constraint_spec import KINDS, Spec, any_json_object, json_schema
 from mtplm.decode.protocol import Outcome, PassLogits
 from mtplm.errors import UserError
@@ -94,7 +95,9 @@ def compile(spec: Spec, tokenizer, stop_ids: Iterable[int]) -> Grammar:
             f"{spec.name}: this model's tokenizer is not one the grammar engine can read "
             f"({_one_line(str(exc))})"
         ) from None
-    grammar = Grammar(spec, engine_tokenizer, stops, len(tokenizer))
+    grammar = Grammar(spec, engine_tokenizer, stops, len(tokenizer), tokenizer.eos_token_id)
+    if spec.kind == "json_schema":  # the schema's own strings, as drafts (constraint_drafts.py)
+        grammar.literals = literal_drafts(spec.source, tokenizer)
     with _LOCK:
         cached = _GRAMMARS.setdefault(tokenizer, {})
         if len(cached) >= MAX_CACHED:
@@ -114,10 +117,17 @@ def _one_line(message: str) -> str:
 class Grammar:
     """A checked grammar over one tokenizer: `start()` gives each sequence its own Constraint."""
 
-    def __init__(self, spec: Spec, ll_tokenizer, stop_ids: frozenset[int], vocab: int) -> None:
+    literals: list[tuple[int, ...]] = []  # token spellings of a JSON schema's strings (compile sets them)
+
+    def __init__(
+        self, spec: Spec, ll_tokenizer, stop_ids: frozenset[int], vocab: int, end_token: int | None = None
+    ) -> None:
         import llguidance
 
         self.spec, self.stop_ids, self.vocab = spec, stop_ids, vocab
+        # the stop token emitted when the grammar is finished and allows nothing else (loop.py): the
+        # tokenizer's end of sequence where it is a stop id, else the smallest stop id
+        self.end_token = end_token if end_token in stop_ids else min(stop_ids, default=-1)
         try:
             text = _grammar_text(spec)
         except ValueError as exc:
@@ -133,8 +143,12 @@ class Grammar:
         if first._m.is_error() or (not first.accepting and not allowed):
             raise UserError(f"{spec.name}: matches no text at all (nothing can be generated under it)")
 
-    def start(self) -> Constraint:
-        return Constraint(self, self._matcher.deep_copy())
+    def start(self, jump_forward: bool = True) -> Constraint:
+        """A sequence's constraint at the start; `jump_forward=False` has the loop spend a pass on every
+        token, forced ones too (a baseline: what a server without jump-forward does)."""
+        constraint = Constraint(self, self._matcher.deep_copy())
+        constraint.jump_forward = jump_forward
+        return constraint
 
 
 def _unpack(bits: np.ndarray, vocab: int) -> torch.Tensor:
@@ -149,6 +163,7 @@ class Constraint:
         self.grammar, self._m = grammar, matcher
         self._words = (grammar.vocab + 31) // 32
         self._mask: torch.Tensor | None = None  # of the current state
+        self.jump_forward = True  # the loop takes forced runs and the forced end without a pass (loop.py)
 
     @property
     def accepting(self) -> bool:
@@ -297,7 +312,9 @@ class Constraint:
             self._m.rollback(len(tokens))
 
     def copy(self) -> Constraint:
-        return Constraint(self.grammar, self._m.deep_copy())
+        copied = Constraint(self.grammar, self._m.deep_copy())
+        copied.jump_forward = self.jump_forward
+        return copied
 
 
 class ConstrainedLogits(PassLogits):

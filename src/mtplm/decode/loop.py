@@ -24,6 +24,7 @@ from mtplm.config import DecodeConfig
 from mtplm.decode.backends import KV, Backend, EagerBackend, describe
 from mtplm.decode.backends import stop_ids as stop_ids
 from mtplm.decode.constraint import ConstrainedLogits, Constraint, trim
+from mtplm.decode.constraint_drafts import literal_plan
 from mtplm.decode.logprobs import TokenLogprob, prompt_logprobs, rows_logprobs, step_logprobs
 from mtplm.decode.protocol import DecodeModel, Drafting, Feed, Outcome, PassLogits, Plan, Strategy
 from mtplm.decode.sampling import greedy
@@ -160,16 +161,8 @@ class Decoding:
         left = self.max_new_tokens - self.produced
         self.budget = min(left, self.cap or left)
         plan = self.strategy.plan(self.text, self.budget, self.last)
-        # forced tokens (constraint.py) are taken when they run past the plan's drafts: drafts already start
-        # with them (a block is masked along its greedy chain) and the masked rows cannot reject them; a
-        # longer run is committed here (the strategy's drafts then trail it, and are verified and dropped)
-        if self.constraint is not None and self.logprobs is None and self._forces_past(plan):
-            taken = self._take_forced(self.budget - 1)
-            if taken:  # plan again for the longer text
-                self.budget -= taken
-                plan = self.strategy.plan(self.text, self.budget, self.last)
-        if self.constraint is not None and plan.parents is None and plan.proposal is None and plan.drafts:
-            plan = self._pruned(plan)
+        if self.constraint is not None:
+            plan = self._constrained(plan)
         self.plan = plan
         slots = 0 if self.drafter is not None else plan.slots  # heads read the block from real rows
         self.fed = Feed.of(plan, self.pending, slots, self._mask_id)
@@ -179,8 +172,10 @@ class Decoding:
         """The plan's draft chain cut at its first token the grammar rejects (verification could never keep
         it nor anything after it), and a chain without blocks then extended by the tokens the grammar forces
         after it (drafts the masked rows cannot reject: the pass's new token lands after them, not on them).
-        Greedy or copied drafts only: cutting a sampled draft would change what speculative sampling draws."""
+        Greedy or copied chains only (docs/structured.md: cutting a sampled draft would not be exact)."""
         assert self.constraint is not None
+        if plan.parents is not None or plan.proposal is not None or not plan.drafts:
+            return plan
         kept = plan.drafts[: self.constraint.accepts(plan.drafts)]
         if kept and kept[-1] in self.stop_ids:
             return replace(plan, drafts=kept)
@@ -189,21 +184,50 @@ class Decoding:
             return replace(plan, k=max(plan.k, 1 + len(kept)), drafts=kept)
         return plan if len(kept) == len(plan.drafts) else replace(plan, drafts=kept)
 
-    def _forces_past(self, plan: Plan) -> bool:
+    def _constrained(self, plan: Plan) -> Plan:
+        """The plan under the grammar (jump-forward): drafts it rejects cut (`_pruned`); then, when the
+        tokens it forces from here (`Constraint.forced`) are not the start of what is left, they are
+        committed as pending tokens (no pass of their own: they ride in this pass as committed rows, and
+        come out at the front of its Step), the strategy's stale drafts dropped, and the strategy plans
+        again after them. Not when logprobs are asked for (every token then gets its pass's scores)."""
         assert self.constraint is not None
-        return len(self.constraint.forced()) > len(plan.drafts)
+        plan, jump = self._pruned(plan), self.logprobs is None and self.constraint.jump_forward
+        forced = self.constraint.forced() if jump else []
+        if jump and not self._covers(plan, forced) and self._take_forced(forced, self.budget - 1):
+            self.budget -= len(self.forced)
+            if self.last is not None:  # they followed the text before the forced run: none can be kept now
+                self.last = self.last.replace(drafts=(), proposal=None, block=None)
+            plan = self._pruned(self.strategy.plan(self.text, self.budget, self.last))
+        return literal_plan(self.constraint, plan, self.text, self.budget)
 
-    def _take_forced(self, most: int) -> int:
-        """Commit up to `most` tokens the grammar forces (they are fed as pending tokens, and emitted with the
-        next step)."""
+    @staticmethod
+    def _covers(plan: Plan, forced: list[int]) -> bool:
+        """The plan's leading drafts are the forced run, as a chain (a block masked along its greedy chain
+        drafts it, and the masked rows cannot reject it)."""
+        if len(plan.drafts) < len(forced):
+            return False
+        chain = plan.parents is None or all(plan.parents[i] == i - 1 for i in range(len(forced)))
+        return chain and list(plan.drafts[: len(forced)]) == forced
+
+    def _take_forced(self, forced: list[int], most: int) -> int:
+        """Commit up to `most` of the tokens the grammar forces (they are fed as pending tokens, and emitted
+        with the next step)."""
         assert self.constraint is not None
-        self.forced = self.constraint.forced()[: max(0, most)]
+        self.forced = forced[: max(0, most)]
         if self.forced:
             self.constraint.advance(self.forced)
             self.pending.extend(self.forced)
             self.text.extend(self.forced)
             self.produced += len(self.forced)
         return len(self.forced)
+
+    def _ends(self, emitting: int) -> bool:
+        """After this step's `emitting` tokens the grammar is finished (only a stop token may follow) and
+        the budget has room for one: the stop token is emitted now, a forced token like any other, instead
+        of costing a pass (not with logprobs: each token then gets its pass's scores)."""
+        assert self.constraint is not None
+        room = self.produced + emitting < self.max_new_tokens
+        return room and self.logprobs is None and self.constraint.jump_forward and self.constraint.finished
 
     def _mask_id(self) -> int:
         if self.model.mask_id is None:
@@ -286,15 +310,18 @@ class Decoding:
             if self.echo and not self.started:  # the first pass fed the prompt (after any chunks)
                 scored_prompt = prompt_logprobs(self.model.head, hidden, self.pending, self.logprobs)
                 prompt = tuple(self.echoed + scored_prompt)
+        complete, chosen_forced = None, 0
+        if isinstance(rows, ConstrainedLogits):
+            rows.constraint.advance(new)
+            chosen_forced = rows.forced_among(outcome, len(new))  # kept drafts and tokens the grammar forced
+            if not stopped and self._ends(len(new)):  # the grammar allows nothing more: end, without a pass
+                new, stopped = [*new, rows.constraint.grammar.end_token], True
+                chosen_forced += 1
+            complete = stopped and rows.constraint.accepting
         self.produced += len(new)
         self.text.extend(new)
         self.pending, self.last = list(outcome.new), outcome
         self.done = stopped or self.produced >= self.max_new_tokens
-        complete, chosen_forced = None, 0
-        if isinstance(rows, ConstrainedLogits):
-            rows.constraint.advance(new)
-            complete = stopped and rows.constraint.accepting
-            chosen_forced = rows.forced_among(outcome, len(new))  # kept drafts and tokens the grammar forced
         forced, self.forced = self.forced, []
         return Step(
             forced + new,

@@ -1,0 +1,92 @@
+"""Drafts from a JSON schema's own strings: its property names and its string `enum` / `const` values.
+
+Where the grammar lets the model choose (an enum value, an optional property's key), the choice is often
+one of the schema's strings, and the text the grammar forces after it follows for free (loop.py's
+jump-forward). So when a drafting strategy has nothing to propose there, each string's tokens (bare, as a
+JSON string, and after a space, since a tokenizer may spell each differently) are tried against the grammar
+(`Constraint.accepts`, which does not move it); the drafts are one the grammar takes whole, preferring one
+the text so far already holds (a prompt names the value it wants), else the longest, else the first in the
+schema. Verification keeps them only where the model agrees, so the output never changes.
+
+Shapes: none (token ids).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from mtplm.decode.protocol import Plan
+
+MAX_STRINGS = 64  # schema strings kept (the first found): trying them costs a grammar check each
+MAX_TOKENS = 16  # tokens per string kept
+NARROW = 256  # a position allowing more next tokens than this is free text, not a choice among strings
+
+
+def schema_strings(schema: Any, found: list[str] | None = None) -> list[str]:
+    """Property names and string enum/const values of a schema, depth first, each once, in order."""
+    found = [] if found is None else found
+    if isinstance(schema, dict):
+        for key, value in schema.items():
+            if key == "properties" and isinstance(value, dict):
+                found.extend(name for name in value if name not in found)
+            if key in ("enum", "const"):
+                for item in value if key == "enum" and isinstance(value, list) else [value]:
+                    if isinstance(item, str) and item not in found:
+                        found.append(item)
+            elif isinstance(value, dict | list):
+                schema_strings(value, found)
+    elif isinstance(schema, list):
+        for item in schema:
+            schema_strings(item, found)
+    return found[:MAX_STRINGS]
+
+
+def literal_drafts(source: str, tokenizer) -> list[tuple[int, ...]]:
+    """Token spellings of a JSON schema's strings (`source` is its JSON text): each string bare, quoted, and
+    quoted after a space; empty for text that is not a JSON object."""
+    try:
+        schema = json.loads(source)
+    except ValueError:
+        return []
+    out: list[tuple[int, ...]] = []
+    for text in schema_strings(schema):
+        quoted = json.dumps(text)
+        for spelling in (text, quoted, " " + quoted):
+            ids = tuple(tokenizer(spelling, add_special_tokens=False)["input_ids"][:MAX_TOKENS])
+            if ids and ids not in out:
+                out.append(ids)
+    return out
+
+
+def literal_plan(constraint, plan: Plan, text: Sequence[int], budget: int) -> Plan:
+    """A verifying chain plan with nothing to propose, at a choice point (the grammar allows at most
+    NARROW tokens next: an enum value, a key; not the middle of a free string), gets one of the schema's
+    strings the grammar accepts here, then the tokens it forces after it, as drafts (kept only where the
+    model agrees); any other plan as it is."""
+    literals = constraint.grammar.literals
+    if plan.drafts or plan.k < 2 or plan.slots or plan.parents is not None or not literals:
+        return plan
+    if int(constraint.mask().sum()) > NARROW:
+        return plan
+    drafts = list(pick(constraint, literals, text))[: max(0, budget - 1)]
+    if not drafts:
+        return plan
+    drafts += constraint.forced_after(drafts)[: max(0, budget - 1 - len(drafts))]
+    return replace(plan, k=max(plan.k, 1 + len(drafts)), drafts=tuple(drafts))
+
+
+def pick(constraint, literals: Sequence[tuple[int, ...]], text: Sequence[int]) -> tuple[int, ...]:
+    """The literal to draft after `text` under `constraint`: one the grammar accepts whole (none: ())."""
+    fits = [lit for lit in literals if constraint.accepts(lit) == len(lit)]
+    if len(fits) <= 1:
+        return fits[0] if fits else ()
+    seen = [lit for lit in fits if _occurs(lit, text)]
+    return max(seen or fits, key=len)
+
+
+def _occurs(tokens: tuple[int, ...], text: Sequence[int]) -> bool:
+    first, n = tokens[0], len(tokens)
+    return any(text[i] == first and tuple(text[i : i + n]) == tokens for i in range(len(text) - n + 1))
