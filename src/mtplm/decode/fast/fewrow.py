@@ -45,8 +45,9 @@ def unavailable() -> str | None:
         return "MTPLM_FEWROW=0"
     if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags():
         return "this CPU lacks avx512_bf16"
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        return "no C++ compiler (c++) on PATH"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler}) on PATH"
     return None
 
 
