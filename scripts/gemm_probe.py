@@ -9,8 +9,9 @@ only). Paths, each `torch.compile(dynamic=False)` per row count unless eager:
   eager      F.linear on plain [M, K] weights (oneDNN through ATen, the weight reordered on every call)
   packed     the compiled backend's oneDNN path: weights prepacked once (mkldnn._reorder_linear_weight)
              and called through the mtplm::packed_linear op, weights as graph inputs (the fallback)
-  fewrow     mtplm's own AVX-512 kernel (decode/fast/fewrow.py) over its packed layout, through
-             kernels.packed_linear like the compiled backend, weights as graph inputs
+  fewrow     mtplm's own kernel (decode/fast/fewrow.py: AMX tiles where the CPU has them) over its packed
+             layout, through kernels.packed_linear like the compiled backend, weights as graph inputs
+  fewrow-avx512  the same kernel kept to AVX-512 vdpbf16ps (what a CPU without AMX runs)
   freeze     inductor with freezing: weights become constants and inductor prepacks them itself
   cpp        freezing + max_autotune + max_autotune_gemm_backends="CPP,ATEN": inductor's C++ GEMM template
              (AMX / AVX-512 micro-kernels generated for the shape); autotuning picks it where it wins
@@ -117,7 +118,9 @@ def probe(name: str, plain: Chain, paths: list[str], rows: list[int], repeats: i
         reference = plain(x).float()
         cells = []
         for path in paths:
-            kernel = {"packed": "onednn", "fewrow": "fewrow"}.get(path)
+            kernel = {"packed": "onednn", "fewrow": "fewrow", "fewrow-avx512": "fewrow"}.get(path)
+            if kernel == "fewrow":
+                fewrow.use_isa("avx512" if path == "fewrow-avx512" else "auto")
             module = Packed(plain, kernel) if kernel else plain
             began = time.perf_counter()
             run = compiled(module, path)
@@ -155,8 +158,8 @@ def main() -> None:
     torch.manual_seed(0)
     d, i = args.hidden, args.intermediate
     rows, paths = [int(r) for r in args.rows.split(",")], args.paths.split(",")
-    if "fewrow" in paths and not fewrow.load():  # load() said why on stderr
-        paths.remove("fewrow")
+    if not fewrow.load():  # load() said why on stderr
+        paths = [path for path in paths if not path.startswith("fewrow")]
     rate = read_bandwidth()
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16; numpy read bandwidth "

@@ -24,11 +24,22 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
 
 
+@pytest.fixture(params=["avx512", "amx"])
+def isa(request):
+    """Each kernel: AVX-512 everywhere, AMX tiles where the CPU has them."""
+    assert fewrow.load()
+    used = fewrow.use_isa(request.param)
+    if used != request.param:
+        fewrow.use_isa("auto")
+        pytest.skip(f"this CPU runs {used}, not {request.param}")
+    yield used
+    fewrow.use_isa("auto")
+
+
 @needs_kernel
 @pytest.mark.parametrize("m, k", [(37, 70), (16, 32), (70, 96), (1, 1), (130, 624), (64, 33)])
 @pytest.mark.parametrize("biased", [False, True])
-def test_the_product_is_f_linear_off_the_blocks(m, k, biased):
-    assert fewrow.load()
+def test_the_product_is_f_linear_off_the_blocks(m, k, biased, isa):
     torch.manual_seed(m * 1000 + k)
     weight = torch.randn(m, k, dtype=torch.bfloat16)
     bias = torch.randn(m, dtype=torch.bfloat16) if biased else None
@@ -44,7 +55,7 @@ def test_the_product_is_f_linear_off_the_blocks(m, k, biased):
 
 
 @needs_kernel
-def test_leading_dims_and_non_contiguous_inputs():
+def test_leading_dims_and_non_contiguous_inputs(isa):
     weight = torch.randn(48, 40, dtype=torch.bfloat16)
     packed = kernels.pack(weight, "fewrow")
     x = torch.randn(2, 3, 80, dtype=torch.bfloat16)[..., ::2]  # [2, 3, 40], strided
@@ -57,7 +68,7 @@ def feed(tokens: list[int], slots: int = 0, mask_id: int = -1) -> Feed:
 
 
 @needs_kernel
-def test_the_compiled_pass_over_the_kernel_is_the_uncompiled_pass():
+def test_the_compiled_pass_over_the_kernel_is_the_uncompiled_pass(isa):
     torch._dynamo.reset()
     model = tiny_mtp(gated=True)
     model.hf.to(torch.bfloat16)

@@ -112,6 +112,17 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mtplm_fewrow.pack(weight.detach().contiguous())
 
 
+def isa() -> str:
+    """Which kernel `linear` runs here: "amx" (AMX tiles) or "avx512" (vdpbf16ps; MTPLM_FEWROW_ISA=avx512
+    keeps to it on a CPU with AMX)."""
+    return torch.ops.mtplm_fewrow.isa()
+
+
+def use_isa(name: str) -> str:
+    """Run `linear` with "avx512", "amx" (AVX-512 where the CPU lacks AMX) or "auto"; the one now in use."""
+    return torch.ops.mtplm_fewrow.use_isa(name)
+
+
 def linear(inputs: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """inputs [N, K] @ W^T (+ bias) -> [N, M] over pack(W)."""
     return torch.ops.mtplm_fewrow.linear(inputs, packed, bias)

@@ -18,10 +18,16 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 namespace {
 
@@ -110,6 +116,110 @@ void run_blocks(const Problem& p, int64_t begin, int64_t end) {
   }
 }
 
+// ---- AMX tiles (where the CPU has them): the same packed layout is already AMX's B-tile layout (16 input
+// pairs x 16 outputs x 2 = one 1 KB tile per 32 inputs of a block). Tiles: 0, 1 the inputs (rows 0-15,
+// 16-31), 2, 3 two output blocks' weights, 4-7 the accumulators (row tile x output block).
+
+struct TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+bool amx_usable() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!((d >> 22) & 1) || !((d >> 24) & 1)) return false;  // AMX-BF16, AMX-TILE
+  constexpr long kReqPerm = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+  return syscall(SYS_arch_prctl, kReqPerm, kTileData) == 0;
+}
+
+// 0: AVX-512, 1: AMX where the CPU has it. MTPLM_FEWROW_ISA=avx512 (or use_isa("avx512")) keeps to AVX-512:
+// what a CPU without AMX runs.
+std::atomic<int> chosen_isa{-1};
+
+int isa() {
+  int chosen = chosen_isa.load(std::memory_order_relaxed);
+  if (chosen < 0) {
+    const char* asked = std::getenv("MTPLM_FEWROW_ISA");
+    chosen = asked != nullptr && std::string(asked) == "avx512" ? 0 : amx_usable() ? 1 : 0;
+    chosen_isa.store(chosen);
+  }
+  return chosen;
+}
+
+std::string isa_name() { return isa() == 1 ? "amx" : "avx512"; }
+
+// "avx512", "amx" (AVX-512 where the CPU lacks it) or "auto" (the default choice); returns the one in use.
+std::string use_isa(c10::string_view name) {
+  const std::string asked(name);
+  TORCH_CHECK(asked == "avx512" || asked == "amx" || asked == "auto", "fewrow: isa avx512, amx or auto");
+  chosen_isa.store(asked == "avx512" ? 0 : asked == "amx" ? (amx_usable() ? 1 : 0) : -1);
+  return isa_name();
+}
+
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+void amx_store(const Problem& p, int tile, int64_t row, int rows, int64_t block, float* scratch) {
+  if (tile == 4) _tile_stored(4, scratch, 64);
+  else if (tile == 5) _tile_stored(5, scratch, 64);
+  else if (tile == 6) _tile_stored(6, scratch, 64);
+  else _tile_stored(7, scratch, 64);
+  const int64_t col = block * kBlock;
+  const __m512 bias = load_bias(p.bias, col, p.m);
+  for (int r = 0; r < rows; ++r)
+    store_row(p.y + (row + r) * p.m, col, p.m, _mm512_add_ps(_mm512_load_ps(scratch + r * kBlock), bias));
+}
+
+template <bool Wide, bool Two>
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+void amx_pair(const Problem& p, int64_t block, float* scratch) {
+  _tile_zero(4);
+  if (Two) _tile_zero(5);
+  if (Wide) _tile_zero(6);
+  if (Wide && Two) _tile_zero(7);
+  const int64_t stride = p.kp * 2, per_block = p.kp * kBlock;
+  const uint16_t* w0 = p.w + block * per_block;
+  for (int64_t k = 0; k < p.kp; k += 32) {
+    _tile_loadd(0, p.x + k, stride);
+    _tile_loadd(2, w0 + k * kBlock, 64);
+    if (Wide) _tile_loadd(1, p.x + 16 * p.kp + k, stride);
+    _tile_dpbf16ps(4, 0, 2);
+    if (Wide) _tile_dpbf16ps(6, 1, 2);
+    if (Two) {
+      _tile_loadd(3, w0 + per_block + k * kBlock, 64);
+      _tile_dpbf16ps(5, 0, 3);
+      if (Wide) _tile_dpbf16ps(7, 1, 3);
+    }
+  }
+  const int top = static_cast<int>(std::min<int64_t>(p.n, 16)), bottom = static_cast<int>(p.n) - top;
+  amx_store(p, 4, 0, top, block, scratch);
+  if (Two) amx_store(p, 5, 0, top, block + 1, scratch);
+  if (Wide) amx_store(p, 6, 16, bottom, block, scratch);
+  if (Wide && Two) amx_store(p, 7, 16, bottom, block + 1, scratch);
+}
+
+__attribute__((target("amx-tile,amx-bf16")))
+void amx_blocks(const Problem& p, int64_t begin, int64_t end) {
+  const uint8_t top = static_cast<uint8_t>(std::min<int64_t>(p.n, 16));
+  const uint8_t bottom = static_cast<uint8_t>(p.n - top);
+  TileConfig config{};
+  config.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    const bool lower = t == 1 || t >= 6;
+    config.rows[t] = t == 2 || t == 3 ? 16 : lower ? bottom : top;
+    config.colsb[t] = config.rows[t] ? 64 : 0;
+  }
+  _tile_loadconfig(&config);
+  alignas(64) float scratch[16 * kBlock];
+  const bool wide = bottom > 0;
+  for (int64_t block = begin; block < end; block += 2) {
+    const bool two = block + 1 < end;
+    if (wide) two ? amx_pair<true, true>(p, block, scratch) : amx_pair<true, false>(p, block, scratch);
+    else two ? amx_pair<false, true>(p, block, scratch) : amx_pair<false, false>(p, block, scratch);
+  }
+  _tile_release();
+}
+
 at::Tensor unpacked(const at::Tensor& packed, int64_t k) {
   const int64_t m = packed.size(0), kp = packed.size(2), mp = (m + kBlock - 1) / kBlock * kBlock;
   at::Tensor blocked = packed.as_strided({mp / kBlock, kp / 2, kBlock, 2}, {kp * kBlock, 2 * kBlock, 2, 1});
@@ -140,7 +250,10 @@ at::Tensor fewrow_linear(const at::Tensor& inputs, const at::Tensor& packed,
                   b.defined() ? reinterpret_cast<const uint16_t*>(b.data_ptr()) : nullptr,
                   reinterpret_cast<uint16_t*>(y.data_ptr()), n, m, kp};
   const int64_t blocks = (m + kBlock - 1) / kBlock;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) { run_blocks(p, begin, end); });
+  const bool amx = isa() == 1;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    amx ? amx_blocks(p, begin, end) : run_blocks(p, begin, end);
+  });
   return y;
 }
 
@@ -160,6 +273,13 @@ at::Tensor fewrow_pack(const at::Tensor& weight) {
 TORCH_LIBRARY(mtplm_fewrow, m) {
   m.def("linear(Tensor inputs, Tensor packed, Tensor? bias) -> Tensor");
   m.def("pack(Tensor weight) -> Tensor");
+  m.def("isa() -> str");  // which kernel linear runs: "amx" or "avx512"
+  m.def("use_isa(str isa) -> str");
+}
+
+TORCH_LIBRARY_IMPL(mtplm_fewrow, CompositeExplicitAutograd, m) {
+  m.impl("isa", isa_name);
+  m.impl("use_isa", use_isa);
 }
 
 TORCH_LIBRARY_IMPL(mtplm_fewrow, CPU, m) {
