@@ -34,7 +34,8 @@ namespace {
 constexpr int kBlock = 16;    // outputs per vdpbf16ps
 constexpr int kGroup = 4;     // output blocks streamed together
 constexpr int kTileRows = 6;  // rows whose accumulators share the registers
-constexpr int64_t kMaxRows = 32;
+constexpr int64_t kMaxRows = 32;      // AVX-512: more rows go to at::linear
+constexpr int64_t kMaxAmxRows = 1 << 20;  // AMX: any rows
 
 struct Problem {
   const uint16_t* x;  // [N, Kp] bf16 bits
@@ -170,19 +171,21 @@ void amx_store(const Problem& p, int tile, int64_t row, int rows, int64_t block,
     store_row(p.y + (row + r) * p.m, col, p.m, _mm512_add_ps(_mm512_load_ps(scratch + r * kBlock), bias));
 }
 
+// Rows [row, row + rows) (rows <= 32, as the tile config says) x output blocks block (and block + 1: Two).
 template <bool Wide, bool Two>
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
-void amx_pair(const Problem& p, int64_t block, float* scratch) {
+void amx_pair(const Problem& p, int64_t row, int rows, int64_t block, float* scratch) {
   _tile_zero(4);
   if (Two) _tile_zero(5);
   if (Wide) _tile_zero(6);
   if (Wide && Two) _tile_zero(7);
   const int64_t stride = p.kp * 2, per_block = p.kp * kBlock;
   const uint16_t* w0 = p.w + block * per_block;
+  const uint16_t* x = p.x + row * p.kp;
   for (int64_t k = 0; k < p.kp; k += 32) {
-    _tile_loadd(0, p.x + k, stride);
+    _tile_loadd(0, x + k, stride);
     _tile_loadd(2, w0 + k * kBlock, 64);
-    if (Wide) _tile_loadd(1, p.x + 16 * p.kp + k, stride);
+    if (Wide) _tile_loadd(1, x + 16 * p.kp + k, stride);
     _tile_dpbf16ps(4, 0, 2);
     if (Wide) _tile_dpbf16ps(6, 1, 2);
     if (Two) {
@@ -191,17 +194,16 @@ void amx_pair(const Problem& p, int64_t block, float* scratch) {
       if (Wide) _tile_dpbf16ps(7, 1, 3);
     }
   }
-  const int top = static_cast<int>(std::min<int64_t>(p.n, 16)), bottom = static_cast<int>(p.n) - top;
-  amx_store(p, 4, 0, top, block, scratch);
-  if (Two) amx_store(p, 5, 0, top, block + 1, scratch);
-  if (Wide) amx_store(p, 6, 16, bottom, block, scratch);
-  if (Wide && Two) amx_store(p, 7, 16, bottom, block + 1, scratch);
+  const int top = std::min(rows, 16), bottom = rows - top;
+  amx_store(p, 4, row, top, block, scratch);
+  if (Two) amx_store(p, 5, row, top, block + 1, scratch);
+  if (Wide) amx_store(p, 6, row + 16, bottom, block, scratch);
+  if (Wide && Two) amx_store(p, 7, row + 16, bottom, block + 1, scratch);
 }
 
 __attribute__((target("amx-tile,amx-bf16")))
-void amx_blocks(const Problem& p, int64_t begin, int64_t end) {
-  const uint8_t top = static_cast<uint8_t>(std::min<int64_t>(p.n, 16));
-  const uint8_t bottom = static_cast<uint8_t>(p.n - top);
+void amx_configure(int rows) {
+  const uint8_t top = static_cast<uint8_t>(std::min(rows, 16)), bottom = static_cast<uint8_t>(rows - top);
   TileConfig config{};
   config.palette = 1;
   for (int t = 0; t < 8; ++t) {
@@ -209,14 +211,34 @@ void amx_blocks(const Problem& p, int64_t begin, int64_t end) {
     config.rows[t] = t == 2 || t == 3 ? 16 : lower ? bottom : top;
     config.colsb[t] = config.rows[t] ? 64 : 0;
   }
+  // GCC's _tile_loadconfig names only the config's first 8 bytes as its operand: without this barrier the
+  // stores to the rest can be dropped as dead (an invalid config, a fault)
+  asm volatile("" : : "r"(&config) : "memory");
   _tile_loadconfig(&config);
+}
+
+// Rows [row, row + rows) in chunks of `chunk` (<= 32) rows, output blocks [begin, end) two at a time; each
+// pair of blocks' weights is read from memory once and from cache by every chunk.
+void amx_rows(const Problem& p, int64_t row, int64_t rows, int chunk, int64_t begin, int64_t end) {
+  amx_configure(chunk);
   alignas(64) float scratch[16 * kBlock];
-  const bool wide = bottom > 0;
   for (int64_t block = begin; block < end; block += 2) {
     const bool two = block + 1 < end;
-    if (wide) two ? amx_pair<true, true>(p, block, scratch) : amx_pair<true, false>(p, block, scratch);
-    else two ? amx_pair<false, true>(p, block, scratch) : amx_pair<false, false>(p, block, scratch);
+    for (int64_t r = row; r < row + rows; r += chunk) {
+      if (chunk > 16) two ? amx_pair<true, true>(p, r, chunk, block, scratch)
+                          : amx_pair<true, false>(p, r, chunk, block, scratch);
+      else two ? amx_pair<false, true>(p, r, chunk, block, scratch)
+               : amx_pair<false, false>(p, r, chunk, block, scratch);
+    }
   }
+}
+
+// Any number of rows: whole 32-row chunks, then the rest (a second tile config, the weights read again).
+__attribute__((target("amx-tile,amx-bf16")))
+void amx_blocks(const Problem& p, int64_t begin, int64_t end) {
+  const int64_t whole = p.n / 32 * 32;
+  if (whole > 0) amx_rows(p, 0, whole, 32, begin, end);
+  if (p.n > whole) amx_rows(p, whole, p.n - whole, static_cast<int>(p.n - whole), begin, end);
   _tile_release();
 }
 
@@ -236,7 +258,8 @@ at::Tensor fewrow_linear(const at::Tensor& inputs, const at::Tensor& packed,
               " features, the packed weight ", kp);
   const at::Tensor b = bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor();
   TORCH_CHECK(!b.defined() || (b.numel() == m && b.scalar_type() == at::kBFloat16), "fewrow linear: bias");
-  if (n > kMaxRows) return at::linear(inputs, unpacked(packed, k), b);
+  const bool amx = isa() == 1;
+  if (n > kMaxRows && (!amx || n > kMaxAmxRows)) return at::linear(inputs, unpacked(packed, k), b);
   at::Tensor x = inputs.contiguous();
   if (k != kp) {  // zero padding to the packed width
     at::Tensor padded = at::zeros({n, kp}, inputs.options());
@@ -250,7 +273,6 @@ at::Tensor fewrow_linear(const at::Tensor& inputs, const at::Tensor& packed,
                   b.defined() ? reinterpret_cast<const uint16_t*>(b.data_ptr()) : nullptr,
                   reinterpret_cast<uint16_t*>(y.data_ptr()), n, m, kp};
   const int64_t blocks = (m + kBlock - 1) / kBlock;
-  const bool amx = isa() == 1;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     amx ? amx_blocks(p, begin, end) : run_blocks(p, begin, end);
   });
