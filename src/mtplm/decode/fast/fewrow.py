@@ -76,6 +76,7 @@ def load() -> bool:
 def _build_and_load() -> None:
     from torch.utils import cpp_extension  # slow to import; only where the kernel is used
 
+    _ninja_on_path()
     directory = build_dir()
     built = (directory / "mtplm_fewrow.so").exists()
     directory.mkdir(parents=True, exist_ok=True)
@@ -96,6 +97,14 @@ def _build_and_load() -> None:
         )
     torch.library.register_fake("mtplm_fewrow::linear", _linear_shape)
     torch.library.register_fake("mtplm_fewrow::pack", _pack_shape)
+
+
+def _ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH; the PyPI package's binary sits beside the interpreter, which an
+    unactivated virtualenv does not put on PATH."""
+    if shutil.which("ninja") is None:
+        directory = str(Path(sys.executable).parent)
+        os.environ["PATH"] = directory + os.pathsep + os.environ.get("PATH", "")
 
 
 def _linear_shape(inputs: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
