@@ -7,8 +7,11 @@ last output) and, timed apart, the LM head [V, D]. Random bf16 weights (a produc
 only). Paths, each `torch.compile(dynamic=False)` per row count unless eager:
 
   eager      F.linear on plain [M, K] weights (oneDNN through ATen, the weight reordered on every call)
-  packed     the compiled backend's path today: weights prepacked once (mkldnn._reorder_linear_weight) and
-             called through the mtplm::packed_linear op, weights as graph inputs
+  packed     the compiled backend's oneDNN path: weights prepacked once (mkldnn._reorder_linear_weight)
+             and called through the mtplm::packed_linear op, weights as graph inputs (the fallback)
+  fewrow     mtplm's own kernel (decode/fast/fewrow.py: AMX tiles where the CPU has them) over its packed
+             layout, through kernels.packed_linear like the compiled backend, weights as graph inputs
+  fewrow-avx512  the same kernel kept to AVX-512 vdpbf16ps (what a CPU without AMX runs)
   freeze     inductor with freezing: weights become constants and inductor prepacks them itself
   cpp        freezing + max_autotune + max_autotune_gemm_backends="CPP,ATEN": inductor's C++ GEMM template
              (AMX / AVX-512 micro-kernels generated for the shape); autotuning picks it where it wins
@@ -19,7 +22,7 @@ The floor: the weight bytes over numpy's read bandwidth (a sum over a 512 MB arr
 Every path's output is checked against eager F.linear (bf16 tolerance); compile seconds are printed apart
 and never timed. Run under the shared lock:
 
-    flock /tmp/mtplm-heavy.lock python scripts/gemm_probe.py --rows 1,8,32 --paths eager,packed,freeze,cpp
+    flock /tmp/mtplm-heavy.lock python scripts/gemm_probe.py --rows 1,8,32 --paths eager,packed,fewrow
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtplm.decode.fast import kernels
+from mtplm.decode.fast import fewrow, kernels
 
 
 class Chain(nn.Module):
@@ -60,9 +63,9 @@ class Packed(nn.Module):
     """The compiled backend's kernel: prepacked weights as buffers (graph inputs) through
     mtplm::packed_linear."""
 
-    def __init__(self, plain: Chain) -> None:
+    def __init__(self, plain: Chain, kernel: str) -> None:
         super().__init__()
-        self.packed = [kernels.pack(w.detach()) for w in plain.weights]
+        self.packed = [kernels.pack(w.detach(), kernel) for w in plain.weights]
         self.widths = [w.shape[1] for w in plain.weights]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,7 +118,10 @@ def probe(name: str, plain: Chain, paths: list[str], rows: list[int], repeats: i
         reference = plain(x).float()
         cells = []
         for path in paths:
-            module = Packed(plain) if path == "packed" else plain
+            kernel = {"packed": "onednn", "fewrow": "fewrow", "fewrow-avx512": "fewrow"}.get(path)
+            if kernel == "fewrow":
+                fewrow.use_isa("avx512" if path == "fewrow-avx512" else "auto")
+            module = Packed(plain, kernel) if kernel else plain
             began = time.perf_counter()
             run = compiled(module, path)
             try:
@@ -152,6 +158,8 @@ def main() -> None:
     torch.manual_seed(0)
     d, i = args.hidden, args.intermediate
     rows, paths = [int(r) for r in args.rows.split(",")], args.paths.split(",")
+    if not fewrow.load():  # load() said why on stderr
+        paths = [path for path in paths if not path.startswith("fewrow")]
     rate = read_bandwidth()
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16; numpy read bandwidth "

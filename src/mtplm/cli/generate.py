@@ -46,9 +46,12 @@ def add_generate(sub) -> None:
 def _setup(args) -> None:
     from mtplm.assets.datasets import install_data
     from mtplm.assets.models import install_model
+    from mtplm.decode.fast import fewrow
 
     for name in args.model or ["smollm2-135m"]:
         print(f"{name}: {install_model(name)}")
+    if fewrow.load():  # built once here, not on a first timed use; where it cannot be, stderr says why
+        print(f"few-row bf16 kernel: {fewrow.build_dir()}")
     if args.data:
         install_data()
         print("data sets installed")

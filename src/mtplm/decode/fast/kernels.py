@@ -7,6 +7,10 @@ reads about twice as fast for the 1-32 row products of a decode pass. Inductor o
 op for weights it froze into a graph as constants, which would copy every weight into every compiled
 bucket; wrapped as a custom op, the packed weights stay ordinary inputs shared by all buckets.
 
+Where it builds and runs (a C++ compiler, a CPU with avx512_bf16), `pack` and `packed_linear` use mtplm's own
+few-row kernel instead (fewrow.py, csrc/fewrow.cpp; measured in docs/backends-kernels.md), an op of its own
+the compiled graphs call the same way; a weight packed for it is 3-D ([M, 1, Kp]), oneDNN's 2-D.
+
 Shapes: N rows (any leading dims), K in features, M out features.
 """
 
@@ -14,13 +18,25 @@ from __future__ import annotations
 
 import torch
 
+from mtplm.decode.fast import fewrow
 
-def packed_bf16_supported() -> bool:
+
+def onednn_bf16_supported() -> bool:
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight [M, K] in oneDNN's blocked layout for few-row products (an opaque [M, K] tensor)."""
+def packed_bf16_supported() -> bool:
+    return onednn_bf16_supported() or fewrow.load()
+
+
+def pack(weight: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
+    """weight [M, K] bf16 packed once for few-row products: for mtplm's own kernel where it loads (an opaque
+    [M, 1, Kp] tensor; kernel "auto" or "fewrow"), else in oneDNN's blocked layout (an opaque [M, K] tensor;
+    kernel "onednn")."""
+    if kernel == "fewrow" and not fewrow.load():
+        raise RuntimeError("mtplm's few-row kernel is not available here (its reason is on stderr)")
+    if kernel == "fewrow" or (kernel == "auto" and weight.dtype == torch.bfloat16 and fewrow.load()):
+        return fewrow.pack(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
 
 
@@ -47,9 +63,13 @@ torch.library.register_fake("mtplm::packed_linear", _packed_linear_shape, lib=_L
 
 
 def packed_linear(inputs: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """inputs [..., K] @ packed^T (+ bias) -> [..., M]."""
+    """inputs [..., K] @ packed^T (+ bias) -> [..., M], by the kernel `pack` packed the weight for."""
     flat = inputs.reshape(-1, inputs.shape[-1])  # [N, K]
-    return torch.ops.mtplm.packed_linear(flat, packed, bias).view(*inputs.shape[:-1], packed.shape[0])
+    if packed.dim() == 3:  # fewrow's layout
+        out = torch.ops.mtplm_fewrow.linear(flat, packed, bias)
+    else:
+        out = torch.ops.mtplm.packed_linear(flat, packed, bias)
+    return out.view(*inputs.shape[:-1], packed.shape[0])
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

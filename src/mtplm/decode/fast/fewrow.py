@@ -1,0 +1,137 @@
+"""mtplm's own few-row bf16 kernel (csrc/fewrow.cpp, AVX-512 vdpbf16ps): built once into
+`$MTPLM_HOME/kernels/<hash>` (or `$MTPLM_KERNELS_DIR`) with torch.utils.cpp_extension and loaded as the
+ops `mtplm_fewrow::pack` and `mtplm_fewrow::linear`. `load()` is None where it cannot be used (no
+compiler, a CPU without avx512_bf16, a failed build, MTPLM_FEWROW=0), with one stderr line naming the
+fallback (the prepacked oneDNN path, kernels.py). `mtplm setup` builds it; otherwise the first use does,
+and says how long it took.
+
+Shapes: N rows, K in features, M out features, Kp = K rounded up to 32.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from mtplm.files import home
+
+SOURCE = Path(__file__).with_name("csrc") / "fewrow.cpp"
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+MAX_ROWS = 32  # more rows: the kernel hands the product to at::linear over the unpacked weight
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def unavailable() -> str | None:
+    """Why the kernel cannot be built or run here, or None."""
+    if os.environ.get("MTPLM_FEWROW", "1") == "0":
+        return "MTPLM_FEWROW=0"
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags():
+        return "this CPU lacks avx512_bf16"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler}) on PATH"
+    return None
+
+
+def build_dir() -> Path:
+    """Where this source, torch version and flag set build: a new hash builds afresh."""
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(FLAGS).encode())
+    root = os.environ.get("MTPLM_KERNELS_DIR") or home() / "kernels"
+    return Path(root) / f"fewrow-{key.hexdigest()[:12]}"
+
+
+@functools.cache
+def load() -> bool:
+    """Build (once per source and torch version) and load the kernel; False with one stderr line if it
+    cannot be used here."""
+    reason = unavailable()
+    if reason is None:
+        try:
+            _build_and_load()
+            return True
+        except Exception as exc:  # noqa: BLE001 - any build or load failure means the fallback, said once
+            reason = f"its build failed ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:160]})"
+    print(f"mtplm: few-row bf16 kernel not used: {reason}; using oneDNN's prepacked kernel", file=sys.stderr)
+    return False
+
+
+def _build_and_load() -> None:
+    from torch.utils import cpp_extension  # slow to import; only where the kernel is used
+
+    _ninja_on_path()
+    directory = build_dir()
+    built = (directory / "mtplm_fewrow.so").exists()
+    directory.mkdir(parents=True, exist_ok=True)
+    began = time.perf_counter()
+    cpp_extension.load(
+        name="mtplm_fewrow",
+        sources=[str(SOURCE)],
+        extra_cflags=FLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=False,
+    )
+    if not built:
+        print(
+            f"mtplm: built the few-row bf16 kernel in {time.perf_counter() - began:.1f} s ({directory})",
+            file=sys.stderr,
+        )
+    torch.library.register_fake("mtplm_fewrow::linear", _linear_shape)
+    torch.library.register_fake("mtplm_fewrow::pack", _pack_shape)
+
+
+def _ninja_on_path() -> None:
+    """cpp_extension runs `ninja` from PATH; the PyPI package's binary sits beside the interpreter, which an
+    unactivated virtualenv does not put on PATH."""
+    if shutil.which("ninja") is None:
+        directory = str(Path(sys.executable).parent)
+        os.environ["PATH"] = directory + os.pathsep + os.environ.get("PATH", "")
+
+
+def _linear_shape(inputs: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return inputs.new_empty(inputs.shape[0], packed.shape[0])
+
+
+def _pack_shape(weight: torch.Tensor) -> torch.Tensor:
+    m, k = weight.shape
+    return weight.new_empty(m, 1, -(-k // 32) * 32)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [M, K] bf16 -> the kernel's layout, an opaque [M, 1, Kp] tensor (load() must be True)."""
+    return torch.ops.mtplm_fewrow.pack(weight.detach().contiguous())
+
+
+def isa() -> str:
+    """Which kernel `linear` runs here: "amx" (AMX tiles) or "avx512" (vdpbf16ps; MTPLM_FEWROW_ISA=avx512
+    keeps to it on a CPU with AMX)."""
+    return torch.ops.mtplm_fewrow.isa()
+
+
+def use_isa(name: str) -> str:
+    """Run `linear` with "avx512", "amx" (AVX-512 where the CPU lacks AMX) or "auto"; the one now in use."""
+    return torch.ops.mtplm_fewrow.use_isa(name)
+
+
+def linear(inputs: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """inputs [N, K] @ W^T (+ bias) -> [N, M] over pack(W)."""
+    return torch.ops.mtplm_fewrow.linear(inputs, packed, bias)
