@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_mtp
 
 from mtplm.decode.chunked import split_feed
-from mtplm.decode.fast import StaticBackend
+from mtplm.decode.fast import StaticBackend, prefill
 from mtplm.decode.fast.forward import attend, attention_mask, decode_pass
 from mtplm.decode.fast.prefill import plan_attention, split_attention
 from mtplm.decode.protocol import Feed
@@ -93,8 +93,9 @@ def test_the_eager_backend_chunks_a_prompt_like_one_pass():
         torch.testing.assert_close(mine[0, :, :90], theirs[0, :, :90], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("one_call", [False, True])  # True: the path of devices without the CPU flash op
 @pytest.mark.parametrize("layout", ["causal", "drafts and masks"])
-def test_split_attention_equals_the_materialized_reference(layout):
+def test_split_attention_equals_the_materialized_reference(layout, one_call, monkeypatch):
     """Two sequences in one pass (cached lengths 37 and 0, different slots), 13 fed rows (a prompt chunk)
     or 16 (5 pending, 2 drafts, three blocks of 3 masks), grouped-query heads: the flash parts merged by
     their log-sum-exps give forward.attend's softmax over the materialized mask."""
@@ -112,6 +113,8 @@ def test_split_attention_equals_the_materialized_reference(layout):
     kv_len = 37 + q
     plan = plan_attention(lengths, allowed, slots, torch.float32)
     assert (plan.masks[0] is None) == (layout == "causal")
+    if one_call:
+        monkeypatch.setattr(prefill, "_split", prefill.masked_attention)
     got = split_attention(query, keys, values, slots, kv_len, plan, d**-0.5)
     want = attend(query, keys, values, slots, kv_len, attention_mask(lengths, allowed, kv_len), d**-0.5)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

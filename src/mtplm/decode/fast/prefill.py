@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 
 from mtplm.decode.fast.forward import decode_pass, layer
 from mtplm.decode.fast.weights import FastWeights
@@ -82,7 +83,7 @@ def plan_attention(lengths: torch.Tensor, allowed: torch.Tensor, slots: torch.Te
             masks.append(None)
         else:
             blocked = torch.zeros(q, q, dtype=dtype, device=allowed.device)
-            masks.append(blocked.masked_fill(~rows, torch.finfo(dtype).min).view(1, 1, q, q))
+            masks.append(blocked.masked_fill(~rows, _lowest(dtype)).view(1, 1, q, q))
     return Plan(tuple(lengths.tolist()), tuple(slots.tolist()), tuple(masks))
 
 
@@ -98,34 +99,45 @@ def split_attention(
     """forward.attend's contract over a Plan: query [b, Q, H, d] -> [b, Q, H d]; sequence i reads the
     first plan.pasts[i] positions of its slot and its fed rows' keys right behind them."""
     b, q, heads, d = query.shape
+    attend = _split if query.device.type == "cpu" else masked_attention  # the LSE-returning op: CPU only
     out = []
     for i, (past, slot, mask) in enumerate(zip(plan.pasts, plan.slots, plan.masks, strict=True)):
         rows = query[i : i + 1].transpose(1, 2)  # [1, H, Q, d], a view
-        fed = _part(rows, key_store, value_store, slot, past, past + q, mask, scaling)
-        if past == 0:
-            attended = fed[0]
-        else:
-            attended = merge(_part(rows, key_store, value_store, slot, 0, past, None, scaling, False), fed)
-        out.append(attended.to(query.dtype))
+        out.append(attend(rows, key_store[slot], value_store[slot], past, mask, scaling).to(query.dtype))
     attended = torch.cat(out) if b > 1 else out[0]  # [b, H, Q, d]
     return attended.transpose(1, 2).reshape(b, q, heads * d)
 
 
+def _split(
+    rows: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    past: int,
+    mask: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """One sequence's rows [1, H, Q, d] over its slot's keys/values [KVH, C, d]: the cached part and the
+    fed part, a flash call each, merged -> [1, H, Q, d]."""
+    fed = _part(rows, keys, values, past, past + rows.shape[2], mask, scaling)
+    if past == 0:
+        return fed[0]
+    return merge(_part(rows, keys, values, 0, past, None, scaling, causal=False), fed)
+
+
 def _part(
     rows: torch.Tensor,
-    key_store: torch.Tensor,
-    value_store: torch.Tensor,
-    slot: int,
+    keys: torch.Tensor,
+    values: torch.Tensor,
     start: int,
     stop: int,
     mask: torch.Tensor | None,
     scaling: float,
     causal: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flash attention of rows [1, H, Q, d] over store positions [start, stop) of a slot, read in place:
-    (out [1, H, Q, d], log-sum-exp [1, H, Q] float32); `causal`, no mask: row r reads start .. start + r."""
-    keys = key_store[slot, :, start:stop].unsqueeze(0)  # [1, KVH, T, d], a view
-    values = value_store[slot, :, start:stop].unsqueeze(0)
+    """Flash attention of rows [1, H, Q, d] over positions [start, stop) of a slot's keys/values
+    [KVH, C, d], read in place: (out [1, H, Q, d], log-sum-exp [1, H, Q] float32); `causal` and no mask:
+    row r reads start .. start + r."""
+    keys, values = keys[:, start:stop].unsqueeze(0), values[:, start:stop].unsqueeze(0)  # views
     return _flash(rows, keys, values, 0.0, causal and mask is None, attn_mask=mask, scale=scaling)
 
 
@@ -138,6 +150,34 @@ def merge(first: Part, second: Part) -> torch.Tensor:
     total = torch.logaddexp(lse1, lse2)
     weight1, weight2 = (lse1 - total).exp().unsqueeze(-1), (lse2 - total).exp().unsqueeze(-1)
     return out1.float() * weight1 + out2.float() * weight2
+
+
+def masked_attention(
+    rows: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    past: int,
+    mask: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """_split's contract as one scaled_dot_product_attention call over positions [0, past + Q) with an
+    additive [1, 1, Q, past + Q] mask (devices without the CPU op that returns log-sum-exps)."""
+    q, dtype = rows.shape[2], rows.dtype
+    if mask is None:
+        causal = torch.ones(q, q, dtype=torch.bool, device=rows.device).tril()
+        mask = torch.zeros(1, 1, q, q, dtype=dtype, device=rows.device).masked_fill(~causal, _lowest(dtype))
+    return F.scaled_dot_product_attention(
+        rows,
+        keys[:, : past + q].unsqueeze(0),
+        values[:, : past + q].unsqueeze(0),
+        attn_mask=torch.cat([mask.new_zeros(1, 1, q, past), mask], dim=-1),
+        scale=scaling,
+        enable_gqa=rows.shape[1] != keys.shape[0],
+    )
+
+
+def _lowest(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).min
 
 
 _wide_layer = partial(layer, attention=split_attention)  # forward.layer, attention split
