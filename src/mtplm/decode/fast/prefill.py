@@ -145,11 +145,11 @@ Part = tuple[torch.Tensor, torch.Tensor]  # one key set's (attended [1, H, Q, d]
 
 
 def merge(first: Part, second: Part) -> torch.Tensor:
-    """Softmax attention over two disjoint key sets from each set's (out, log-sum-exp): in float32."""
+    """Softmax attention over two disjoint key sets from each set's (out, log-sum-exp): the second set's
+    share of the softmax is sigmoid(lse2 - lse1), so out = lerp(out1, out2, share), one pass over out."""
     (out1, lse1), (out2, lse2) = first, second
-    total = torch.logaddexp(lse1, lse2)
-    weight1, weight2 = (lse1 - total).exp().unsqueeze(-1), (lse2 - total).exp().unsqueeze(-1)
-    return out1.float() * weight1 + out2.float() * weight2
+    share = torch.sigmoid(lse2 - lse1).to(out1.dtype).unsqueeze(-1)  # [1, H, Q, 1]
+    return torch.lerp(out1, out2, share)
 
 
 def masked_attention(
