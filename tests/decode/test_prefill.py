@@ -118,3 +118,28 @@ def test_split_attention_equals_the_materialized_reference(layout, one_call, mon
     got = split_attention(query, keys, values, slots, kv_len, plan, d**-0.5)
     want = attend(query, keys, values, slots, kv_len, attention_mask(lengths, allowed, kv_len), d**-0.5)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_eager_backend_groups_kv_heads_for_the_wide_pass_only():
+    """A wide eager pass runs with transformers' grouped-heads switch on (the CPU flash kernel takes the
+    grouped heads and the mask as they are) and leaves the environment as it found it."""
+    import os
+
+    from mtplm.decode import ragged
+    from mtplm.decode.backends import EagerBackend
+
+    seen = []
+    model = tiny_mtp()
+    original = ragged.MTPModel.decoder_states
+
+    def spy(self, *args, **kwargs):
+        seen.append(os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA"))
+        return original(self, *args, **kwargs)
+
+    backend = EagerBackend(model)
+    with pytest.MonkeyPatch.context() as patch, torch.inference_mode():
+        patch.setattr(ragged.MTPModel, "decoder_states", spy)
+        backend.run(0, [Feed(_prompt(40), 40, 0, 0, False, None)], [0])  # one wide pass (40 > 32 rows)
+        backend.run(0, [Feed(_prompt(1), 1, 0, 0, False, None)], [40])  # a decode pass
+    assert seen == ["1", None]
+    assert "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ
