@@ -2,7 +2,8 @@
 beside Hugging Face's own forward: does a prompt's cost grow like the model's forward?
 
 Each length runs once untimed (the compiled backend compiles its key-length buckets there), then `repeats`
-timed rounds, backends interleaved; the best round is printed in seconds with the ratio to HF's forward.
+timed rounds, backends interleaved; the best round is printed in seconds (the time to first token of a
+lone prompt), in milliseconds per prompt token (flat: linear time), and as the ratio to HF's forward.
 `compiled@N` is the compiled backend with prompts chunked N rows at a time (32: the compiled row buckets;
 larger: uncompiled wide passes with fused attention, decode/fast/prefill.py).
 
@@ -65,7 +66,9 @@ def main() -> None:
     specs = [s.strip() for s in args.backends.split(",") if s.strip()]
     backends = {spec: backend_for(spec, model) for spec in specs}
     lengths = [int(n) for n in args.lengths.split(",")]
-    header = ["prompt tokens", "HF forward s", *[f"{s} s" for s in specs], *[f"{s} / HF" for s in specs]]
+    names = ["HF forward", *specs]
+    header = ["prompt tokens", *[f"{s} s" for s in names], *[f"{s} ms/token" for s in names]]
+    header += [f"{s} / HF" for s in specs]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for length in lengths:
         ids = torch.randint(100, vocab - 100, (length,), generator=generator).tolist()
@@ -74,12 +77,9 @@ def main() -> None:
             times = {"hf": time_hf(model, ids)} | {s: time_backend(b, ids) for s, b in backends.items()}
             if round_:
                 best = {name: min(best[name], t) for name, t in times.items()}
-        row = [
-            str(length),
-            f"{best['hf']:.2f}",
-            *[f"{best[s]:.2f}" for s in specs],
-            *[f"{best[s] / best['hf']:.2f}" for s in specs],
-        ]
+        seconds = [best["hf"], *[best[s] for s in specs]]
+        row = [str(length), *[f"{t:.2f}" for t in seconds], *[f"{1000 * t / length:.3f}" for t in seconds]]
+        row += [f"{best[s] / best['hf']:.2f}" for s in specs]
         lines.append("| " + " | ".join(row) + " |")
         print(lines[-1], flush=True)
     table = "\n".join(

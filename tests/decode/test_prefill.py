@@ -7,10 +7,12 @@ import torch
 from conftest import tiny_mtp
 
 from mtplm.decode.chunked import split_feed
-from mtplm.decode.fast import StaticBackend
-from mtplm.decode.fast.forward import decode_pass
+from mtplm.decode.fast import StaticBackend, prefill
+from mtplm.decode.fast.forward import attend, attention_mask, decode_pass
+from mtplm.decode.fast.prefill import plan_attention, split_attention
 from mtplm.decode.protocol import Feed
 from mtplm.decode.ragged import RaggedCache, ragged_pass
+from mtplm.masks import step_layout
 
 
 def _prompt(length: int, offset: int = 3) -> list[int]:
@@ -32,9 +34,9 @@ def _kv(backend: StaticBackend, length: int) -> list[torch.Tensor]:
     return [store[0, :, :length] for store in backend.keys + backend.values]
 
 
-@pytest.mark.parametrize(
-    "chunk", [8, 32, 45]
-)  # 8 and 32: compiled-size chunks (run uncompiled here); 45: wide
+# 8 and 32: compiled-size chunks (run uncompiled here); 33, 45: odd wide chunks; 50: the prompt splits
+# into two equal runs (the boundary falls on the last run); 99, 100: one run of 99 plus one token, one pass
+@pytest.mark.parametrize("chunk", [8, 32, 33, 45, 50, 99, 100])
 @pytest.mark.parametrize("masks", [False, True])
 def test_a_chunked_prompt_gives_one_pass_kv_and_hidden_states(chunk, masks):
     model = tiny_mtp(gated=True)
@@ -89,3 +91,55 @@ def test_the_eager_backend_chunks_a_prompt_like_one_pass():
         chunked.cache.keys + chunked.cache.values, whole.cache.keys + whole.cache.values, strict=True
     ):
         torch.testing.assert_close(mine[0, :, :90], theirs[0, :, :90], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("one_call", [False, True])  # True: the path of devices without the CPU flash op
+@pytest.mark.parametrize("layout", ["causal", "drafts and masks"])
+def test_split_attention_equals_the_materialized_reference(layout, one_call, monkeypatch):
+    """Two sequences in one pass (cached lengths 37 and 0, different slots), 13 fed rows (a prompt chunk)
+    or 16 (5 pending, 2 drafts, three blocks of 3 masks), grouped-query heads: the flash parts merged by
+    their log-sum-exps give forward.attend's softmax over the materialized mask."""
+    generator = torch.Generator().manual_seed(0)
+    _, local = step_layout(5, 2, 3, True)
+    heads, kv_heads, d, capacity = 6, 2, 16, 64
+    q = 13 if layout == "causal" else local.shape[0]
+    keys, values = (torch.randn(4, kv_heads, capacity, d, generator=generator) for _ in range(2))
+    query = torch.randn(2, q, heads, d, generator=generator)
+    if layout == "causal":
+        allowed = torch.ones(2, q, q, dtype=torch.bool).tril()
+    else:
+        allowed = local.expand(2, q, q).clone()
+    lengths, slots = torch.tensor([37, 0]), torch.tensor([2, 0])
+    kv_len = 37 + q
+    plan = plan_attention(lengths, allowed, slots, torch.float32)
+    assert (plan.masks[0] is None) == (layout == "causal")
+    if one_call:
+        monkeypatch.setattr(prefill, "_split", prefill.masked_attention)
+    got = split_attention(query, keys, values, slots, kv_len, plan, d**-0.5)
+    want = attend(query, keys, values, slots, kv_len, attention_mask(lengths, allowed, kv_len), d**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_eager_backend_groups_kv_heads_for_the_wide_pass_only():
+    """A wide eager pass runs with transformers' grouped-heads switch on (the CPU flash kernel takes the
+    grouped heads and the mask as they are) and leaves the environment as it found it."""
+    import os
+
+    from mtplm.decode import ragged
+    from mtplm.decode.backends import EagerBackend
+
+    seen = []
+    model = tiny_mtp()
+    original = ragged.MTPModel.decoder_states
+
+    def spy(self, *args, **kwargs):
+        seen.append(os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA"))
+        return original(self, *args, **kwargs)
+
+    backend = EagerBackend(model)
+    with pytest.MonkeyPatch.context() as patch, torch.inference_mode():
+        patch.setattr(ragged.MTPModel, "decoder_states", spy)
+        backend.run(0, [Feed(_prompt(40), 40, 0, 0, False, None)], [0])  # one wide pass (40 > 32 rows)
+        backend.run(0, [Feed(_prompt(1), 1, 0, 0, False, None)], [40])  # a decode pass
+    assert seen == ["1", None]
+    assert "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ

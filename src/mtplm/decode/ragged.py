@@ -18,6 +18,9 @@ Shapes: b sequences in the pass, Q fed rows per sequence (padded), S store lengt
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -108,4 +111,28 @@ def ragged_pass(
         allowed[i, :q, :past] = True
         allowed[i, :q, past : past + q] = local
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-    return model.decoder_states(ids, positions, cache, mask.unsqueeze(1), layers=model.feature_layers)
+    with _grouped_heads(width > WIDE_ROWS and model.hf.device.type == "cpu"):
+        return model.decoder_states(ids, positions, cache, mask.unsqueeze(1), layers=model.feature_layers)
+
+
+WIDE_ROWS = 32  # passes wider than this (prompt chunks) attend with grouped KV heads on a CPU
+
+
+@contextmanager
+def _grouped_heads(wide: bool):
+    """Hugging Face's SDPA attention copies each KV head once per query head of its group whenever a mask
+    is given (CUDA's kernels need that); PyTorch's CPU flash kernel takes the grouped heads and the mask as
+    they are (`enable_gqa`), the same product without the copies: at a 512-row chunk behind 6k cached
+    keys, two [H, T, d] copies a layer. Transformers' own switch for that, for the pass only (unless the
+    user set it: then as set)."""
+    if not wide or os.environ.get(_FORCE_GQA) is not None:
+        yield
+        return
+    os.environ[_FORCE_GQA] = "1"
+    try:
+        yield
+    finally:
+        del os.environ[_FORCE_GQA]
+
+
+_FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
