@@ -77,7 +77,7 @@ def plan_attention(lengths: torch.Tensor, allowed: torch.Tensor, slots: torch.Te
     triangle (a prompt chunk), else 0 / the dtype's lowest value where a row may / may not read a fed key."""
     q = allowed.shape[1]
     causal = torch.ones(q, q, dtype=torch.bool, device=allowed.device).tril()
-    masks = []
+    masks: list[torch.Tensor | None] = []
     for rows in allowed:  # [Q, Q]
         if torch.equal(rows, causal):
             masks.append(None)
