@@ -190,3 +190,13 @@ def test_schema_strings_are_drafted_at_choice_points_and_tokens_stay_plain(model
     assert literal_passes >= 1
     plain = generate(model, ids, DecodeConfig(mode="ntp", max_new_tokens=80), constraint=grammar.start())
     assert tokens == plain.tokens
+
+
+def test_a_schema_string_is_found_in_the_text_wherever_it_stands():
+    from mtplm.decode.constraint_drafts import _occurs
+
+    text = [5, 1, 2, 9, 1, 2, 3, 7]
+    assert _occurs((1, 2, 3), text)  # the second start of 1 holds it
+    assert _occurs((7,), text) and _occurs((5, 1), text)
+    assert not _occurs((2, 3, 4), text) and not _occurs((3, 7, 8), text)  # runs off the end
+    assert not _occurs((4,), text) and _occurs((1, 2), tuple(text))

@@ -117,14 +117,13 @@ def _one_line(message: str) -> str:
 class Grammar:
     """A checked grammar over one tokenizer: `start()` gives each sequence its own Constraint."""
 
-    literals: list[tuple[int, ...]] = []  # token spellings of a JSON schema's strings (compile sets them)
-
     def __init__(
         self, spec: Spec, ll_tokenizer, stop_ids: frozenset[int], vocab: int, end_token: int | None = None
     ) -> None:
         import llguidance
 
         self.spec, self.stop_ids, self.vocab = spec, stop_ids, vocab
+        self.literals: list[tuple[int, ...]] = []  # token spellings of a JSON schema's strings (compile sets)
         # the stop token emitted when the grammar is finished and allows nothing else (loop.py): the
         # tokenizer's end of sequence where it is a stop id, else the smallest stop id
         self.end_token = end_token if end_token in stop_ids else min(stop_ids, default=-1)

@@ -88,5 +88,13 @@ def pick(constraint, literals: Sequence[tuple[int, ...]], text: Sequence[int]) -
 
 
 def _occurs(tokens: tuple[int, ...], text: Sequence[int]) -> bool:
-    first, n = tokens[0], len(tokens)
-    return any(text[i] == first and tuple(text[i : i + n]) == tokens for i in range(len(text) - n + 1))
+    """`tokens` stand somewhere in `text`: list.index finds each candidate start at C speed (the text holds
+    the prompt: thousands of tokens, searched at every choice point)."""
+    words, n, at = text if isinstance(text, list) else list(text), len(tokens), -1
+    while True:
+        try:
+            at = words.index(tokens[0], at + 1)
+        except ValueError:
+            return False
+        if tuple(words[at : at + n]) == tokens:
+            return True

@@ -1,4 +1,5 @@
-"""mtplm's own few-row bf16 kernel (csrc/fewrow.cpp, AVX-512 vdpbf16ps): built once into
+"""mtplm's own few-row bf16 kernel (csrc/fewrow.cpp: AMX tiles where the CPU has them, else AVX-512
+vdpbf16ps; one packed layout serves both): built once into
 `$MTPLM_HOME/kernels/<hash>` (or `$MTPLM_KERNELS_DIR`) with torch.utils.cpp_extension and loaded as the
 ops `mtplm_fewrow::pack` and `mtplm_fewrow::linear`. `load()` is None where it cannot be used (no
 compiler, a CPU without avx512_bf16, a failed build, MTPLM_FEWROW=0), with one stderr line naming the
@@ -24,7 +25,6 @@ from mtplm.files import home
 
 SOURCE = Path(__file__).with_name("csrc") / "fewrow.cpp"
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
-MAX_ROWS = 32  # more rows: the kernel hands the product to at::linear over the unpacked weight
 
 
 def cpu_flags() -> set[str]:
@@ -95,7 +95,7 @@ def _build_and_load() -> None:
             f"mtplm: built the few-row bf16 kernel in {time.perf_counter() - began:.1f} s ({directory})",
             file=sys.stderr,
         )
-    torch.library.register_fake("mtplm_fewrow::linear", _linear_shape)
+    torch.library.register_fake("mtplm_fewrow::linear", linear_shape)
     torch.library.register_fake("mtplm_fewrow::pack", _pack_shape)
 
 
@@ -107,7 +107,8 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = directory + os.pathsep + os.environ.get("PATH", "")
 
 
-def _linear_shape(inputs: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear_shape(inputs: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The [N, M] result of a packed product, for tracing (this op's and kernels.py's oneDNN op's)."""
     return inputs.new_empty(inputs.shape[0], packed.shape[0])
 
 

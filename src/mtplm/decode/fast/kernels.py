@@ -50,16 +50,10 @@ def _packed_linear(inputs: torch.Tensor, packed: torch.Tensor, bias: torch.Tenso
     return torch.ops.mkldnn._linear_pointwise(inputs, packed, bias, "none", [], "")  # [N, M]
 
 
-def _packed_linear_shape(
-    inputs: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    return inputs.new_empty(inputs.shape[0], packed.shape[0])
-
-
 _LIBRARY.impl(
     "packed_linear", _packed_linear, "CompositeExplicitAutograd"
 )  # the packed weight is an MkldnnCPU tensor
-torch.library.register_fake("mtplm::packed_linear", _packed_linear_shape, lib=_LIBRARY)
+torch.library.register_fake("mtplm::packed_linear", fewrow.linear_shape, lib=_LIBRARY)
 
 
 def packed_linear(inputs: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

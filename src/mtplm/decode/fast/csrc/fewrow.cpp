@@ -6,7 +6,8 @@
 // input pair broadcast) adds 16 outputs' partial sums with no horizontal reduction. A group of up to 4
 // output blocks is streamed from memory once and held in L1/L2 while every tile of up to 6 rows reads it
 // (all of a tile's accumulators live in registers). at::parallel_for splits the output blocks over the
-// threads. More than 32 rows (prompt passes): the weight is viewed back as [M, K] and handed to at::linear.
+// threads. More than 32 rows on the AVX-512 path (prompt passes): the weight is unpacked to [M, K] (a copy per
+// call) and handed to at::linear. The AMX path (below) takes any row count in 32-row chunks.
 //
 // The packed tensor is presented as [M, 1, Kp] over storage of Mp * Kp elements (an opaque weight whose
 // shape names the true out features; fewrow.py's fake kernel reads it).
