@@ -124,7 +124,10 @@ def run_structured(
             text = model.tokenizer.decode(out.tokens, skip_special_tokens=True)
             ok = valid(case, text, grammar, model.tokenizer)
             _add(totals[(name, c)], out, ok, *spent)
-            answers[(name, c)].append({"case": case.name, "valid": ok, "text": text})
+            counts = {"tokens": len(out.tokens), "forced": out.forced, "passes": out.forwards}
+            answers[(name, c)].append(
+                {"case": case.name, "valid": ok, "text": text, **counts, "seconds": round(out.elapsed_s, 4)}
+            )
     plain = totals.get(("ntp", True)), totals.get(("ntp", False))
     table = [_row(name, c, totals[(name, c)], *plain) for name, _, c in rows]
     return {
