@@ -77,6 +77,7 @@ def test_constrained_rows_are_valid_and_split_forced_from_model_tokens(model):
         on = rows[(mode, True)]
         assert on["tokens_per_pass"] == pytest.approx(on["forced_per_pass"] + on["model_per_pass"], abs=0.011)
         assert on["forced_per_pass"] > 0  # "-" and ":" in the regexes are forced
+        assert 0 < on["host_ms_per_pass"] < on["ms_per_pass"]  # the passes' own time is measured apart
         assert on["vs_constrained_plain"] is not None
     assert rows[("ntp", True)]["vs_constrained_plain"] == 1.0
     assert rows[("ntp", False)]["vs_free_plain"] == 1.0  # the baseline without jump-forward

@@ -23,7 +23,8 @@ from mtplm.bench.structured_set import CASES, Case, spec_of, valid
 # constrained plain decoding spending a pass on every token, forced ones too (no jump-forward): what a
 # constrained server without jump-forward does
 NO_JUMP = "ntp no-jump-forward"
-_ENGINE_CALLS = ("masks_along", "forced", "accepts", "advance")  # mask() runs inside masks_along
+# mask() runs inside masks_along and mask_chain; none of these calls another
+_ENGINE_CALLS = ("masks_along", "mask_chain", "forced", "forced_after", "finishes", "accepts", "advance")
 
 
 @contextmanager
@@ -51,6 +52,29 @@ def grammar_clock():
     finally:
         for name, method in originals.items():
             setattr(constraint_module.Constraint, name, method)
+
+
+@contextmanager
+def model_clock(runner):
+    """Seconds spent in `runner`'s passes and LM head while the block runs (a one-item list, read after):
+    the rest of a generation's time is the host's (the loop, strategies, the grammar)."""
+    spent = [0.0]
+
+    def timed(method):
+        def wrapper(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[0] += time.perf_counter() - began
+
+        return wrapper
+
+    runner.run, runner.head = timed(runner.run), timed(runner.head)  # instance attributes over the class's
+    try:
+        yield spent
+    finally:
+        del runner.run, runner.head
 
 
 def compile_ms(model, cases: list[Case]) -> dict[str, float]:
@@ -99,8 +123,11 @@ def run_structured(
             out, spent = untimed_compiles(run, runner)
             text = model.tokenizer.decode(out.tokens, skip_special_tokens=True)
             ok = valid(case, text, grammar, model.tokenizer)
-            _add(totals[(name, c)], out, ok, spent[0])
-            answers[(name, c)].append({"case": case.name, "valid": ok, "text": text})
+            _add(totals[(name, c)], out, ok, *spent)
+            counts = {"tokens": len(out.tokens), "forced": out.forced, "passes": out.forwards}
+            answers[(name, c)].append(
+                {"case": case.name, "valid": ok, "text": text, **counts, "seconds": round(out.elapsed_s, 4)}
+            )
     plain = totals.get(("ntp", True)), totals.get(("ntp", False))
     table = [_row(name, c, totals[(name, c)], *plain) for name, _, c in rows]
     return {
@@ -118,9 +145,9 @@ def _timed(model, ids: list[int], cfg, runner, grammar, jump: bool = True) -> tu
     from mtplm.decode.loop import generate
 
     constraint = grammar.start(jump_forward=jump) if grammar else None
-    with grammar_clock() as spent:
+    with grammar_clock() as spent, model_clock(runner) as passes:
         out = generate(model, ids, cfg, backend=runner, constraint=constraint)
-    return out, spent
+    return out, (spent[0], passes[0])
 
 
 def _with_limit(cfg, max_new_tokens: int):
@@ -130,10 +157,11 @@ def _with_limit(cfg, max_new_tokens: int):
 
 
 def _empty() -> dict:
-    return {"valid": 0, "cases": 0, "tokens": 0, "forced": 0, "passes": 0, "seconds": 0.0, "grammar_s": 0.0}
+    return {"valid": 0, "cases": 0, "tokens": 0, "forced": 0, "passes": 0, "seconds": 0.0, "grammar_s": 0.0,
+            "model_s": 0.0}
 
 
-def _add(total: dict, out, ok: bool, grammar_s: float) -> None:
+def _add(total: dict, out, ok: bool, grammar_s: float, model_s: float) -> None:
     total["valid"] += ok
     total["cases"] += 1
     total["tokens"] += len(out.tokens)
@@ -141,6 +169,7 @@ def _add(total: dict, out, ok: bool, grammar_s: float) -> None:
     total["passes"] += out.forwards
     total["seconds"] += out.elapsed_s
     total["grammar_s"] += grammar_s
+    total["model_s"] += model_s
 
 
 def _rate(t: dict | None) -> float | None:
@@ -164,6 +193,7 @@ def _row(name: str, constrained: bool, t: dict, plain: dict | None, free: dict |
         "tokens_per_s": round(rate, 1),
         "ms_per_pass": round(1e3 * t["seconds"] / passes, 2),
         "grammar_ms_per_pass": round(1e3 * t["grammar_s"] / passes, 3),
+        "host_ms_per_pass": round(1e3 * (t["seconds"] - t["model_s"]) / passes, 2),
         "vs_constrained_plain": round(rate / plain_rate, 2) if plain_rate else None,
         "vs_free_plain": round(rate / free_rate, 2) if free_rate else None,
     }
@@ -171,15 +201,16 @@ def _row(name: str, constrained: bool, t: dict, plain: dict | None, free: dict |
 
 def markdown(rows: list[dict]) -> str:
     head = (
-        "| mode | constraint | valid | tokens/pass (forced + model) | tokens/s | ms/pass | grammar ms/pass "
-        "| vs constrained plain | vs free plain |"
+        "| mode | constraint | valid | tokens/pass (forced + model) | tokens/s | ms/pass | host ms/pass "
+        "| grammar ms/pass | vs constrained plain | vs free plain |"
     )
-    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['mode']} | {'on' if r['constrained'] else 'off'} | {r['valid']} | {r['tokens_per_pass']} "
             f"({r['forced_per_pass']} + {r['model_per_pass']}) | {r['tokens_per_s']} | {r['ms_per_pass']} "
-            f"| {r['grammar_ms_per_pass']} | {r['vs_constrained_plain']}x | {r.get('vs_free_plain')}x |"
+            f"| {r['host_ms_per_pass']} | {r['grammar_ms_per_pass']} | {r['vs_constrained_plain']}x "
+            f"| {r.get('vs_free_plain')}x |"
         )
     return "\n".join(lines)
 

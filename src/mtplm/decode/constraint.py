@@ -19,14 +19,14 @@ from __future__ import annotations
 import re
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import cached_property
 from typing import Any
 
 import numpy as np
 import torch
 
-from mtplm.decode.constraint_drafts import literal_drafts
+from mtplm.decode.constraint_drafts import literal_drafts, spelling
 from mtplm.decode.constraint_spec import KINDS, Spec, any_json_object, json_schema
 from mtplm.decode.protocol import Outcome, PassLogits
 from mtplm.errors import UserError
@@ -96,6 +96,7 @@ def compile(spec: Spec, tokenizer, stop_ids: Iterable[int]) -> Grammar:
             f"({_one_line(str(exc))})"
         ) from None
     grammar = Grammar(spec, engine_tokenizer, stops, len(tokenizer), tokenizer.eos_token_id)
+    grammar.spell = spelling(tokenizer)  # forced bytes as drafts (Constraint.forced_after)
     if spec.kind == "json_schema":  # the schema's own strings, as drafts (constraint_drafts.py)
         grammar.literals = literal_drafts(spec.source, tokenizer)
     with _LOCK:
@@ -124,6 +125,7 @@ class Grammar:
 
         self.spec, self.stop_ids, self.vocab = spec, stop_ids, vocab
         self.literals: list[tuple[int, ...]] = []  # token spellings of a JSON schema's strings (compile sets)
+        self.spell: Callable[[bytes], tuple[int, ...]] | None = None  # bytes -> tokens (compile sets)
         # the stop token emitted when the grammar is finished and allows nothing else (loop.py): the
         # tokenizer's end of sequence where it is a stop id, else the smallest stop id
         self.end_token = end_token if end_token in stop_ids else min(stop_ids, default=-1)
@@ -298,17 +300,36 @@ class Constraint:
             return []
         return [int(t) for t in self._m.compute_ff_tokens()]
 
-    def forced_after(self, tokens: Sequence[int]) -> list[int]:
-        """The tokens the grammar forces after `tokens` (which it must accept, no stop token among them);
-        the state does not move."""
-        if not tokens:
-            return self.forced()
-        if not self._m.consume_tokens(list(tokens)):
+    def forced_after(self, tokens: Sequence[int] = (), likely: bool = False, most: int = 32) -> list[int]:
+        """The tokens the grammar forces after `tokens` (which it must accept, no stop token among them); with
+        `likely`, then the tokens spelling the bytes it forces beyond them (` "` before a string: a longer
+        token could start the same way, so these are drafts, not forced), what it forces after those, and
+        so on; at most `most`. The state does not move."""
+        if tokens and not self._m.consume_tokens(list(tokens)):
             return []
+        out: list[int] = []
         try:
-            return [] if self._m.is_stopped() else [int(t) for t in self._m.compute_ff_tokens()]
+            while len(out) < most and not self._m.is_stopped():
+                run = [int(t) for t in self._m.compute_ff_tokens()]
+                if not run and likely and self.grammar.spell is not None:
+                    run = list(self.grammar.spell(bytes(self._m.compute_ff_bytes())))
+                taken = int(self._m.try_consume_tokens(run)) if run else 0
+                out += run[:taken]
+                if not taken or not likely:
+                    break
+            return out[:most]
         finally:
-            self._m.rollback(len(tokens))
+            self._m.rollback(len(tokens) + len(out))
+
+    def finishes(self, tokens: Sequence[int]) -> bool:
+        """After `tokens` nothing but a stop token can follow (False where the grammar rejects them); the
+        state does not move."""
+        taken = int(self._m.try_consume_tokens(list(tokens))) if tokens else 0
+        try:
+            return taken == len(tokens) and bool(self._m.is_stopped())
+        finally:
+            if taken:
+                self._m.rollback(taken)
 
     def copy(self) -> Constraint:
         copied = Constraint(self.grammar, self._m.deep_copy())

@@ -1,4 +1,5 @@
-"""Drafts from a JSON schema's own strings: its property names and its string `enum` / `const` values.
+"""Drafts from the grammar itself: the bytes it forces where its tokens are not forced (`forced_plan`), and
+a JSON schema's own strings, its property names and its string `enum` / `const` values (`literal_plan`).
 
 Where the grammar lets the model choose (an enum value, an optional property's key), the choice is often
 one of the schema's strings, and the text the grammar forces after it follows for free (loop.py's
@@ -14,8 +15,10 @@ Shapes: none (token ids).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
+from functools import lru_cache
 from typing import Any
 
 from mtplm.decode.protocol import Plan
@@ -61,6 +64,62 @@ def literal_drafts(source: str, tokenizer) -> list[tuple[int, ...]]:
     return out
 
 
+def spelling(tokenizer) -> Callable[[bytes], tuple[int, ...]]:
+    """bytes -> the tokenizer's tokens for them, cached (() for bytes that end inside a character). Holds the
+    tokenizer weakly: grammars are cached per tokenizer, weakly keyed by it."""
+    ref = weakref.ref(tokenizer)
+
+    @lru_cache(maxsize=4096)
+    def spell(data: bytes) -> tuple[int, ...]:
+        found = ref()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            return ()
+        if found is None or not text:
+            return ()
+        return tuple(found(text, add_special_tokens=False)["input_ids"])
+
+    return spell
+
+
+def pruned(constraint, plan: Plan, budget: int, stop_ids: Collection[int]) -> Plan:
+    """The plan's draft chain cut at its first token the grammar rejects (verification could never keep it
+    nor anything after it); a chain without blocks (copied drafts) then extended by the tokens the grammar
+    forces after it (drafts the masked rows cannot reject: the pass's new token lands after them, not on
+    them) and the spelling of the bytes it forces (`Constraint.forced_after`'s `likely`), or replaced by
+    that run from here where it spells the forced text otherwise. Greedy or copied chains only
+    (docs/structured.md: cutting a sampled draft would not be exact)."""
+    if plan.parents is not None or plan.proposal is not None or not plan.drafts:
+        return plan
+    kept = plan.drafts[: constraint.accepts(plan.drafts)]
+    if kept and kept[-1] in stop_ids:
+        return replace(plan, drafts=kept)
+    if plan.slots:
+        return plan if len(kept) == len(plan.drafts) else replace(plan, drafts=kept)
+    # forced tokens are left to jump-forward (loop.py); the spelling of forced bytes is preferred to a copy
+    # that spells them otherwise (a model spells them as its tokenizer does)
+    likely = () if constraint.forced() else tuple(constraint.forced_after((), likely=True))
+    common = min(len(likely), len(kept))
+    if kept[:common] != likely[:common]:
+        kept = likely
+    if kept:
+        kept += tuple(constraint.forced_after(kept, likely=True))
+    kept = kept[: max(0, budget - 1)]
+    return replace(plan, k=max(plan.k, 1 + len(kept)), drafts=kept)
+
+
+def forced_plan(constraint, plan: Plan, budget: int) -> Plan:
+    """A verifying chain plan with nothing to propose gets the tokens spelling the bytes the grammar forces
+    next (` "` before a string value, ` ` before a number: the text is certain but its tokens are not,
+    since a longer token could start it) and what it forces after them, as drafts the model verifies (so
+    its token lands after them); any other plan as it is."""
+    if plan.drafts or plan.k < 2 or plan.slots or plan.parents is not None or plan.emits_block:
+        return plan
+    drafts = constraint.forced_after((), likely=True)[: max(0, budget - 1)]
+    return replace(plan, k=max(plan.k, 1 + len(drafts)), drafts=tuple(drafts)) if drafts else plan
+
+
 def literal_plan(constraint, plan: Plan, text: Sequence[int], budget: int) -> Plan:
     """A verifying chain plan with nothing to propose, at a choice point (the grammar allows at most
     NARROW tokens next: an enum value, a key; not the middle of a free string), gets one of the schema's
@@ -74,7 +133,7 @@ def literal_plan(constraint, plan: Plan, text: Sequence[int], budget: int) -> Pl
     drafts = list(pick(constraint, literals, text))[: max(0, budget - 1)]
     if not drafts:
         return plan
-    drafts += constraint.forced_after(drafts)[: max(0, budget - 1 - len(drafts))]
+    drafts += constraint.forced_after(drafts, likely=True)[: max(0, budget - 1 - len(drafts))]
     return replace(plan, k=max(plan.k, 1 + len(drafts)), drafts=tuple(drafts))
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -24,7 +24,7 @@ from mtplm.config import DecodeConfig
 from mtplm.decode.backends import KV, Backend, EagerBackend, describe
 from mtplm.decode.backends import stop_ids as stop_ids
 from mtplm.decode.constraint import ConstrainedLogits, Constraint, trim
-from mtplm.decode.constraint_drafts import literal_plan
+from mtplm.decode.constraint_drafts import forced_plan, literal_plan, pruned
 from mtplm.decode.logprobs import TokenLogprob, prompt_logprobs, rows_logprobs, step_logprobs
 from mtplm.decode.protocol import DecodeModel, Drafting, Feed, Outcome, PassLogits, Plan, Strategy
 from mtplm.decode.sampling import greedy
@@ -168,37 +168,26 @@ class Decoding:
         self.fed = Feed.of(plan, self.pending, slots, self._mask_id)
         return self.fed
 
-    def _pruned(self, plan: Plan) -> Plan:
-        """The plan's draft chain cut at its first token the grammar rejects (verification could never keep
-        it nor anything after it), and a chain without blocks then extended by the tokens the grammar forces
-        after it (drafts the masked rows cannot reject: the pass's new token lands after them, not on them).
-        Greedy or copied chains only (docs/structured.md: cutting a sampled draft would not be exact)."""
-        assert self.constraint is not None
-        if plan.parents is not None or plan.proposal is not None or not plan.drafts:
-            return plan
-        kept = plan.drafts[: self.constraint.accepts(plan.drafts)]
-        if kept and kept[-1] in self.stop_ids:
-            return replace(plan, drafts=kept)
-        if not plan.slots and kept:
-            kept += tuple(self.constraint.forced_after(kept)[: max(0, self.budget - 1 - len(kept))])
-            return replace(plan, k=max(plan.k, 1 + len(kept)), drafts=kept)
-        return plan if len(kept) == len(plan.drafts) else replace(plan, drafts=kept)
-
     def _constrained(self, plan: Plan) -> Plan:
-        """The plan under the grammar (jump-forward): drafts it rejects cut (`_pruned`); then, when the
-        tokens it forces from here (`Constraint.forced`) are not the start of what is left, they are
+        """The plan under the grammar (jump-forward): drafts it rejects cut (constraint_drafts.pruned); then,
+        when the tokens it forces from here (`Constraint.forced`) are not the start of what is left, they are
         committed as pending tokens (no pass of their own: they ride in this pass as committed rows, and
         come out at the front of its Step), the strategy's stale drafts dropped, and the strategy plans
         again after them. Not when logprobs are asked for (every token then gets its pass's scores)."""
         assert self.constraint is not None
-        plan, jump = self._pruned(plan), self.logprobs is None and self.constraint.jump_forward
+        plan, jump = self._prune(plan), self.logprobs is None and self.constraint.jump_forward
         forced = self.constraint.forced() if jump else []
         if jump and not self._covers(plan, forced) and self._take_forced(forced, self.budget - 1):
             self.budget -= len(self.forced)
             if self.last is not None:  # they followed the text before the forced run: none can be kept now
                 self.last = self.last.replace(drafts=(), proposal=None, block=None)
-            plan = self._pruned(self.strategy.plan(self.text, self.budget, self.last))
+            plan = self._prune(self.strategy.plan(self.text, self.budget, self.last))
+        plan = forced_plan(self.constraint, plan, self.budget)
         return literal_plan(self.constraint, plan, self.text, self.budget)
+
+    def _prune(self, plan: Plan) -> Plan:
+        assert self.constraint is not None
+        return pruned(self.constraint, plan, self.budget, self.stop_ids)
 
     @staticmethod
     def _covers(plan: Plan, forced: list[int]) -> bool:
@@ -221,13 +210,18 @@ class Decoding:
             self.produced += len(self.forced)
         return len(self.forced)
 
-    def _ends(self, emitting: int) -> bool:
-        """After this step's `emitting` tokens the grammar is finished (only a stop token may follow) and
-        the budget has room for one: the stop token is emitted now, a forced token like any other, instead
-        of costing a pass (not with logprobs: each token then gets its pass's scores)."""
-        assert self.constraint is not None
-        room = self.produced + emitting < self.max_new_tokens
-        return room and self.logprobs is None and self.constraint.jump_forward and self.constraint.finished
+    def _ending(self, emitting: int) -> list[int]:
+        """The tokens that end the output now, without a pass: after this step's `emitting` tokens, the run
+        the grammar forces and its stop token, when that run finishes it (only a stop token may follow) and
+        the budget has room for them (else []). Not with logprobs (each token then gets its pass's scores)."""
+        constraint = self.constraint
+        assert constraint is not None
+        if self.logprobs is not None or not constraint.jump_forward:
+            return []
+        run = constraint.forced_after()
+        if self.produced + emitting + len(run) >= self.max_new_tokens or not constraint.finishes(run):
+            return []
+        return [*run, constraint.grammar.end_token]
 
     def _mask_id(self) -> int:
         if self.model.mask_id is None:
@@ -314,9 +308,10 @@ class Decoding:
         if isinstance(rows, ConstrainedLogits):
             rows.constraint.advance(new)
             chosen_forced = rows.forced_among(outcome, len(new))  # kept drafts and tokens the grammar forced
-            if not stopped and self._ends(len(new)):  # the grammar allows nothing more: end, without a pass
-                new, stopped = [*new, rows.constraint.grammar.end_token], True
-                chosen_forced += 1
+            ending = [] if stopped else self._ending(len(new))
+            if ending:  # the grammar allows nothing more after its forced run: end, without a pass
+                rows.constraint.advance(ending[:-1])
+                new, stopped, chosen_forced = [*new, *ending], True, chosen_forced + len(ending)
             complete = stopped and rows.constraint.accepting
         self.produced += len(new)
         self.text.extend(new)
