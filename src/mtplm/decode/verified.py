@@ -25,10 +25,12 @@ import torch
 
 from mtplm.config import DRAFTING, LOOKUP_TOKENS, DecodeConfig, ModeDefaults
 from mtplm.decode.lookup import NgramLookup, merge_chain
-from mtplm.decode.protocol import Outcome, PassLogits, Plan, Strategy
+from mtplm.decode.protocol import Feed, Outcome, PassLogits, Plan, Strategy
 from mtplm.decode.sampling import greedy, sample, speculative_accept, warp
 from mtplm.masks import block_anchors
 from mtplm.registry import WINDOWS
+
+DECODE_ROWS = 32  # the compiled backend's widest decode pass (fast/backend.py ROW_BUCKETS[-1])
 
 
 class Verified:
@@ -48,7 +50,19 @@ class Verified:
         self.lookup = NgramLookup() if cfg.lookup_tokens() else None
 
     def plan(self, text: Sequence[int], budget: int, last: Outcome | None) -> Plan:
-        """The previous pass's drafts (as many as fit this pass's window), with lookup beside or instead."""
+        """The previous pass's drafts (as many as fit this pass's window), with lookup beside or instead.
+
+        A prompt pass wider than a decode pass drafts nothing: the compiled backend runs it as a wide pass
+        (flash attention, whose rounding depends on the rows fed), so drafts after the prompt would change
+        the prompt rows' bf16 results from plain decoding's, and at a near-tie its tokens. Decode passes
+        are row-invariant (tests/decode/test_invariance.py): there drafts change no other row."""
+        plan = self._plan(text, budget, last)
+        if last is None and (plan.drafts or plan.slots):
+            rows = len(Feed.of(plan, list(text), plan.slots, lambda: 0).tokens)
+            return Plan(1) if rows > DECODE_ROWS else plan
+        return plan
+
+    def _plan(self, text: Sequence[int], budget: int, last: Outcome | None) -> Plan:
         drafts, proposal = (last.drafts, last.proposal) if last is not None else ((), None)
         k = max(1, min(self.window.size(len(text)), budget))
         fed = min(len(drafts), k - 1)

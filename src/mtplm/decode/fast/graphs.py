@@ -8,7 +8,11 @@ Measured choices (docs/backends-kernels.md, SmolLM2-135M bf16 on a 2-vCPU Xeon w
     (3-5 s per layer graph), so only the hot one-sequence decode buckets take it (WHOLE_PASS_ROWS in
     backend.py); it loads in ~3.5 s from a warm cache;
   - on a CPU, inductor's C++ wrapper (`cpp_wrapper`) calls the kernels with no Python between them;
-  - after a bucket's first call, only the guards that tell its cached graphs apart (`guards`).
+  - after a bucket's first call, only the guards that tell its cached graphs apart (`guards`);
+  - bf16 rounded where eager rounds (`emulate_precision_casts`): a fused graph otherwise keeps a bf16 op's
+    fp32 result unrounded for the ops fused after it, so the whole-pass graph (1 row) and the per-layer
+    graphs (k rows) round a row differently, and lossless verified decoding then loses plain decoding's
+    exact tokens at near-ties (tests/decode/test_invariance.py).
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ import torch
 from mtplm.decode.fast.forward import decode_pass, layer
 from mtplm.decode.fast.weights import FastWeights
 
+# every graph rounds bf16 where eager does: a row's logits are then the same bitwise in every bucket
+ROUNDED = {"emulate_precision_casts": True}
+
 
 def compile_steps(
     weights: FastWeights, regional: bool, whole_rows: int
@@ -35,12 +42,14 @@ def compile_steps(
     on_gpu = weights.embed.is_cuda
     # on a GPU, CUDA graphs replay each bucket's kernels without launch overhead (the store is static)
     mode = "reduce-overhead" if on_gpu else None
-    compiled = partial(torch.compile, dynamic=False, fullgraph=True, mode=mode)
+    # (torch.compile takes a mode or options, not both: on a GPU its graphs keep inductor's own rounding)
+    options = None if mode else ROUNDED
+    compiled = partial(torch.compile, dynamic=False, fullgraph=True, mode=mode, options=options)
     if not regional:
         return compiled(decode_pass), None
     # a C++ wrapper for the layer graph (not the whole pass's: 2-3x its 40-60 s cold compile)
     python_wrapper = on_gpu or weights.quantized  # CUDA graphs; quantized: not measured
-    step = compiled(layer) if python_wrapper else compiled(layer, options={"cpp_wrapper": True})
+    step = compiled(layer) if python_wrapper else compiled(layer, options={**ROUNDED, "cpp_wrapper": True})
     regional_pass = partial(decode_pass, step=_copied(step) if mode else step)
     return regional_pass, compiled(decode_pass) if whole_rows and not on_gpu else None
 

@@ -1,0 +1,107 @@
+"""Row invariance of the compiled pass in bf16: a row's hidden state and logits in a k-row pass are bitwise
+what the 1-row pass gives it (the 1-row bucket runs the whole pass as one graph, the others a graph per
+layer), so lossless verified decoding gives plain greedy decoding's exact tokens in bf16 too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_tokenizer
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from mtplm.config import DecodeConfig, parse_mode
+from mtplm.decode.fast import StaticBackend
+from mtplm.decode.loop import generate
+from mtplm.decode.protocol import Feed
+from mtplm.model import MTPModel
+
+VOCAB = 64
+
+
+def odd_bf16_model(seed: int = 0, gated: bool = False, head_scale: float = 1.0) -> MTPModel:
+    """A random Llama of odd shapes (hidden 48, 6 query heads over 2 KV heads, MLP 88: off every kernel
+    block) in bf16; `head_scale` < 1 shrinks the LM head so logits sit near ties."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=48,
+        intermediate_size=88,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=VOCAB - 2,
+        pad_token_id=VOCAB - 1,
+    )
+    hf = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(head_scale)
+    model = MTPModel(hf, tiny_tokenizer(), None)
+    model.add_mask_token(k_max=8, base_identity={"name": "odd-llama", "seed": seed})
+    if gated:
+        model.attach_gated_lora(rank=4, alpha=8.0)
+        with torch.no_grad():  # non-zero adapters, so <mtp> rows differ from plain ones
+            for name, p in model.hf.named_parameters():
+                if ".lora_b" in name:
+                    p.normal_(0, 0.2, generator=torch.Generator().manual_seed(len(name)))
+        model.adapters_to(torch.bfloat16)
+    model.hf.to(torch.bfloat16)
+    return model
+
+
+def feed(tokens: list[int], pending: int | None = None) -> Feed:
+    pending = len(tokens) if pending is None else pending
+    return Feed(tokens, pending, 0, 0, False, None)
+
+
+def row_zero(backend: StaticBackend, tokens: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row 0's hidden state and logits of a pass feeding `tokens` behind `length` cached positions."""
+    hidden = backend.run(0, [feed(tokens)], [length])[0, :1].clone()
+    return hidden, backend.head(hidden)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_rows_result_is_the_same_bitwise_whatever_rows_share_its_pass(gated):
+    model = odd_bf16_model(seed=3, gated=gated)
+    backend = StaticBackend(model, 1, capacity=64, compile=True)
+    prompt = [(7 * i) % (VOCAB - 2) for i in range(37)]
+    with torch.inference_mode():
+        backend.run(0, [feed(prompt)], [0])
+        for length in (37, 29):  # two cache lengths, the second behind rows the first wrote
+            alone = row_zero(backend, [11], length)
+            for rows in range(2, 10):  # buckets 2, 4, 8, 16: padded rows too
+                others = [(11 + 5 * r) % (VOCAB - 2) for r in range(1, rows)]
+                if gated and rows % 2:  # <mtp> rows behind it: the adapters' graphs
+                    others[-1] = model.mask_id
+                shared = row_zero(backend, [11, *others], length)
+                assert torch.equal(shared[0], alone[0]), f"hidden, {rows} rows behind {length}"
+                assert torch.equal(shared[1], alone[1]), f"logits, {rows} rows behind {length}"
+    assert any(bucket[1] == 1 for bucket in backend.compiled_buckets) and backend.whole_rows >= 1
+
+
+def test_verified_lookup_greedy_is_plain_greedy_in_bf16():
+    """Near-tie logits (a shrunk LM head), prompts that repeat so lookup drafts: every pass it verifies with
+    k rows must pick what the 1-row plain pass picks. Prompts of 18 tokens (a compiled bucket) and of 43
+    (a wide pass: flash attention, whose rounding depends on the rows fed, so no drafts may ride along)."""
+    model = odd_bf16_model(seed=5, head_scale=0.05)
+    backend = StaticBackend(model, 1, capacity=256, compile=True)
+    lookup = parse_mode("verified:lookup")
+    drafted = 0
+    for seed in range(6):
+        g = torch.Generator().manual_seed(seed)
+        phrase = torch.randint(0, VOCAB - 2, (5,), generator=g).tolist()
+        prompt = phrase * (3 if seed % 2 else 8) + torch.randint(0, VOCAB - 2, (3,), generator=g).tolist()
+        plain = generate(model, prompt, DecodeConfig(mode="ntp", max_new_tokens=40), backend=backend)
+        cfg = DecodeConfig(**{**lookup.__dict__, "max_new_tokens": 40})
+        fast = generate(model, prompt, cfg, backend=backend)
+        assert fast.tokens == plain.tokens, f"prompt {seed}"
+        drafted += sum(d for d, _ in fast.drafts)
+    assert drafted > 0  # lookup did draft, so k-row passes were verified
+
+
+def test_verified_knows_the_widest_decode_pass():
+    """verified.py keeps drafts off a prompt pass wider than this (a wide pass rounds by its rows)."""
+    from mtplm.decode.fast.backend import ROW_BUCKETS
+    from mtplm.decode.verified import DECODE_ROWS
+
+    assert DECODE_ROWS == ROW_BUCKETS[-1]
