@@ -23,23 +23,28 @@ from mtplm.text import chat_prompt_ids
 def run_engine(args, prompts: list[str], modes: list[str], summary) -> list[dict]:
     """Rows like the HTTP test's (`summary(mode, records, wall)`), one per mode, best of the rounds."""
     spec = args.model.partition("=")[2] or args.model
-    model = load_model(spec, args.dtype)
-    backend = make_backend(args.backend, model, args.max_batch)
-    ids = [chat_prompt_ids(model.tokenizer, p) for p in prompts]
     cfgs = {mode: parse_mode(mode) for mode in modes}
     for cfg in cfgs.values():
         cfg.max_new_tokens, cfg.temperature = args.max_tokens, 0.0
-    warm_up(
-        backend,
-        model,
-        list(cfgs.values()),
-        (min(map(len, ids)), max(map(len, ids))),
-        args.max_tokens,
-        args.max_batch,
-        what="the engine",
-    )
+    ids: list[list[int]] = []
+
+    def build():  # on the engine's thread, as the server loads its models
+        model = load_model(spec, args.dtype)
+        backend = make_backend(args.backend, model, args.max_batch)
+        ids.extend(chat_prompt_ids(model.tokenizer, p) for p in prompts)
+        warm_up(
+            backend,
+            model,
+            list(cfgs.values()),
+            (min(map(len, ids)), max(map(len, ids))),
+            args.max_tokens,
+            args.max_batch,
+            what="the engine",
+        )
+        return model, backend
+
     k_by_batch = parse_k_by_batch(args.k_by_batch) if args.k_by_batch else parse_k_by_batch("2:1")
-    engine = Engine(model, args.max_batch, k_by_batch=k_by_batch, backend=backend)
+    engine = Engine.on_own_thread(build, max_batch=args.max_batch, k_by_batch=k_by_batch)
     try:
         for cfg in cfgs.values():  # warm-up, as the HTTP test's
             _round(engine, cfg, [ids[i % len(ids)] for i in range(args.clients)], args.clients, 1)

@@ -10,6 +10,7 @@ from conftest import with_random_heads
 from synthetic import chain_rows
 
 from mtplm.config import DecodeConfig
+from mtplm.decode.backends import EagerBackend
 from mtplm.decode.engine import Engine, EngineClosed, Job
 from mtplm.decode.loop import generate
 from mtplm.decode.ragged import RaggedCache
@@ -222,3 +223,39 @@ def test_the_store_grows_and_compaction_keeps_each_slot():
     assert torch.equal(cache.keys[0][:, :, :4], torch.arange(3 * 8.0).view(3, 1, 4, 2))
     cache.move(2, 0, 3)
     assert torch.equal(cache.keys[0][0, :, :3], cache.keys[0][2, :, :3])
+
+
+def test_on_own_thread_builds_and_decodes_on_one_thread(chain_checkpoint):
+    """Engine.on_own_thread loads the model on the thread that then runs every pass (the server's one
+    torch thread), and decodes what generate decodes."""
+    built_on, emitted_on = [], set()
+    model = MTPModel.load(chain_checkpoint)
+
+    def build():
+        built_on.append(threading.get_ident())
+        loaded = MTPModel.load(chain_checkpoint)
+        return loaded, EagerBackend(loaded, 2)
+
+    engine = Engine.on_own_thread(build, max_batch=2)
+    collector = Collector()
+
+    def emit(step, error) -> None:
+        emitted_on.add(threading.get_ident())
+        collector(step, error)
+
+    ids = chat_prompt_ids(model.tokenizer, chain_rows(1, seed=2)[0]["prompt"])
+    cfg = DecodeConfig(mode="ntp", max_new_tokens=6)
+    engine.submit(Job(ids, cfg, emit))
+    assert collector.done.wait(30)
+    engine.close(grace_s=5)
+    assert collector.error is None
+    assert emitted_on == set(built_on) and built_on[0] != threading.get_ident()
+    assert collector.tokens == generate(model, ids, cfg).tokens
+
+
+def test_on_own_thread_raises_what_build_raises():
+    def build():
+        raise UserError("no such model")
+
+    with pytest.raises(UserError, match="no such model"):
+        Engine.on_own_thread(build, max_batch=1)

@@ -16,6 +16,9 @@ chunk's pass (or one newcomer's first pass) between two of its own passes.
 
 Callers talk to the engine from other threads: `submit` (validates the job, raises UserError),
 `cancel`, `close`. Results go to each job's `emit(step, error)` callback, called on the engine thread.
+`Engine.on_own_thread` also loads and warms the model on that thread, so one thread runs every torch op:
+a second thread's OpenMP teams, once another thread has started its own, run short ops 25-45 % slower on
+two cores (scripts/thread_prompt.py, docs/serving.md).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -82,6 +86,7 @@ class Engine:
         k_by_batch: dict[int, int] | str | None = None,
         backend: Backend | None = None,
         prefill_chunk: int | None = None,
+        start: bool = True,
     ) -> None:
         if max_batch < 1:
             raise UserError(f"max_batch must be >= 1, got {max_batch}")
@@ -100,7 +105,28 @@ class Engine:
         self.closing = self.stopped = False
         self._wake = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name="mtplm-engine", daemon=True)
-        self._thread.start()
+        if start:
+            self._thread.start()
+
+    @classmethod
+    def on_own_thread(cls, build: Callable[[], tuple[MTPModel, Backend]], **options) -> Engine:
+        """An engine whose thread first runs `build()` (load the model, make and warm its backend), then
+        decodes: every torch op of the model on one thread. Raises what `build` raises."""
+        ready: Future[Engine] = Future()
+
+        def run() -> None:
+            try:
+                model, backend = build()
+                engine = cls(model, backend=backend, start=False, **options)
+            except BaseException as exc:  # handed to the caller, who waits on `ready`
+                ready.set_exception(exc)
+                return
+            engine._thread = threading.current_thread()
+            ready.set_result(engine)
+            engine._loop()
+
+        threading.Thread(target=run, name="mtplm-engine", daemon=True).start()
+        return ready.result()
 
     # ---- callers' side ----------------------------------------------------------------------------
     def submit(self, job: Job) -> Job:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from mtplm.compat import tomllib
 from mtplm.config import DEFAULT_MODE, DecodeConfig
-from mtplm.decode.backends import make_backend
+from mtplm.decode.backends import Backend, make_backend
 from mtplm.decode.engine import Engine, PassStats
 from mtplm.decode.warm import warm_up
 from mtplm.errors import UserError
@@ -215,6 +215,22 @@ class Repository:
                     "server_error",
                 )
             self._make_room(need)
+        mode = entry.mode or self.default_mode or DEFAULT_MODE
+        on_pass = self.on_pass
+        callback = (lambda stats: on_pass(entry.id, stats)) if on_pass is not None else None
+        engine = Engine.on_own_thread(  # the model loads, warms and decodes on the engine's one thread
+            lambda: self._build(entry), max_batch=self.max_batch, on_pass=callback, k_by_batch=self.k_by_batch
+        )
+        model = engine.model
+        nbytes = sum(p.numel() * p.element_size() for p in model.hf.parameters())
+        loaded = Loaded(entry, model, engine, mode, nbytes)
+        with self._guard:
+            self.loaded[entry.id] = loaded
+            self.failed.pop(entry.id, None)
+        return loaded
+
+    def _build(self, entry: Entry) -> tuple[MTPModel, Backend]:
+        """On the engine's thread: the model, and its backend with every bucket compiled (warm())."""
         try:
             model = load_model(entry.path, entry.dtype)
         except (UserError, OSError, ValueError) as exc:
@@ -223,9 +239,6 @@ class Repository:
             raise APIError(
                 500, f"model {entry.id!r} failed to load: {exc}", "model", "model_load_failed", "server_error"
             ) from None
-        mode = entry.mode or self.default_mode or DEFAULT_MODE
-        on_pass = self.on_pass
-        callback = (lambda stats: on_pass(entry.id, stats)) if on_pass is not None else None
         backend = make_backend(self.backend, model, self.max_batch)
         if self.context is not None:  # every mode a request may ask: plain rows and <mtp> rows
             warm_up(
@@ -237,13 +250,7 @@ class Repository:
                 self.max_batch,
                 what=entry.id,
             )
-        engine = Engine(model, self.max_batch, on_pass=callback, k_by_batch=self.k_by_batch, backend=backend)
-        nbytes = sum(p.numel() * p.element_size() for p in model.hf.parameters())
-        loaded = Loaded(entry, model, engine, mode, nbytes)
-        with self._guard:
-            self.loaded[entry.id] = loaded
-            self.failed.pop(entry.id, None)
-        return loaded
+        return model, backend
 
     def _make_room(self, need: int) -> None:
         """Unload idle models, least recently used first, until `need` more bytes fit the budget."""
