@@ -321,32 +321,33 @@ inline void low_rank_block(const uint16_t* const* xr, const uint16_t* a, int64_t
 }
 
 template <int Rows>
-void low_rank_group(const uint16_t* const* xr, const uint16_t* a, int64_t k, int64_t r_out, const float* g,
-                    uint16_t* const* dst) {
-  int64_t j = 0;
-  for (; j + 4 <= r_out; j += 4) low_rank_block<Rows, 4>(xr, a, k, j, g, dst);
-  for (; j < r_out; ++j) low_rank_block<Rows, 1>(xr, a, k, j, g, dst);
+void low_rank_group(const uint16_t* const* xr, const uint16_t* a, int64_t k, int64_t j0, int64_t j1,
+                    const float* g, uint16_t* const* dst) {
+  int64_t j = j0;
+  for (; j + 4 <= j1; j += 4) low_rank_block<Rows, 4>(xr, a, k, j, g, dst);
+  for (; j < j1; ++j) low_rank_block<Rows, 1>(xr, a, k, j, g, dst);
 }
 
-// Rows [begin, end): out[row, 0 .. R) = bf16(gate[row] * x[row] . A[j]); rows whose gate is 0 get zeros.
-void low_rank_rows(const uint16_t* x, int64_t k, const uint16_t* a, int64_t r_out, const float* gate,
-                   int64_t begin, int64_t end, uint16_t* out, int64_t stride) {
+// Outputs [j0, j1) of every row: out[row, j] = bf16(gate[row] * x[row] . A[j]); rows whose gate is 0 get
+// zeros.
+void low_rank_rows(const uint16_t* x, int64_t k, const uint16_t* a, int64_t j0, int64_t j1, const float* gate,
+                   int64_t n, uint16_t* out, int64_t stride) {
   const uint16_t* xr[2];
   uint16_t* dst[2];
   float g[2];
   int held = 0;
-  for (int64_t row = begin; row < end; ++row) {
+  for (int64_t row = 0; row < n; ++row) {
     if (gate[row] == 0.f) {
-      std::memset(out + row * stride, 0, r_out * sizeof(uint16_t));
+      std::memset(out + row * stride + j0, 0, (j1 - j0) * sizeof(uint16_t));
       continue;
     }
     xr[held] = x + row * k, dst[held] = out + row * stride, g[held] = gate[row];
     if (++held == 2) {
-      low_rank_group<2>(xr, a, k, r_out, g, dst);
+      low_rank_group<2>(xr, a, k, j0, j1, g, dst);
       held = 0;
     }
   }
-  if (held == 1) low_rank_group<1>(xr, a, k, r_out, g, dst);
+  if (held == 1) low_rank_group<1>(xr, a, k, j0, j1, g, dst);
 }
 
 // inputs [N, K], packed = pack([W | B]) ([M, 1, Kp], Kp >= K + R), down = A [R, K] bf16, gate [N] float32.
@@ -372,8 +373,8 @@ at::Tensor fewrow_lora_linear(const at::Tensor& inputs, const at::Tensor& packed
     std::memcpy(dst + row * kp, src + row * k, k * sizeof(uint16_t));
     std::memset(dst + row * kp + wide, 0, (kp - wide) * sizeof(uint16_t));
   }
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {  // few rows: inline, no thread hand-off
-    low_rank_rows(src, k, reinterpret_cast<const uint16_t*>(a.data_ptr()), r, g.data_ptr<float>(), begin, end,
+  at::parallel_for(0, r, 16, [&](int64_t begin, int64_t end) {  // the adapter's outputs split over the threads
+    low_rank_rows(src, k, reinterpret_cast<const uint16_t*>(a.data_ptr()), begin, end, g.data_ptr<float>(), n,
                   dst + k, kp);
   });
   const bool amx = isa() == 1;
