@@ -30,7 +30,7 @@ def isa(request):
 
 
 def widened_reference(x, weight, up, down, gate, bias):
-    """[x, bf16(gate * x A^T)] @ [W | B]^T (+ bias) in float32: what forward._project_widened's graph computes."""
+    """[x, bf16(gate * x A^T)] @ [W | B]^T (+ bias) in float32: forward._project_widened's graph path."""
     low = ((x.float() @ down.float().T) * gate[:, None]).to(torch.bfloat16)
     out = torch.cat([x, low], 1).float() @ torch.cat([weight, up], 1).float().T
     return out if bias is None else out + bias.float()
@@ -56,7 +56,7 @@ def test_lora_linear_is_the_widened_product(m, k, r, biased, isa):
         torch.testing.assert_close(got.float(), expected, atol=0.03, rtol=0.02, msg=f"{n} rows")
         closed = gate == 0  # rows without <mtp>: W x (the adapter's columns see zeros)
         torch.testing.assert_close(got[closed], fewrow.linear(x[closed], plain, bias), atol=0.02, rtol=0.01)
-        if k % 32 == 0:  # the same blocks of K: the same sums, bit for bit
+        if k % 32 == 0 and n <= 32:  # the same blocks of K and the same few-row path: the same sums
             assert torch.equal(got[closed], fewrow.linear(x[closed], plain, bias))
 
 
@@ -114,4 +114,4 @@ def test_grouped_layer_graphs_are_the_uncompiled_pass(dtype):
             torch.testing.assert_close(got, expected, **tolerance, msg=f"pass {i}")
             length += len(tokens) + slots
     assert fast.compiled_buckets == compiled  # the last pass's bucket (1 x 4 rows, <mtp>) was compiled before
-    assert {(1, 4, 128, True), (1, 8, 128, True), (1, 2, 128, False)} <= set(fast.compiled_buckets)
+    assert {(1, 4, 64, True), (1, 8, 64, True), (1, 2, 64, False)} <= set(fast.compiled_buckets)
