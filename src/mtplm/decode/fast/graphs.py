@@ -7,6 +7,9 @@ Measured choices (docs/backends-kernels.md, SmolLM2-135M bf16 on a 2-vCPU Xeon w
   - the whole pass as one graph: 18.6 against 24.2 ms a 1-row pass, but 37-61 s a cold compile a bucket
     (3-5 s per layer graph), so only the hot one-sequence decode buckets take it (WHOLE_PASS_ROWS in
     backend.py); it loads in ~3.5 s from a warm cache;
+  - other one-sequence buckets of up to GROUP_ROWS rows, with or without <mtp> rows: 6 layers a graph
+    (`compile_grouped`, 5 calls a pass): 8 plain rows 17.1 against 18.6-19.1 ms, 1 + 7 <mtp> rows 20.8
+    against 22.1-22.5, the whole pass measured the same (17.1 / 20.7) at ~40 s a cold compile against 11-20;
   - on a CPU, inductor's C++ wrapper (`cpp_wrapper`) calls the kernels with no Python between them;
   - after a bucket's first call, only the guards that tell its cached graphs apart (`guards`).
 """
