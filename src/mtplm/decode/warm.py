@@ -3,7 +3,8 @@ compiled inside a timed region.
 
 A compiled backend (decode/fast/backend.py) compiles one graph per pass bucket (sequences b, fed rows Q,
 key length T, <mtp> rows or not) the first time a pass needs it. (one-sequence one-row plain buckets compile
-the whole pass as one graph, the rest one graph per layer: fast/graphs.py; warming goes through the same
+the whole pass as one graph, other one-sequence buckets of up to 16 rows six layers a graph, the rest one
+graph per layer: fast/graphs.py; warming goes through the same
 dispatch, so it compiles exactly the graphs the passes will use.) `warm_up` compiles every bucket a
 workload can meet, given its decoding modes, the range of its prompt lengths, its new tokens and its
 batch size, and says in one line on stderr how many and how long: one-sequence passes take every row

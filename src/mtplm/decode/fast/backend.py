@@ -51,6 +51,10 @@ MIN_KEYS = 128
 # decoding's bucket): measured 18.6 against 24.2 ms a 1-row pass, but 37-61 s a cold compile against 3-5 s
 # (docs/backends-kernels.md)
 WHOLE_PASS_ROWS = 1
+# other one-sequence buckets of up to this many rows (with or without <mtp> rows: what verified and the
+# mask-slot modes feed) run their layers GROUP_LAYERS at a time as one graph (fast/graphs.py)
+GROUP_ROWS = 16
+GROUP_LAYERS = 6
 
 
 class StaticBackend:
@@ -66,6 +70,9 @@ class StaticBackend:
         key_buckets: bool = True,
         regional: bool = True,
         whole_rows: int = WHOLE_PASS_ROWS,
+        group_rows: int = GROUP_ROWS,
+        group: int = GROUP_LAYERS,
+        group_cpp: bool = True,
         prepack: bool | None = None,
         quantize: bool | str = False,
         prefill_chunk: int = PREFILL_CHUNK,
@@ -88,9 +95,14 @@ class StaticBackend:
         self._step: Callable[..., torch.Tensor] = decode_pass
         self._whole: Callable[..., torch.Tensor] | None = None  # the whole pass as one graph
         self.whole_rows = 0  # one-sequence buckets of up to this many plain rows: the whole-pass graph
+        self._grouped: Callable[..., torch.Tensor] | None = None  # layers `group` at a time as one graph
+        self.group_rows = 0  # other one-sequence buckets of up to this many rows: the grouped graphs
         if compile:
             self._step, self._whole = graphs.compile_steps(self.weights, regional, whole_rows)
             self.whole_rows = whole_rows if self._whole is not None else 0
+            if regional and group_rows and not self.weights.embed.is_cuda and not self.weights.quantized:
+                self._grouped = graphs.compile_grouped(self.weights, group, group_cpp)
+                self.group_rows = group_rows
 
     # ---- a pass -----------------------------------------------------------------------------------
     def run(self, start: int, feeds: list, lengths: list[int]) -> torch.Tensor:
@@ -186,8 +198,7 @@ class StaticBackend:
         first = bucket not in self.compiled_buckets
         began = time.perf_counter()
         limit = 8 * len(ROW_BUCKETS) * 16  # buckets: every (b, Q, T) this backend may meet
-        hot = bucket[0] == 1 and bucket[1] <= self.whole_rows and not bucket[3]  # one plain sequence
-        step = self._whole if hot and self._whole is not None else self._step
+        step = self._step_for(bucket)
         with (
             torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=limit),
             graphs.guards(bucket in self._guarded),
@@ -214,6 +225,16 @@ class StaticBackend:
                     flush=True,
                 )
         return hidden
+
+    def _step_for(self, bucket: tuple[int, int, int, bool]) -> Callable[..., torch.Tensor]:
+        """The whole-pass graph for hot one-sequence plain buckets, grouped layers for the other
+        one-sequence buckets of up to group_rows rows, else a graph per layer."""
+        one, rows = bucket[0] == 1, bucket[1]
+        if one and rows <= self.whole_rows and not bucket[3] and self._whole is not None:
+            return self._whole
+        if one and rows <= self.group_rows and self._grouped is not None:
+            return self._grouped
+        return self._step
 
     def _inputs(
         self, start: int, feeds: list, lengths: list[int], batch: int, rows: int

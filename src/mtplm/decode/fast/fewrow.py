@@ -1,7 +1,8 @@
 """mtplm's own few-row bf16 kernel (csrc/fewrow.cpp: AMX tiles where the CPU has them, else AVX-512
 vdpbf16ps; one packed layout serves both): built once into
 `$MTPLM_HOME/kernels/<hash>` (or `$MTPLM_KERNELS_DIR`) with torch.utils.cpp_extension and loaded as the
-ops `mtplm_fewrow::pack` and `mtplm_fewrow::linear`. `load()` is None where it cannot be used (no
+ops `mtplm_fewrow::pack`, `mtplm_fewrow::linear` and `mtplm_fewrow::lora_linear` (a widened product with
+the gated adapters' low-rank activations computed inside). `load()` is None where it cannot be used (no
 compiler, a CPU without avx512_bf16, a failed build, MTPLM_FEWROW=0), with one stderr line naming the
 fallback (the prepacked oneDNN path, kernels.py). `mtplm setup` builds it; otherwise the first use does,
 and says how long it took.
@@ -97,6 +98,7 @@ def _build_and_load() -> None:
         )
     torch.library.register_fake("mtplm_fewrow::linear", linear_shape)
     torch.library.register_fake("mtplm_fewrow::pack", _pack_shape)
+    torch.library.register_fake("mtplm_fewrow::lora_linear", _lora_linear_shape)
 
 
 def _ninja_on_path() -> None:
@@ -109,6 +111,16 @@ def _ninja_on_path() -> None:
 
 def linear_shape(inputs: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The [N, M] result of a packed product, for tracing (this op's and kernels.py's oneDNN op's)."""
+    return inputs.new_empty(inputs.shape[0], packed.shape[0])
+
+
+def _lora_linear_shape(
+    inputs: torch.Tensor,
+    packed: torch.Tensor,
+    down: torch.Tensor,
+    gate: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
     return inputs.new_empty(inputs.shape[0], packed.shape[0])
 
 
@@ -136,3 +148,16 @@ def use_isa(name: str) -> str:
 def linear(inputs: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """inputs [N, K] @ W^T (+ bias) -> [N, M] over pack(W)."""
     return torch.ops.mtplm_fewrow.linear(inputs, packed, bias)
+
+
+def lora_linear(
+    inputs: torch.Tensor,
+    packed: torch.Tensor,
+    down: torch.Tensor,
+    gate: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """[inputs, gate * inputs @ down^T] @ [W | B]^T (+ bias) -> [N, M] over packed = pack([W | B]), one call:
+    inputs [N, K] bf16, down (the adapters' A) [R, K] bf16, gate [N] float32; the low-rank activations are
+    rounded to bf16 before the product, as forward._project_widened's graph rounds them."""
+    return torch.ops.mtplm_fewrow.lora_linear(inputs, packed, down, gate, bias)

@@ -7,6 +7,9 @@ Measured choices (docs/backends-kernels.md, SmolLM2-135M bf16 on a 2-vCPU Xeon w
   - the whole pass as one graph: 18.6 against 24.2 ms a 1-row pass, but 37-61 s a cold compile a bucket
     (3-5 s per layer graph), so only the hot one-sequence decode buckets take it (WHOLE_PASS_ROWS in
     backend.py); it loads in ~3.5 s from a warm cache;
+  - other one-sequence buckets of up to GROUP_ROWS rows, with or without <mtp> rows: 6 layers a graph
+    (`compile_grouped`, 5 calls a pass): 8 plain rows 17.1 against 18.6-19.1 ms, 1 + 7 <mtp> rows 20.8
+    against 22.1-22.5, the whole pass measured the same (17.1 / 20.7) at ~40 s a cold compile against 11-20;
   - on a CPU, inductor's C++ wrapper (`cpp_wrapper`) calls the kernels with no Python between them;
   - after a bucket's first call, only the guards that tell its cached graphs apart (`guards`);
   - bf16 rounded where eager rounds (`emulate_precision_casts`): a fused graph otherwise keeps a bf16 op's
@@ -24,7 +27,7 @@ from functools import partial
 
 import torch
 
-from mtplm.decode.fast.forward import decode_pass, layer
+from mtplm.decode.fast.forward import decode_pass, layer, prepare, rms_norm
 from mtplm.decode.fast.weights import FastWeights
 
 # every graph rounds bf16 where eager does: a row's logits are then the same bitwise in every bucket
@@ -52,6 +55,51 @@ def compile_steps(
     step = compiled(layer) if python_wrapper else compiled(layer, options={**ROUNDED, "cpp_wrapper": True})
     regional_pass = partial(decode_pass, step=_copied(step) if mode else step)
     return regional_pass, compiled(decode_pass) if whole_rows and not on_gpu else None
+
+
+def compile_grouped(weights: FastWeights, size: int, cpp_wrapper: bool) -> Callable[..., torch.Tensor]:
+    """A pass called like decode_pass whose layers run `size` at a time as one graph (`layers`, shared by
+    every group of the pass: same shapes, the blocks' tensors are graph inputs), so a pass makes
+    layers / size graph calls instead of one per layer. CPU only."""
+    options = {"cpp_wrapper": True} if cpp_wrapper else None
+    step = torch.compile(layers, dynamic=False, fullgraph=True, options=options)
+    groups = -(-weights.shape.layers // max(1, size))
+    return partial(grouped_pass, step, groups)
+
+
+def layers(
+    blocks: tuple, shape, hidden, rope, mask, gate, stores: tuple, slots, write, kv_len
+) -> torch.Tensor:
+    """Consecutive decoder layers (`layer` each), hidden [b, Q, D] in and out; stores: (keys, values) each."""
+    for block, store in zip(blocks, stores, strict=True):
+        hidden = layer(block, shape, hidden, rope, mask, gate, store, slots, write, kv_len)
+    return hidden
+
+
+def grouped_pass(
+    step: Callable[..., torch.Tensor],
+    groups: int,
+    weights: FastWeights,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    lengths: torch.Tensor,
+    allowed: torch.Tensor,
+    slots: torch.Tensor,
+    kv_len: int,
+    adapters: bool = True,
+) -> torch.Tensor:
+    """decode_pass with the layers split into `groups` runs of consecutive layers (sizes differing by at most
+    one: at most two graphs), each one call of `step` (`layers`)."""
+    shape = weights.shape
+    hidden, rope, mask, gate, write = prepare(weights, ids, positions, lengths, allowed, kv_len, adapters)
+    blocks, stores = list(weights.blocks), list(zip(keys, values, strict=True))
+    bounds = [shape.layers * g // groups for g in range(groups + 1)]
+    for first, end in zip(bounds, bounds[1:], strict=False):
+        run = (tuple(blocks[first:end]), shape, hidden, rope, mask, gate, tuple(stores[first:end]))
+        hidden = step(*run, slots, write, kv_len)
+    return rms_norm(hidden, weights.final_norm, shape.eps)
 
 
 def _copied(step: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

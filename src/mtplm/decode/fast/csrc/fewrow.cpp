@@ -17,6 +17,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <cpuid.h>
@@ -291,11 +292,110 @@ at::Tensor fewrow_pack(const at::Tensor& weight) {
   return blocked.view({mp * kp}).as_strided({m, 1, kp}, {kp, kp, 1});
 }
 
+
+// ---- gated adapters fused into the widened product (forward._project_widened): y = [x, gate * x A^T] @ [W | B]^T
+// (+ bias) in one call, without [x, gate * x A^T] built by the graph. A [R, K] is read as stored (bf16,
+// row-major): R x N dot products of K terms, four outputs at a time (independent accumulators), rows whose gate
+// is 0 skipped (their low-rank activations are 0: the product gives W x exactly). The activations are rounded to
+// bf16 (round to nearest even) as the graph's own path rounds them before the GEMM.
+
+// Rows x Outs dot products of K terms: rows xr[0 .. Rows) against A's rows j .. j + Outs, all accumulators in
+// registers, each A chunk loaded once for all the rows.
+template <int Rows, int Outs>
+inline void low_rank_block(const uint16_t* const* xr, const uint16_t* a, int64_t k, int64_t j, const float* g,
+                           uint16_t* const* dst) {
+  __m512 acc[Rows][Outs];
+  for (int r = 0; r < Rows; ++r)
+    for (int o = 0; o < Outs; ++o) acc[r][o] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < k; c += 32) {
+    const __mmask32 mask = c + 32 <= k ? ~__mmask32(0) : (__mmask32(1) << (k - c)) - 1;
+    __m512bh xv[Rows];
+    for (int r = 0; r < Rows; ++r) xv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, xr[r] + c);
+    for (int o = 0; o < Outs; ++o) {
+      const __m512bh av = (__m512bh)_mm512_maskz_loadu_epi16(mask, a + (j + o) * k + c);
+      for (int r = 0; r < Rows; ++r) acc[r][o] = _mm512_dpbf16_ps(acc[r][o], xv[r], av);
+    }
+  }
+  for (int r = 0; r < Rows; ++r)
+    for (int o = 0; o < Outs; ++o) dst[r][j + o] = c10::BFloat16(_mm512_reduce_add_ps(acc[r][o]) * g[r]).x;
+}
+
+template <int Rows>
+void low_rank_group(const uint16_t* const* xr, const uint16_t* a, int64_t k, int64_t j0, int64_t j1,
+                    const float* g, uint16_t* const* dst) {
+  int64_t j = j0;
+  for (; j + 4 <= j1; j += 4) low_rank_block<Rows, 4>(xr, a, k, j, g, dst);
+  for (; j < j1; ++j) low_rank_block<Rows, 1>(xr, a, k, j, g, dst);
+}
+
+// Outputs [j0, j1) of every row: out[row, j] = bf16(gate[row] * x[row] . A[j]); rows whose gate is 0 get
+// zeros.
+void low_rank_rows(const uint16_t* x, int64_t k, const uint16_t* a, int64_t j0, int64_t j1, const float* gate,
+                   int64_t n, uint16_t* out, int64_t stride) {
+  const uint16_t* xr[2];
+  uint16_t* dst[2];
+  float g[2];
+  int held = 0;
+  for (int64_t row = 0; row < n; ++row) {
+    if (gate[row] == 0.f) {
+      std::memset(out + row * stride + j0, 0, (j1 - j0) * sizeof(uint16_t));
+      continue;
+    }
+    xr[held] = x + row * k, dst[held] = out + row * stride, g[held] = gate[row];
+    if (++held == 2) {
+      low_rank_group<2>(xr, a, k, j0, j1, g, dst);
+      held = 0;
+    }
+  }
+  if (held == 1) low_rank_group<1>(xr, a, k, j0, j1, g, dst);
+}
+
+// inputs [N, K], packed = pack([W | B]) ([M, 1, Kp], Kp >= K + R), down = A [R, K] bf16, gate [N] float32.
+at::Tensor fewrow_lora_linear(const at::Tensor& inputs, const at::Tensor& packed, const at::Tensor& down,
+                              const at::Tensor& gate, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(inputs.dim() == 2 && packed.dim() == 3 && down.dim() == 2 && gate.dim() == 1,
+              "fewrow lora_linear: inputs [N, K], packed [M, 1, Kp], down [R, K], gate [N]");
+  TORCH_CHECK(inputs.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
+                  down.scalar_type() == at::kBFloat16 && gate.scalar_type() == at::kFloat,
+              "fewrow lora_linear: bf16 inputs, weights and down, float32 gate");
+  const int64_t n = inputs.size(0), k = inputs.size(1), m = packed.size(0), kp = packed.size(2);
+  const int64_t r = down.size(0), wide = k + r;
+  TORCH_CHECK(down.size(1) == k && gate.size(0) == n, "fewrow lora_linear: down [R, ", k, "], gate [", n, "]");
+  TORCH_CHECK(wide <= kp && kp % 32 == 0 && kp - wide < 32, "fewrow lora_linear: ", k, " + ", r,
+              " features, the packed weight ", kp);
+  const at::Tensor b = bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor();
+  TORCH_CHECK(!b.defined() || (b.numel() == m && b.scalar_type() == at::kBFloat16), "fewrow lora_linear: bias");
+  const at::Tensor x = inputs.contiguous(), a = down.contiguous(), g = gate.contiguous();
+  at::Tensor joined = at::empty({n, kp}, inputs.options());  // [x, gate * x A^T, zero padding]
+  uint16_t* dst = reinterpret_cast<uint16_t*>(joined.data_ptr());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  for (int64_t row = 0; row < n; ++row) {
+    std::memcpy(dst + row * kp, src + row * k, k * sizeof(uint16_t));
+    std::memset(dst + row * kp + wide, 0, (kp - wide) * sizeof(uint16_t));
+  }
+  at::parallel_for(0, r, 16, [&](int64_t begin, int64_t end) {  // the adapter's outputs split over the threads
+    low_rank_rows(src, k, reinterpret_cast<const uint16_t*>(a.data_ptr()), begin, end, g.data_ptr<float>(), n,
+                  dst + k, kp);
+  });
+  const bool amx = isa() == 1;
+  if (n > kMaxRows && !amx) return at::linear(joined.narrow(1, 0, wide), unpacked(packed, wide), b);
+  at::Tensor y = at::empty({n, m}, inputs.options());
+  if (n == 0 || m == 0) return y;
+  const Problem p{dst, reinterpret_cast<const uint16_t*>(packed.data_ptr()),
+                  b.defined() ? reinterpret_cast<const uint16_t*>(b.data_ptr()) : nullptr,
+                  reinterpret_cast<uint16_t*>(y.data_ptr()), n, m, kp};
+  at::parallel_for(0, (m + kBlock - 1) / kBlock, 1, [&](int64_t begin, int64_t end) {
+    amx ? amx_blocks(p, begin, end) : run_blocks(p, begin, end);
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(mtplm_fewrow, m) {
   m.def("linear(Tensor inputs, Tensor packed, Tensor? bias) -> Tensor");
   m.def("pack(Tensor weight) -> Tensor");
+  m.def("lora_linear(Tensor inputs, Tensor packed, Tensor down, Tensor gate, Tensor? bias) -> Tensor");
   m.def("isa() -> str");  // which kernel linear runs: "amx" or "avx512"
   m.def("use_isa(str isa) -> str");
 }
@@ -308,4 +408,5 @@ TORCH_LIBRARY_IMPL(mtplm_fewrow, CompositeExplicitAutograd, m) {
 TORCH_LIBRARY_IMPL(mtplm_fewrow, CPU, m) {
   m.impl("linear", fewrow_linear);
   m.impl("pack", fewrow_pack);
+  m.impl("lora_linear", fewrow_lora_linear);
 }

@@ -1,0 +1,117 @@
+"""Multi-row and `<mtp>` passes of the compiled backend at the price of a 1-row pass (issue 29 items 2 and 4):
+the few-row kernel's fused adapter entry (fewrow.lora_linear) against the widened product it replaces, and
+the grouped-layer graphs (fast/graphs.py) against the uncompiled pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_llama, tiny_tokenizer
+
+from mtplm.decode.fast import StaticBackend, fewrow
+from mtplm.decode.protocol import Feed
+from mtplm.model import MTPModel
+
+needs_kernel = pytest.mark.skipif(
+    fewrow.unavailable() is not None, reason=f"the few-row kernel cannot run here: {fewrow.unavailable()}"
+)
+
+
+@pytest.fixture(params=["avx512", "amx"])
+def isa(request):
+    """Each kernel: AVX-512 everywhere, AMX tiles where the CPU has them."""
+    assert fewrow.load()
+    used = fewrow.use_isa(request.param)
+    if used != request.param:
+        fewrow.use_isa("auto")
+        pytest.skip(f"this CPU runs {used}, not {request.param}")
+    yield used
+    fewrow.use_isa("auto")
+
+
+def widened_reference(x, weight, up, down, gate, bias):
+    """[x, bf16(gate * x A^T)] @ [W | B]^T (+ bias) in float32: forward._project_widened's graph path."""
+    low = ((x.float() @ down.float().T) * gate[:, None]).to(torch.bfloat16)
+    out = torch.cat([x, low], 1).float() @ torch.cat([weight, up], 1).float().T
+    return out if bias is None else out + bias.float()
+
+
+@needs_kernel
+@pytest.mark.parametrize("m, k, r", [(37, 70, 5), (16, 32, 4), (70, 33, 31), (130, 96, 12), (48, 64, 32)])
+@pytest.mark.parametrize("biased", [False, True])
+def test_lora_linear_is_the_widened_product(m, k, r, biased, isa):
+    generator = torch.Generator().manual_seed(m * k + r)
+    weight, up = torch.randn(m, k, generator=generator) / 4, torch.randn(m, r, generator=generator) / 4
+    down = torch.randn(r, k, generator=generator).to(torch.bfloat16) / 4
+    weight, up = weight.to(torch.bfloat16), up.to(torch.bfloat16)
+    bias = torch.randn(m, generator=generator).to(torch.bfloat16) if biased else None
+    packed, plain = fewrow.pack(torch.cat([weight, up], 1)), fewrow.pack(weight)
+    for n in (*range(1, 34), 40):
+        x = torch.randn(n, k, generator=generator).to(torch.bfloat16)
+        gate = (torch.rand(n, generator=generator) < 0.6).float() * 2.0
+        gate[0] = 0.0  # a plain row
+        got = fewrow.lora_linear(x, packed, down, gate, bias)
+        expected = widened_reference(x, weight, up, down, gate, bias)
+        assert got.shape == (n, m) and got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), expected, atol=0.03, rtol=0.02, msg=f"{n} rows")
+        closed = gate == 0  # rows without <mtp>: W x (the adapter's columns see zeros)
+        torch.testing.assert_close(got[closed], fewrow.linear(x[closed], plain, bias), atol=0.02, rtol=0.01)
+        if k % 32 == 0 and n <= 32:  # the same blocks of K and the same few-row path: the same sums
+            assert torch.equal(got[closed], fewrow.linear(x[closed], plain, bias))
+
+
+@needs_kernel
+def test_lora_linear_refuses_mismatched_shapes():
+    packed = fewrow.pack(torch.randn(16, 40, dtype=torch.bfloat16))  # K + R = 40
+    x, gate = torch.randn(3, 32, dtype=torch.bfloat16), torch.ones(3)
+    with pytest.raises(RuntimeError, match="down"):
+        fewrow.lora_linear(x, packed, torch.randn(8, 31, dtype=torch.bfloat16), gate, None)
+    with pytest.raises(RuntimeError, match="features"):
+        fewrow.lora_linear(x, packed, torch.randn(40, 32, dtype=torch.bfloat16), gate, None)
+    with pytest.raises(RuntimeError, match="float32 gate"):
+        fewrow.lora_linear(x, packed, torch.randn(8, 32, dtype=torch.bfloat16), gate.double(), None)
+
+
+def five_layers(dtype: torch.dtype) -> MTPModel:
+    """A gated tiny Llama of five layers (two groups of two and one of one at group=2: two graphs)."""
+    model = MTPModel(tiny_llama(0, layers=5), tiny_tokenizer(), None)
+    model.add_mask_token(k_max=4, base_identity={"name": "tiny-llama-5"})
+    model.attach_gated_lora(rank=4, alpha=8.0)
+    with torch.no_grad():
+        for name, p in model.hf.named_parameters():
+            if ".lora_b" in name:
+                p.normal_(0, 0.2, generator=torch.Generator().manual_seed(len(name)))
+    model.hf.to(dtype)
+    model.adapters_to(dtype)
+    return model
+
+
+def feed(tokens: list[int], slots: int = 0, mask_id: int = -1) -> Feed:
+    return Feed(tokens + [mask_id] * slots, len(tokens), 0, slots, False, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_layer_graphs_are_the_uncompiled_pass(dtype):
+    """One-sequence buckets of up to group_rows rows, with and without <mtp> rows, run their layers two at a
+    time; wider ones a graph per layer; 1-row plain ones the whole pass. All give the uncompiled pass's rows,
+    and a grouped bucket's passes reuse its graphs (no compile after its first call)."""
+    if dtype == torch.bfloat16 and fewrow.unavailable() is not None:
+        pytest.skip(f"the few-row kernel cannot run here: {fewrow.unavailable()}")
+    torch._dynamo.reset()
+    model = five_layers(dtype)
+    fast = StaticBackend(model, 1, capacity=64, compile=True, group_rows=4, group=2)
+    eager = StaticBackend(model, 1, capacity=64, compile=False)
+    assert fast.group_rows == 4
+    tolerance = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
+    length, mask = 0, model.mask_id
+    feeds = [([3, 4, 5, 6, 7, 8], 0), ([9], 0), ([10], 3), ([11, 12], 0), ([13], 1), ([14], 6), ([15], 3)]
+    with torch.inference_mode():
+        for i, (tokens, slots) in enumerate(feeds):
+            if i == len(feeds) - 1:
+                compiled = dict(fast.compiled_buckets)
+            got = fast.run(0, [feed(tokens, slots, mask)], [length])
+            expected = eager.run(0, [feed(tokens, slots, mask)], [length])
+            torch.testing.assert_close(got, expected, **tolerance, msg=f"pass {i}")
+            length += len(tokens) + slots
+    assert fast.compiled_buckets == compiled  # the last pass's bucket (1 x 4 rows, <mtp>) was compiled before
+    assert {(1, 4, 64, True), (1, 8, 64, True), (1, 2, 64, False)} <= set(fast.compiled_buckets)
