@@ -61,7 +61,7 @@ def compile_grouped(weights: FastWeights, size: int, cpp_wrapper: bool) -> Calla
     """A pass called like decode_pass whose layers run `size` at a time as one graph (`layers`, shared by
     every group of the pass: same shapes, the blocks' tensors are graph inputs), so a pass makes
     layers / size graph calls instead of one per layer. CPU only."""
-    options = {"cpp_wrapper": True} if cpp_wrapper else None
+    options = {**ROUNDED, "cpp_wrapper": True} if cpp_wrapper else ROUNDED
     step = torch.compile(layers, dynamic=False, fullgraph=True, options=options)
     groups = -(-weights.shape.layers // max(1, size))
     return partial(grouped_pass, step, groups)
