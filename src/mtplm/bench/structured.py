@@ -157,8 +157,16 @@ def _with_limit(cfg, max_new_tokens: int):
 
 
 def _empty() -> dict:
-    return {"valid": 0, "cases": 0, "tokens": 0, "forced": 0, "passes": 0, "seconds": 0.0, "grammar_s": 0.0,
-            "model_s": 0.0}
+    return {
+        "valid": 0,
+        "cases": 0,
+        "tokens": 0,
+        "forced": 0,
+        "passes": 0,
+        "seconds": 0.0,
+        "grammar_s": 0.0,
+        "model_s": 0.0,
+    }
 
 
 def _add(total: dict, out, ok: bool, grammar_s: float, model_s: float) -> None:
