@@ -24,6 +24,7 @@ import os
 from collections.abc import Callable
 from contextlib import nullcontext
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -31,7 +32,7 @@ from mtplm.decode.fast.forward import decode_pass, layer, prepare, rms_norm
 from mtplm.decode.fast.weights import FastWeights
 
 # every graph rounds bf16 where eager does: a row's logits are then the same bitwise in every bucket
-ROUNDED = {"emulate_precision_casts": True}
+ROUNDED: dict[str, Any] = {"emulate_precision_casts": True}
 
 
 def compile_steps(
