@@ -119,3 +119,17 @@ def chain_checkpoint(base_dir, data_file, tmp_path_factory):
     from mtplm.train.trainer import train
 
     return train(train_config(base_dir, data_file, tmp_path_factory.mktemp("chain") / "run"), progress=False)
+
+
+@pytest.fixture(params=["avx512", "amx"])
+def isa(request):
+    """Each few-row kernel (decode/fast/fewrow.py): AVX-512 everywhere, AMX tiles where the CPU has them."""
+    from mtplm.decode.fast import fewrow
+
+    assert fewrow.load()
+    used = fewrow.use_isa(request.param)
+    if used != request.param:
+        fewrow.use_isa("auto")
+        pytest.skip(f"this CPU runs {used}, not {request.param}")
+    yield used
+    fewrow.use_isa("auto")

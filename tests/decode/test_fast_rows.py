@@ -17,18 +17,6 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(params=["avx512", "amx"])
-def isa(request):
-    """Each kernel: AVX-512 everywhere, AMX tiles where the CPU has them."""
-    assert fewrow.load()
-    used = fewrow.use_isa(request.param)
-    if used != request.param:
-        fewrow.use_isa("auto")
-        pytest.skip(f"this CPU runs {used}, not {request.param}")
-    yield used
-    fewrow.use_isa("auto")
-
-
 def widened_reference(x, weight, up, down, gate, bias):
     """[x, bf16(gate * x A^T)] @ [W | B]^T (+ bias) in float32: forward._project_widened's graph path."""
     low = ((x.float() @ down.float().T) * gate[:, None]).to(torch.bfloat16)

@@ -24,18 +24,6 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
 
 
-@pytest.fixture(params=["avx512", "amx"])
-def isa(request):
-    """Each kernel: AVX-512 everywhere, AMX tiles where the CPU has them."""
-    assert fewrow.load()
-    used = fewrow.use_isa(request.param)
-    if used != request.param:
-        fewrow.use_isa("auto")
-        pytest.skip(f"this CPU runs {used}, not {request.param}")
-    yield used
-    fewrow.use_isa("auto")
-
-
 @needs_kernel
 @pytest.mark.parametrize("m, k", [(37, 70), (16, 32), (70, 96), (1, 1), (130, 624), (64, 33)])
 @pytest.mark.parametrize("biased", [False, True])

@@ -27,6 +27,19 @@ NO_JUMP = "ntp no-jump-forward"
 _ENGINE_CALLS = ("masks_along", "mask_chain", "forced", "forced_after", "finishes", "accepts", "advance")
 
 
+def _clocked(method, spent: list[float]):
+    """`method`, adding the seconds each call takes to spent[0]."""
+
+    def wrapper(*args, **kwargs):
+        began = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - began
+
+    return wrapper
+
+
 @contextmanager
 def grammar_clock():
     """Seconds spent in the grammar engine's calls while the block runs (a one-item list, read after)."""
@@ -35,18 +48,8 @@ def grammar_clock():
     spent = [0.0]
     originals = {name: getattr(constraint_module.Constraint, name) for name in _ENGINE_CALLS}
 
-    def timed(method):
-        def wrapper(*args, **kwargs):
-            began = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                spent[0] += time.perf_counter() - began
-
-        return wrapper
-
     for name, method in originals.items():
-        setattr(constraint_module.Constraint, name, timed(method))
+        setattr(constraint_module.Constraint, name, _clocked(method, spent))
     try:
         yield spent
     finally:
@@ -60,17 +63,10 @@ def model_clock(runner):
     the rest of a generation's time is the host's (the loop, strategies, the grammar)."""
     spent = [0.0]
 
-    def timed(method):
-        def wrapper(*args, **kwargs):
-            began = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                spent[0] += time.perf_counter() - began
-
-        return wrapper
-
-    runner.run, runner.head = timed(runner.run), timed(runner.head)  # instance attributes over the class's
+    runner.run, runner.head = (
+        _clocked(runner.run, spent),
+        _clocked(runner.head, spent),
+    )  # instance attributes over the class's
     try:
         yield spent
     finally:
