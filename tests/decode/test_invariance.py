@@ -130,7 +130,9 @@ def test_a_path_off_the_chain_is_kept_only_where_its_rows_sit_in_place():
 
 def test_verified_quadratic_lookup_greedy_is_plain_greedy_in_bf16():
     """<mtp> rows and copied drafts that leave the mask chain (a tree whose second branch sits after the
-    chain's rows), near-tie logits: greedy tokens must be plain's, on the uncompiled and compiled pass."""
+    chain's rows), near-tie logits: greedy tokens must be plain's, on the uncompiled and compiled pass.
+    (This model's off-chain paths happened to round alike before the fix too: it guards the mode, while
+    the cut itself is pinned by the test above.)"""
     model = odd_bf16_model(seed=5, gated=True, head_scale=0.05)
     mode = parse_mode("verified:quadratic+lookup@4")
     off_chain = 0
