@@ -10,9 +10,12 @@ from conftest import tiny_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from mtplm.config import DecodeConfig, parse_mode
+from mtplm.decode.backends import stop_ids
 from mtplm.decode.fast import StaticBackend
-from mtplm.decode.loop import generate
-from mtplm.decode.protocol import Feed
+from mtplm.decode.loop import generate, stream
+from mtplm.decode.protocol import Feed, PassLogits, Plan
+from mtplm.decode.strategies import make_strategy
+from mtplm.decode.verified import Verified, in_place
 from mtplm.model import MTPModel
 
 VOCAB = 64
@@ -105,3 +108,45 @@ def test_verified_knows_the_widest_decode_pass():
     from mtplm.decode.verified import DECODE_ROWS
 
     assert DECODE_ROWS == ROW_BUCKETS[-1]
+
+
+def test_a_path_off_the_chain_is_kept_only_where_its_rows_sit_in_place():
+    """Chain (7, 8) and a copied branch (9, 10, 11) off the root: a path along the branch keeps nothing,
+    takes the branch's first token (confirmed by row 0, in place) and carries the rest to the next pass."""
+    strategy = Verified(parse_mode("verified:quadratic+lookup@4"))
+    plan = Plan(4, (7, 8, 9, 10, 11), 3, True, parents=(-1, 0, -1, 2, 3), anchors=(-1, 0, 1), drafted=2)
+    feed = Feed.of(plan, [5], 3, lambda: VOCAB - 3)
+    target = [9, 1, 2, 10, 11, 12]  # row 0 (the last committed token) then nodes 0 .. 4
+    logits = torch.nn.functional.one_hot(torch.tensor(target), VOCAB).float()
+    outcome = strategy.choose(plan, PassLogits(lambda h: h, logits, feed, logits), torch.Generator())
+    assert (outcome.accepted, outcome.new, outcome.rows, outcome.drafts) == (0, (9,), None, (10, 11))
+    assert strategy.draft(outcome, torch.zeros(3, VOCAB), 3, torch.Generator()).drafts == (10, 11)
+    on_chain = [7, 8, 3, 0, 0, 0]  # the chain kept whole: the bonus token, nothing carried
+    logits = torch.nn.functional.one_hot(torch.tensor(on_chain), VOCAB).float()
+    outcome = strategy.choose(plan, PassLogits(lambda h: h, logits, feed, logits), torch.Generator())
+    assert (outcome.accepted, outcome.new, outcome.drafts) == (2, (3,), ())
+    assert in_place([0, 1, 4]) == 2 and in_place([2, 3]) == 0 and in_place([]) == 0
+
+
+def test_verified_quadratic_lookup_greedy_is_plain_greedy_in_bf16():
+    """<mtp> rows and copied drafts that leave the mask chain (a tree whose second branch sits after the
+    chain's rows), near-tie logits: greedy tokens must be plain's, on the uncompiled and compiled pass.
+    (This model's off-chain paths happened to round alike before the fix too: it guards the mode, while
+    the cut itself is pinned by the test above.)"""
+    model = odd_bf16_model(seed=5, gated=True, head_scale=0.05)
+    mode = parse_mode("verified:quadratic+lookup@4")
+    off_chain = 0
+    for compiled in (False, True):
+        backend = StaticBackend(model, 1, capacity=256, compile=compiled)
+        for seed in range(4):
+            g = torch.Generator().manual_seed(seed)
+            phrase = torch.randint(0, VOCAB - 3, (6,), generator=g).tolist()
+            prompt = phrase * 3 + torch.randint(0, VOCAB - 3, (4,), generator=g).tolist()
+            plain = generate(model, prompt, DecodeConfig(mode="ntp", max_new_tokens=48), backend=backend)
+            cfg = DecodeConfig(**{**mode.__dict__, "max_new_tokens": 48})
+            strategy = make_strategy(cfg, model.meta.decode_thresholds())
+            steps = list(stream(model, prompt, strategy, 48, stop_ids(model), 0, backend))
+            fast = [t for step in steps for t in step.tokens]
+            assert fast == plain.tokens, f"prompt {seed}, compiled {compiled}"
+            off_chain += sum(1 for step in steps if step.drafted > step.accepted)
+    assert off_chain > 0  # drafts were rejected: trees were verified

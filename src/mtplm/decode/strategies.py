@@ -125,6 +125,8 @@ class ConfidentVerified(Verified):
     def draft(
         self, outcome: Outcome, block: torch.Tensor | None, room: int, generator: torch.Generator
     ) -> Outcome:
+        if outcome.drafts:  # carried over from a copied branch (Verified._choose_tree): not the block's
+            return outcome
         out = super().draft(outcome, block, room, generator)
         slots = 0 if block is None else len(block)  # block position j + 1 follows the token just chosen
         sure = leading_run(self.confidence(block) >= self.taus[1 : 1 + slots]) if slots else 0

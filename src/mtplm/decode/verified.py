@@ -38,8 +38,10 @@ class Verified:
     confirms (greedy match or exact sampling).
 
     Lookup drafts (lookup.py) that leave the mask chain form a second branch of a draft tree whose mask blocks
-    follow the chain's drafts only (Plan.anchors), filling the pass up to MAX_TREE_ROWS; a pass kept along
-    the copied branch has no block, so the next one drafts from the text, or feeds a fresh block.
+    follow the chain's drafts only (Plan.anchors), filling the pass up to MAX_TREE_ROWS. That branch's rows
+    sit after the chain's, so their attention is not plain decoding's bitwise (in_place): a path along it
+    keeps the chain's part and the branch's first token (which a chain row confirmed), and the rest of the
+    branch is the next pass's chain, verified there in place.
     """
 
     def __init__(self, cfg: DecodeConfig) -> None:
@@ -101,21 +103,25 @@ class Verified:
         return Outcome(kept, (token,))
 
     def _choose_tree(self, plan: Plan, logits: PassLogits) -> Outcome:
-        """Greedy: the longest path of the chain-and-copies tree the model agrees with."""
+        """Greedy: the longest path of the chain-and-copies tree the model agrees with, kept as far as its
+        nodes sit in place (in_place); the rest of it, confirmed only by rows that do not, becomes the next
+        pass's drafts, verified there as a chain."""
         assert plan.parents is not None
         target = greedy(logits.next_token).tolist()  # row 0: the last committed token; row i+1: node i
         path = greedy_path(plan.drafts, plan.parents, target)
         if plan.drafted:
             self.window.update(plan.drafted, sum(1 for i in path if i < plan.drafted))
-        on_chain = path == list(range(len(path)))
-        token = target[path[-1] + 1 if path else 0]
-        return Outcome(len(path), (token,), rows=None if on_chain else tuple(path))
+        kept = in_place(path)
+        token = target[kept]  # kept == len(path): the bonus; else the first node off the chain's token
+        carried = tuple(plan.drafts[i] for i in path[kept + 1 :])
+        return Outcome(kept, (token,), drafts=carried)
 
     def draft(
         self, outcome: Outcome, block: torch.Tensor | None, room: int, generator: torch.Generator
     ) -> Outcome:
-        """The next pass's drafts: the block conditioned on exactly the committed text (if any)."""
-        if block is None or not len(block):
+        """The next pass's drafts: the block conditioned on exactly the committed text (if any), unless
+        choose carried drafts over from a copied branch (_choose_tree)."""
+        if block is None or not len(block) or outcome.drafts:
             return outcome
         if self.cfg.temperature == 0:
             return outcome.replace(drafts=tuple(greedy(block).tolist()))
@@ -196,6 +202,16 @@ def _add(tokens: list[int], parents: list[int], token: int, parent: int) -> int:
     tokens.append(token)
     parents.append(parent)
     return len(tokens) - 1
+
+
+def in_place(path: Sequence[int]) -> int:
+    """How many leading nodes of a tree path sit where plain decoding puts their tokens: node t of the
+    path is node t of the pass (the chain, and copies that extend it), so the fed rows it sees are the
+    pending tokens and rows 0 .. t-1 of the drafts. A node after it sees its ancestors across the rows
+    of the branch it left: the same keys at other columns of the attention's products, which in bf16
+    round otherwise than plain decoding's pass (docs/backends-kernels.md), so neither its logits nor its
+    KV are plain's bitwise."""
+    return next((t for t, node in enumerate(path) if node != t), len(path))
 
 
 def greedy_path(tokens: Sequence[int], parents: Sequence[int], target: Sequence[int]) -> list[int]:
