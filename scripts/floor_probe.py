@@ -156,6 +156,7 @@ def main() -> None:
         flat = hidden.reshape(-1, hidden.shape[-1])
         passed = best(lambda: backend.run(0, feeds, lengths), args.repeats)
         head = best(lambda: backend.head(flat), args.repeats)
+
         def full() -> torch.Tensor:
             return backend.head(backend.run(0, feeds, lengths).reshape(-1, flat.shape[-1]))
 
