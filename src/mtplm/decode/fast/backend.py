@@ -48,8 +48,8 @@ from mtplm.registry import BACKENDS
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
 MIN_KEYS = 128
 # one-sequence buckets of up to this many rows and no <mtp> row compile the whole pass as one graph (plain
-# decoding's bucket): measured 18.6 against 24.2 ms a 1-row pass, but 37-61 s a cold compile against 3-5 s
-# (docs/backends-kernels.md)
+# decoding's bucket): measured 18.6 against 24.2 ms a 1-row pass, but ~83 s a cold compile with its C++
+# wrapper against 3-5 s a layer graph (docs/backends-kernels.md)
 WHOLE_PASS_ROWS = 1
 # other one-sequence buckets of up to this many rows (with or without <mtp> rows: what verified and the
 # mask-slot modes feed) run their layers GROUP_LAYERS at a time as one graph (fast/graphs.py)
