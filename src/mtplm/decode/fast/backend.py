@@ -50,6 +50,9 @@ from mtplm.registry import BACKENDS
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
 MIN_KEYS = 128
+# inductor's C++ reductions over more than this many keys take another accumulator (a guard on T): a graph
+# serves key lengths up to it, a second one of the same bucket the longer ones
+LONG_KEYS = 4096
 # one-sequence buckets of up to this many rows and no <mtp> row compile the whole pass as one graph (plain
 # decoding's bucket): measured 18.6 against 24.2 ms a 1-row pass, but 37-61 s a cold compile against 3-5 s
 # (docs/backends-kernels.md)
@@ -178,9 +181,9 @@ class StaticBackend:
         self._quiet = True
         try:
             with torch.inference_mode():
-                for done, (batch, rows, adapters) in enumerate(todo, 1):
-                    inputs = self._inputs(0, [], [], batch, rows)
-                    self._compiled(inputs, (batch, rows, self._key_length(rows), adapters))
+                for done, (batch, rows, adapters, *long) in enumerate(todo, 1):
+                    keys = self._key_length(self.capacity if long else rows)
+                    self._compiled(self._inputs(0, [], [], batch, rows), (batch, rows, keys, adapters))
                     if progress is not None:
                         progress(done, len(todo), time.perf_counter() - began)
         finally:
@@ -188,14 +191,18 @@ class StaticBackend:
         return len(todo), time.perf_counter() - began
 
     def to_compile(self, buckets: list[tuple[int, int, bool]]) -> list[tuple[int, int, bool]]:
-        """The (b, Q, adapters) buckets of `buckets` whose graph is not compiled for this store yet."""
-        return [b for b in dict.fromkeys(buckets) if b not in self._ready] if self.compile else []
+        """The graphs of the (b, Q, adapters) buckets of `buckets` not compiled for this store yet: (b, Q,
+        adapters), and (b, Q, adapters, "long") where the store holds more than LONG_KEYS keys."""
+        wanted = [b for b in dict.fromkeys(buckets)]
+        if self.capacity > LONG_KEYS:
+            wanted += [(*b, "long") for b in wanted]
+        return [b for b in wanted if b not in self._ready] if self.compile else []
 
     def _compiled(self, inputs: tuple, bucket: tuple[int, int, int, bool]) -> torch.Tensor:
         """A pass of bucket (b, Q, T, adapters) through the graph of (b, Q, adapters), compiled on its
         first call; every guard is checked on the first call of each T (a new T runs the graph only where
         its guards hold, else compiles), only the graph-telling ones after (graphs.guards)."""
-        graph = (bucket[0], bucket[1], bucket[3])
+        graph = (bucket[0], bucket[1], bucket[3], *(("long",) if bucket[2] > LONG_KEYS else ()))
         first = graph not in self._ready
         began = time.perf_counter()
         limit = 8 * len(ROW_BUCKETS) * 16  # graphs: every (b, Q, adapters) this backend may meet, and more

@@ -19,8 +19,10 @@ Measured choices (docs/backends-kernels.md, SmolLM2-135M bf16 on a 2-vCPU Xeon w
   - one graph per (b, Q, <mtp> rows) for every key length T: T reaches a graph as a dynamic size (the mask's
     last dimension, or `key_span` for the whole pass, marked with mark_dynamic) while b, Q and every other
     size stay static (dynamic=False), so the products and the few-row kernel compile as before and only
-    attention's loops run to a symbolic T. The store holds one position past the largest key length
-    (backend.py), so slicing its first T positions is never the whole store, which would specialize T.
+    attention's loops run to a symbolic T. Inductor's C++ reductions guard on T <= 4096 (a longer one takes
+    another accumulator), so a bucket has a second graph for longer key lengths (backend.LONG_KEYS). The
+    store holds one position past the largest key length (backend.py), so slicing its first T positions is
+    never the whole store, which would specialize T.
 """
 
 from __future__ import annotations
