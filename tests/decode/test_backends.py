@@ -80,10 +80,10 @@ def test_graphs_stay_bounded_over_a_long_generation_with_varying_k():
     cfg = DecodeConfig(mode="verified", k_max=6, drafting="quadratic", window="adaptive")
     steps = list(stream(model, [1, 2, 3, 4], make_strategy(cfg, Thresholds()), 480, set(), backend=backend))
     assert sum(len(s.tokens) for s in steps) == 480 and len({s.offered for s in steps}) > 2  # k varied
-    key_buckets = 3  # 128, 256, 512 keys over a 484-position context
-    bound = len(ROW_BUCKETS) * key_buckets * 2  # rows x keys x (with / without <mtp> rows)
+    bound = len(ROW_BUCKETS) * 2  # rows x (with / without <mtp> rows): one graph for 128, 256, 512 keys
     assert len(backend.compiled_buckets) <= bound
-    assert counters["stats"]["unique_graphs"] <= len(backend.compiled_buckets)
+    stores = 2  # the store grows once (256 -> 512 positions): its graphs compile again, counted
+    assert counters["stats"]["unique_graphs"] <= backend.compiles <= bound * stores
 
 
 def test_compiled_int8_decodes_the_eager_tokens_of_its_dequantized_weights(chain_checkpoint):

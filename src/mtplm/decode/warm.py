@@ -2,12 +2,15 @@
 compiled inside a timed region.
 
 A compiled backend (decode/fast/backend.py) compiles one graph per pass bucket (sequences b, fed rows Q,
-key length T, <mtp> rows or not) the first time a pass needs it. (one-sequence one-row plain buckets compile
+<mtp> rows or not; one graph serves every key length T, fast/graphs.py) the first time a pass needs it, for
+the store's size (a store that grows compiles again, so warm-up first grows it to what the workload needs).
+(one-sequence one-row plain buckets compile
 the whole pass as one graph, other one-sequence buckets of up to 16 rows six layers a graph, the rest one
 graph per layer: fast/graphs.py; warming goes through the same
 dispatch, so it compiles exactly the graphs the passes will use.) `warm_up` compiles every bucket a
 workload can meet, given its decoding modes, the range of its prompt lengths, its new tokens and its
-batch size, and says in one line on stderr how many and how long: one-sequence passes take every row
+batch size, and says on stderr how many and how long (and how far along, every PROGRESS_S seconds of a
+long warm-up): one-sequence passes take every row
 bucket (a prompt's last chunk and a newcomer's first pass can be any width up to 32), batched passes
 one row for plain decoding and every row bucket otherwise; passes with `<mtp>` rows only for modes that
 feed mask slots, on a model with gated adapters. `Compiles` counts compiles inside a block, so a
@@ -38,6 +41,7 @@ from mtplm.model import MTPModel
 T = TypeVar("T")
 MARGIN = 64  # key positions past prompt + new tokens a pass may still feed (drafts, mask blocks)
 ONE_SHOT_COMPILED_TOKENS = 512  # `auto` compiles a one-shot generation from this many new tokens on
+PROGRESS_S = 30.0  # a warm-up says how far along it is at most this often
 
 
 def buckets(
@@ -47,11 +51,10 @@ def buckets(
     prompt_lengths: tuple[int, int],
     max_new_tokens: int,
     max_batch: int = 1,
-) -> tuple[list[tuple[int, int, int, bool]], int]:
-    """(every bucket the workload can meet, the store capacity it needs)."""
+) -> tuple[list[tuple[int, int, bool]], int]:
+    """(every (b, Q, <mtp> rows) bucket the workload can meet, the store capacity it needs)."""
     shortest, longest = prompt_lengths
     capacity = longest + max_new_tokens + MARGIN
-    keys = backend.key_lengths(shortest, capacity)
     gated = model.gate is not None and model.meta is not None and model.meta.mask_id is not None
     masks = [False] + ([True] if gated and any(cfg.needs_conversion() for cfg in cfgs) else [])
     plain_only = all(cfg.mode == "ntp" for cfg in cfgs)
@@ -62,7 +65,7 @@ def buckets(
     found = []
     for batch in sorted({1 << (n - 1).bit_length() for n in range(1, max_batch + 1)}):
         rows = one_row if plain_only and (batch > 1 or shortest == longest) else ROW_BUCKETS
-        found += [(batch, q, t, m) for q in rows for t in keys for m in masks]
+        found += [(batch, q, m) for q in rows for m in masks]
     return found, capacity
 
 
@@ -89,7 +92,8 @@ def warm_up(
     if warm is None:
         return 0.0
     todo, capacity = buckets(backend, model, cfgs, prompt_lengths, max_new_tokens, max_batch)
-    fresh = len(set(todo) - set(getattr(backend, "compiled_buckets", {})))
+    # graphs compile for the store's size: a store that grows first compiles every bucket again
+    fresh = len(todo) if capacity > backend.capacity else len(backend.to_compile(todo))
     if fresh > 8:  # long enough to wonder about
         print(
             f"mtplm: compiling {fresh} decode buckets{' for ' + what if what else ''} "
@@ -97,15 +101,34 @@ def warm_up(
             file=sys.stderr,
             flush=True,
         )
-    count, seconds = warm(todo, capacity)
+    count, seconds = warm(todo, capacity, Progress(what))
     if count:
         print(
             f"mtplm: compiled {count} decode buckets{' for ' + what if what else ''} in {seconds:.1f} s "
-            f"(up to {max_batch} sequences x {ROW_BUCKETS[-1]} rows x {capacity} keys; cached for next time)",
+            f"(up to {max_batch} sequences x {ROW_BUCKETS[-1]} rows, every key length up to {capacity}; "
+            "cached for next time)",
             file=sys.stderr,
             flush=True,
         )
     return seconds
+
+
+class Progress:
+    """A warm-up's progress callback: `done of total buckets after s` on stderr, at most every PROGRESS_S
+    seconds (none for a warm-up shorter than that)."""
+
+    def __init__(self, what: str = "") -> None:
+        self.what, self.said = what, 0.0
+
+    def __call__(self, done: int, total: int, seconds: float) -> None:
+        if done < total and seconds - self.said >= PROGRESS_S:
+            self.said = seconds
+            print(
+                f"mtplm: {done} of {total} decode buckets{' for ' + self.what if self.what else ''} "
+                f"compiled after {seconds:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def warm_runners(
@@ -129,13 +152,13 @@ def warm_runners(
 
 
 class Compiles:
-    """`with Compiles(backend) as seen: ...` then `seen.count`: buckets compiled inside the block."""
+    """`with Compiles(backend) as seen: ...` then `seen.count`: graphs compiled inside the block."""
 
     def __init__(self, backend: object) -> None:
         self.backend, self.count = backend, 0
 
     def _compiled(self) -> int:
-        return len(getattr(self.backend, "compiled_buckets", ()))
+        return getattr(self.backend, "compiles", 0)
 
     def __enter__(self) -> Compiles:
         self.count, self._before = 0, self._compiled()

@@ -2,6 +2,10 @@
 
     repository (models.toml) -> lazily loaded models -> one batch engine per model -> FastAPI routes
 
+A signal during the warm-up (compiling decode buckets before anything is served) ends the process at once
+with one line saying so (exit 130 / 143): the compiles run on the engine's thread, inside C++, which
+interpreter shutdown would otherwise abort with "terminate called without an active exception".
+
 Shutdown (SIGINT/SIGTERM): the server stops taking requests at once (503, /health too), lets in-flight
 ones finish for up to `shutdown_grace_s`, then ends whatever is left with a clean error (an SSE error
 event, or a 503 body) and exits.
@@ -11,6 +15,8 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import os
+import signal
 import socket
 import sys
 import threading
@@ -18,7 +24,7 @@ import time
 from pathlib import Path
 
 from mtplm.config import DEFAULT_LOAD_POLICY
-from mtplm.errors import UserError
+from mtplm.errors import Terminated, UserError
 from mtplm.serve.app import Settings, create_app
 from mtplm.serve.protocol import Limits
 from mtplm.serve.repository import Entry, Repository, check_entry, read_manifest
@@ -98,9 +104,10 @@ def serve(
 
     _check_exposure(host, settings)
     listener = bind(host, port)  # a port in use is one line and exit 2, before anything says "serving"
-    repository.warm(
-        settings.limits.context
-    )  # nothing is served (/health included) before every bucket compiled
+    try:  # nothing is served (/health included) before every bucket compiled
+        repository.warm(settings.limits.context)
+    except (KeyboardInterrupt, Terminated) as exc:
+        _stop_warming(exc)
     app = create_app(repository, settings)
     config = uvicorn.Config(
         app,
@@ -119,6 +126,20 @@ def serve(
     )
     server.run(sockets=[listener])
     repository.close(0)
+
+
+def _stop_warming(signalled: BaseException) -> None:
+    """A signal during the warm-up: one line and exit now (130 Ctrl-C, 143 SIGTERM), without interpreter
+    shutdown, which would abort the engine thread where it compiles (inside C++)."""
+    terminated = isinstance(signalled, Terminated)
+    print(
+        f"mtplm serve: {'terminated' if terminated else 'interrupted'} while compiling the decode buckets "
+        "(warm-up; nothing was served yet)",
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.stdout.flush()
+    os._exit(128 + (signal.SIGTERM if terminated else signal.SIGINT))
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -1,17 +1,20 @@
 """StaticBackend: the compiled decode pass with a preallocated KV store; a drop-in for RaggedCache +
 ragged_pass.
 
-The store holds keys and values per layer as [S + 1, KVH, C, d]: slots 0 .. S-1 belong to sequences
+The store holds keys and values per layer as [S + 1, KVH, C + 1, d]: slots 0 .. S-1 belong to sequences
 (the engine's slots), slot S is scratch that padded batch entries write to, so padding never touches
-a live sequence. A pass is padded to a bucket on each of its three sizes, and each bucket compiles
-once (torch.compile, inductor, dynamic=False):
+a live sequence; position C is never written or read (a pass's first T <= C positions are then always a
+strict slice of the store, which keeps T dynamic in the graphs: fast/graphs.py). A pass is padded to a
+bucket on each of its three sizes, and each (b, Q) bucket compiles once for every key length T
+(torch.compile, inductor, dynamic=False with T marked dynamic):
 
   b  sequences   1, 2, 4, 8, ...         padded entries: scratch slot, length 0, see themselves only
   Q  fed rows    1, 2, 4, 8, 16, 32      padded rows: written past the sequence's fed rows, never read
   T  key length  128, 256, 512, ... C    the keys a pass attends over: the longest context + Q, rounded up
 
 and on whether any fed row holds `<mtp>` (known from the token lists, so no host sync): passes without
-one run a graph without the gated adapters, which would add exactly zero there.
+one run a graph without the gated adapters, which would add exactly zero there. A graph is compiled for the
+store's shape: a store that grows compiles its graphs again (warm() grows it first).
 
 Attending over the whole capacity instead of T would read C / T times more KV per pass. Feeds longer
 than 32 rows (prompts) run in chunks of `prefill_chunk` rows (decode/chunked.py): uncompiled wide passes
@@ -47,6 +50,9 @@ from mtplm.registry import BACKENDS
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
 MIN_KEYS = 128
+# inductor's C++ reductions over more than this many keys take another accumulator (a guard on T): a graph
+# serves key lengths up to it, a second one of the same bucket the longer ones
+LONG_KEYS = 4096
 # one-sequence buckets of up to this many rows and no <mtp> row compile the whole pass as one graph (plain
 # decoding's bucket): measured 18.6 against 24.2 ms a 1-row pass, but ~83 s a cold compile with its C++
 # wrapper against 3-5 s a layer graph (docs/backends-kernels.md)
@@ -85,11 +91,13 @@ class StaticBackend:
         self._head = kernels.pack(lm_head.detach()) if self.weights.pack_head else None
         self.window = sliding_window(model)
         self.capacity = 0
-        self.keys: list[torch.Tensor] = []  # per layer [S + 1, KVH, C, d]
+        self.keys: list[torch.Tensor] = []  # per layer [S + 1, KVH, C + 1, d]
         self.values: list[torch.Tensor] = []
-        self._guarded: set[tuple] = set()  # buckets whose graph ran once with full guards on this store
+        self._guarded: set[tuple] = set()  # (b, Q, T, adapters) that ran once with full guards on this store
+        self._ready: set[tuple] = set()  # (b, Q, adapters) whose graph compiled for this store
         self._grow(capacity)
-        self.compiled_buckets: dict[tuple, float] = {}  # (b, Q, T, adapters) -> compile seconds
+        self.compiled_buckets: dict[tuple, float] = {}  # (b, Q, adapters) -> compile seconds, every T
+        self.compiles = 0  # graphs compiled so far (a store that grew compiles its buckets again)
         self._quiet = False  # warm() reports its compiles as one line
         self._identities: dict[tuple[int, int], torch.Tensor] = {}  # (b, Q) -> [b, Q, Q] identity
         self._step: Callable[..., torch.Tensor] = decode_pass
@@ -159,45 +167,45 @@ class StaticBackend:
         return hidden[0]
 
     # ---- warming up --------------------------------------------------------------------------------
-    def warm(self, buckets: list[tuple[int, int, int, bool]], capacity: int) -> tuple[int, float]:
-        """Compile every (b, Q, T, adapters) bucket of `buckets` not compiled yet, by a pass over the
-        scratch slot only, after growing the store to `capacity` positions (buckets compiled for a smaller
-        store would compile again when it grows). (buckets compiled, seconds); a backend that does not
-        compile returns (0, 0.0)."""
+    def warm(
+        self, buckets: list[tuple[int, int, bool]], capacity: int, progress: Callable | None = None
+    ) -> tuple[int, float]:
+        """Compile the graph of every (b, Q, adapters) bucket of `buckets` not compiled yet (each serves every
+        key length), by a pass over the scratch slot only, after growing the store to `capacity` positions
+        (graphs compiled for a smaller store would compile again when it grows). `progress(done, total,
+        seconds)` after each. (graphs compiled, seconds); a backend that does not compile returns (0, 0.0)."""
         self._fit(capacity)
         if not self.compile:
             return 0, 0.0
-        began, todo = (
-            time.perf_counter(),
-            [b for b in dict.fromkeys(buckets) if b not in self.compiled_buckets],
-        )
+        began, todo = time.perf_counter(), self.to_compile(buckets)
         self._quiet = True
         try:
             with torch.inference_mode():
-                for batch, rows, keys, adapters in todo:
-                    self._compiled(
-                        self._inputs(0, [], [], batch, rows),
-                        (batch, rows, min(keys, self.capacity), adapters),
-                    )
+                for done, (batch, rows, adapters, *long) in enumerate(todo, 1):
+                    keys = self._key_length(self.capacity if long else rows)
+                    self._compiled(self._inputs(0, [], [], batch, rows), (batch, rows, keys, adapters))
+                    if progress is not None:
+                        progress(done, len(todo), time.perf_counter() - began)
         finally:
             self._quiet = False
         return len(todo), time.perf_counter() - began
 
-    def key_lengths(self, low: int, high: int) -> list[int]:
-        """The key-length buckets a pass needing between `low` and `high` key positions meets."""
-        self._fit(high)
-        return sorted(
-            {
-                self._key_length(n)
-                for n in range(max(1, low), high + 1)
-                if n in (low, high) or n & (n - 1) == 0
-            }
-        )
+    def to_compile(self, buckets: list[tuple[int, int, bool]]) -> list[tuple[int, int, bool]]:
+        """The graphs of the (b, Q, adapters) buckets of `buckets` not compiled for this store yet: (b, Q,
+        adapters), and (b, Q, adapters, "long") where the store holds more than LONG_KEYS keys."""
+        wanted = [b for b in dict.fromkeys(buckets)]
+        if self.capacity > LONG_KEYS:
+            wanted += [(*b, "long") for b in wanted]
+        return [b for b in wanted if b not in self._ready] if self.compile else []
 
     def _compiled(self, inputs: tuple, bucket: tuple[int, int, int, bool]) -> torch.Tensor:
-        first = bucket not in self.compiled_buckets
+        """A pass of bucket (b, Q, T, adapters) through the graph of (b, Q, adapters), compiled on its
+        first call; every guard is checked on the first call of each T (a new T runs the graph only where
+        its guards hold, else compiles), only the graph-telling ones after (graphs.guards)."""
+        graph = (bucket[0], bucket[1], bucket[3], *(("long",) if bucket[2] > LONG_KEYS else ()))
+        first = graph not in self._ready
         began = time.perf_counter()
-        limit = 8 * len(ROW_BUCKETS) * 16  # buckets: every (b, Q, T) this backend may meet
+        limit = 8 * len(ROW_BUCKETS) * 16  # graphs: every (b, Q, adapters) this backend may meet, and more
         step = self._step_for(bucket)
         with (
             torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=limit),
@@ -216,11 +224,13 @@ class StaticBackend:
         if not self.weights.embed.is_cuda:  # CUDA graphs keep all their guards (not measured there)
             self._guarded.add(bucket)
         if first:
-            self.compiled_buckets[bucket] = seconds = time.perf_counter() - began
+            self._ready.add(graph)
+            self.compiles += 1
+            self.compiled_buckets[graph] = seconds = time.perf_counter() - began
             if not self._quiet:
                 print(
-                    f"mtplm: compiled the decode pass for {bucket[0]} sequences x {bucket[1]} rows x "
-                    f"{bucket[2]} keys{' with <mtp> rows' if bucket[3] else ''} in {seconds:.1f} s",
+                    f"mtplm: compiled the decode pass for {bucket[0]} sequences x {bucket[1]} rows"
+                    f"{' with <mtp> rows' if bucket[3] else ''} (every key length) in {seconds:.1f} s",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -291,8 +301,9 @@ class StaticBackend:
                 f"window is {self.window} positions and a sequence needs {capacity}: use --backend eager"
             )
         self._guarded.clear()  # the store's shape changes: every bucket's next call checks all its guards
+        self._ready.clear()  # ... and compiles its graph again
         shape = self.weights.shape
-        size = (self.slots + 1, shape.kv_heads, capacity, shape.head_dim)
+        size = (self.slots + 1, shape.kv_heads, capacity + 1, shape.head_dim)  # + 1: never attended
         dtype = self.weights.embed.dtype
         for store in (self.keys, self.values):
             for i in range(shape.layers):
@@ -302,7 +313,7 @@ class StaticBackend:
                 ):  # a fixed address: CUDA graphs may then write into it in place, not skip the bucket
                     torch._dynamo.mark_static_address(new)
                 if i < len(store):
-                    new[:, :, : self.capacity] = store[i]
+                    new[:, :, : self.capacity] = store[i][:, :, : self.capacity]
                     store[i] = new
                 else:
                     store.append(new)

@@ -17,7 +17,14 @@ Measured choices (docs/backends-kernels.md, SmolLM2-135M bf16 on a 2-vCPU Xeon w
   - bf16 rounded where eager rounds (`emulate_precision_casts`): a fused graph otherwise keeps a bf16 op's
     fp32 result unrounded for the ops fused after it, so the whole-pass graph (1 row) and the per-layer
     graphs (k rows) round a row differently, and lossless verified decoding then loses plain decoding's
-    exact tokens at near-ties (tests/decode/test_invariance.py).
+    exact tokens at near-ties (tests/decode/test_invariance.py);
+  - one graph per (b, Q, <mtp> rows) for every key length T: T reaches a graph as a dynamic size (the mask's
+    last dimension, or `key_span` for the whole pass, marked with mark_dynamic) while b, Q and every other
+    size stay static (dynamic=False), so the products and the few-row kernel compile as before and only
+    attention's loops run to a symbolic T. Inductor's C++ reductions guard on T <= 4096 (a longer one takes
+    another accumulator), so a bucket has a second graph for longer key lengths (backend.LONG_KEYS). The
+    store holds one position past the largest key length (backend.py), so slicing its first T positions is
+    never the whole store, which would specialize T.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from typing import Any
 
 import torch
 
-from mtplm.decode.fast.forward import decode_pass, layer, prepare, rms_norm
+from mtplm.decode.fast.forward import attention_mask, decode_pass, layer, prepare, rms_norm
 from mtplm.decode.fast.weights import FastWeights
 
 # every graph rounds bf16 where eager does: a row's logits are then the same bitwise in every bucket
@@ -52,14 +59,61 @@ def compile_steps(
     options = None if mode else ROUNDED
     compiled = partial(torch.compile, dynamic=False, fullgraph=True, mode=mode, options=options)
     if not regional:
-        return compiled(decode_pass), None
+        return _spanned(compiled(whole_pass)), None
     python_wrapper = on_gpu or weights.quantized  # CUDA graphs; quantized: not measured
-    cpp = {**ROUNDED, "cpp_wrapper": True}
-    step = compiled(layer) if python_wrapper else compiled(layer, options=cpp)
-    regional_pass = partial(decode_pass, step=_copied(step) if mode else step)
+    cpp = {} if python_wrapper else {"options": {**ROUNDED, "cpp_wrapper": True}}
+    step = compiled(masked_layer, **cpp)
+    regional_pass = partial(decode_pass, step=_keyless(_copied(step) if mode else step), masking=dynamic_mask)
     # the whole pass's C++ wrapper: 1-row pass 12.1 -> 10.7 ms, cold compile ~36 -> ~83 s (a bucket, once)
-    whole = compiled(decode_pass) if python_wrapper else compiled(decode_pass, options=cpp)
+    whole = _spanned(compiled(whole_pass, **cpp))
     return regional_pass, whole if whole_rows and not on_gpu else None
+
+
+def dynamic_mask(lengths: torch.Tensor, allowed: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """attention_mask [b, 1, 1, Q, T] with its T marked dynamic: the layer graphs it feeds take their key
+    length from it, so one graph serves every T."""
+    mask = attention_mask(lengths, allowed, kv_len)
+    torch._dynamo.mark_dynamic(mask, 4)
+    return mask
+
+
+def key_span(kv_len: int, device: torch.device) -> torch.Tensor:
+    """A [T] tensor whose only use is its size, marked dynamic: how the whole-pass graph learns T (an int
+    argument would be specialized, one graph per T). One per (T, device), kept."""
+    found = _SPANS.get((kv_len, device))
+    if found is None:
+        found = _SPANS[(kv_len, device)] = torch.empty(kv_len, dtype=torch.uint8, device=device)
+        torch._dynamo.mark_dynamic(found, 0)
+    return found
+
+
+_SPANS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def whole_pass(weights, keys, values, ids, positions, lengths, allowed, slots, span, adapters=True):
+    """decode_pass over span.shape[0] key positions (the graph compiled for every bucket's whole pass)."""
+    keys_read = span.shape[0]
+    return decode_pass(weights, keys, values, ids, positions, lengths, allowed, slots, keys_read, adapters)
+
+
+def masked_layer(block, shape, hidden, rope, mask, gate, store, slots, write) -> torch.Tensor:
+    """`layer` over mask.shape[-1] key positions (the per-layer graph)."""
+    return layer(block, shape, hidden, rope, mask, gate, store, slots, write, mask.shape[-1])
+
+
+def _spanned(step: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """A compiled whole_pass called like decode_pass (kv_len an int)."""
+
+    def run(weights, keys, values, ids, positions, lengths, allowed, slots, kv_len, adapters=True):
+        span = key_span(kv_len, ids.device)
+        return step(weights, keys, values, ids, positions, lengths, allowed, slots, span, adapters)
+
+    return run
+
+
+def _keyless(step: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """A compiled masked_layer called like `layer` (its kv_len, an int, dropped: the mask carries T)."""
+    return lambda *args: step(*args[:-1])
 
 
 def compile_grouped(weights: FastWeights, size: int, cpp_wrapper: bool) -> Callable[..., torch.Tensor]:
@@ -67,17 +121,16 @@ def compile_grouped(weights: FastWeights, size: int, cpp_wrapper: bool) -> Calla
     every group of the pass: same shapes, the blocks' tensors are graph inputs), so a pass makes
     layers / size graph calls instead of one per layer. CPU only."""
     options = {**ROUNDED, "cpp_wrapper": True} if cpp_wrapper else ROUNDED
-    step = torch.compile(layers, dynamic=False, fullgraph=True, options=options)
+    step = torch.compile(layers, dynamic=False, fullgraph=True, options=options)  # T: the mask's size
     groups = -(-weights.shape.layers // max(1, size))
     return partial(grouped_pass, step, groups)
 
 
-def layers(
-    blocks: tuple, shape, hidden, rope, mask, gate, stores: tuple, slots, write, kv_len
-) -> torch.Tensor:
-    """Consecutive decoder layers (`layer` each), hidden [b, Q, D] in and out; stores: (keys, values) each."""
+def layers(blocks: tuple, shape, hidden, rope, mask, gate, stores: tuple, slots, write) -> torch.Tensor:
+    """Consecutive decoder layers (`layer` each, over mask.shape[-1] key positions), hidden [b, Q, D] in and
+    out; stores: (keys, values) each."""
     for block, store in zip(blocks, stores, strict=True):
-        hidden = layer(block, shape, hidden, rope, mask, gate, store, slots, write, kv_len)
+        hidden = layer(block, shape, hidden, rope, mask, gate, store, slots, write, mask.shape[-1])
     return hidden
 
 
@@ -98,12 +151,14 @@ def grouped_pass(
     """decode_pass with the layers split into `groups` runs of consecutive layers (sizes differing by at most
     one: at most two graphs), each one call of `step` (`layers`)."""
     shape = weights.shape
-    hidden, rope, mask, gate, write = prepare(weights, ids, positions, lengths, allowed, kv_len, adapters)
+    hidden, rope, mask, gate, write = prepare(
+        weights, ids, positions, lengths, allowed, kv_len, adapters, dynamic_mask
+    )
     blocks, stores = list(weights.blocks), list(zip(keys, values, strict=True))
     bounds = [shape.layers * g // groups for g in range(groups + 1)]
     for first, end in zip(bounds, bounds[1:], strict=False):
         run = (tuple(blocks[first:end]), shape, hidden, rope, mask, gate, tuple(stores[first:end]))
-        hidden = step(*run, slots, write, kv_len)
+        hidden = step(*run, slots, write)
     return rms_norm(hidden, weights.final_norm, shape.eps)
 
 
