@@ -52,8 +52,9 @@ MIN_KEYS = 128
 # (docs/backends-kernels.md)
 WHOLE_PASS_ROWS = 1
 # other one-sequence buckets of up to this many rows (with or without <mtp> rows: what verified and the
-# mask-slot modes feed) run their layers GROUP_LAYERS at a time as one graph (fast/graphs.py)
-GROUP_ROWS = 16
+# mask-slot modes feed; quadratic drafting's passes take 16-32 rows) run their layers GROUP_LAYERS at a time
+# as one graph (fast/graphs.py); measured in docs/backends-kernels.md
+GROUP_ROWS = 32
 GROUP_LAYERS = 6
 
 
