@@ -73,12 +73,12 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = load_model(args.model, args.dtype)
-    modes = parse_modes(args.mode, None, DecodeConfig.confidence)
+    modes = parse_modes(args.mode, None, DecodeConfig.confidence)[-1:]  # parse_modes puts plain first
     examples = prompt_set(args.prompt_set, args.prompts, 0, split="eval")
     prompts = [eval_prompt_ids(model.tokenizer, e.prompt) for e in examples]
     backend = make_backend("compiled", model, slots=1)
     warm_runners(model, modes, {name: backend for name, _ in modes}, prompts, args.max_new_tokens, "mix")
-    (name, cfg), = modes
+    ((name, cfg),) = modes
     cfg = dataclasses.replace(cfg, max_new_tokens=args.max_new_tokens)
     for ids in prompts:  # untimed: first-call costs of each prompt's buckets
         generate(model, ids, cfg, backend=backend)

@@ -412,8 +412,9 @@ void amx_joined(uint16_t* joined, int64_t kp, int64_t k, int64_t n, const at::Te
   amx_low_rank(joined, kp, n, a_packed, out);
   for (int64_t row = 0; row < n; ++row) {
     if (gate[row] == 0.f) continue;
-    uint16_t* dst = joined + row * kp + k;
-    for (int64_t j = 0; j < r; ++j) dst[j] = c10::BFloat16(out[row * stride + j] * gate[row]).x;
+    const __m512 scale = _mm512_set1_ps(gate[row]);
+    for (int64_t j = 0; j < r; j += kBlock)  // round to nearest even, as c10::BFloat16 rounds
+      store_row(joined + row * kp + k, j, r, _mm512_mul_ps(_mm512_loadu_ps(out + row * stride + j), scale));
   }
 }
 
