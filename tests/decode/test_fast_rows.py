@@ -4,6 +4,8 @@ the grouped-layer graphs (fast/graphs.py) against the uncompiled pass."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from conftest import tiny_llama, tiny_tokenizer
@@ -34,11 +36,11 @@ def test_lora_linear_is_the_widened_product(m, k, r, biased, isa):
     weight, up = weight.to(torch.bfloat16), up.to(torch.bfloat16)
     bias = torch.randn(m, generator=generator).to(torch.bfloat16) if biased else None
     packed, plain = fewrow.pack(torch.cat([weight, up], 1)), fewrow.pack(weight)
-    for n in (*range(1, 34), 40):
+    for n, down_packed in itertools.product((*range(1, 34), 40), (None, fewrow.pack(down))):
         x = torch.randn(n, k, generator=generator).to(torch.bfloat16)
         gate = (torch.rand(n, generator=generator) < 0.6).float() * 2.0
         gate[0] = 0.0  # a plain row
-        got = fewrow.lora_linear(x, packed, down, gate, bias)
+        got = fewrow.lora_linear(x, packed, down, gate, bias, down_packed)  # packed A: AMX tiles (AMX, <= 32)
         expected = widened_reference(x, weight, up, down, gate, bias)
         assert got.shape == (n, m) and got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), expected, atol=0.03, rtol=0.02, msg=f"{n} rows")
@@ -46,6 +48,19 @@ def test_lora_linear_is_the_widened_product(m, k, r, biased, isa):
         torch.testing.assert_close(got[closed], fewrow.linear(x[closed], plain, bias), atol=0.02, rtol=0.01)
         if k % 32 == 0 and n <= 32:  # the same blocks of K and the same few-row path: the same sums
             assert torch.equal(got[closed], fewrow.linear(x[closed], plain, bias))
+        if down_packed is not None and n > 1:  # a row's result does not depend on the rows beside it
+            alone = fewrow.lora_linear(x[-1:], packed, down, gate[-1:], bias, down_packed)
+            assert torch.equal(got[-1:], alone), f"{n} rows"
+
+
+@needs_kernel
+def test_lora_linear_with_every_gate_closed_is_the_plain_product(isa):
+    weight, up = torch.randn(40, 64, dtype=torch.bfloat16), torch.randn(40, 8, dtype=torch.bfloat16)
+    down = torch.randn(8, 64, dtype=torch.bfloat16)
+    packed, plain = fewrow.pack(torch.cat([weight, up], 1)), fewrow.pack(weight)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    got = fewrow.lora_linear(x, packed, down, torch.zeros(5), None, fewrow.pack(down))
+    assert torch.equal(got, fewrow.linear(x, plain, None))
 
 
 @needs_kernel
@@ -56,6 +71,9 @@ def test_lora_linear_refuses_mismatched_shapes():
         fewrow.lora_linear(x, packed, torch.randn(8, 31, dtype=torch.bfloat16), gate, None)
     with pytest.raises(RuntimeError, match="features"):
         fewrow.lora_linear(x, packed, torch.randn(40, 32, dtype=torch.bfloat16), gate, None)
+    with pytest.raises(RuntimeError, match="down_packed"):
+        down, other = torch.randn(8, 32, dtype=torch.bfloat16), torch.randn(16, 32, dtype=torch.bfloat16)
+        fewrow.lora_linear(x, packed, down, gate, None, fewrow.pack(other))
     with pytest.raises(RuntimeError, match="float32 gate"):
         fewrow.lora_linear(x, packed, torch.randn(8, 32, dtype=torch.bfloat16), gate.double(), None)
 

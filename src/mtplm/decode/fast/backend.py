@@ -57,9 +57,9 @@ LONG_KEYS = 4096
 # decoding's bucket): measured 18.6 against 24.2 ms a 1-row pass, but ~83 s a cold compile with its C++
 # wrapper against 3-5 s a layer graph (docs/backends-kernels.md)
 WHOLE_PASS_ROWS = 1
-# other one-sequence buckets of up to this many rows (with or without <mtp> rows: what verified and the
-# mask-slot modes feed) run their layers GROUP_LAYERS at a time as one graph (fast/graphs.py)
-GROUP_ROWS = 16
+# other one-sequence buckets of up to this many rows (verified and mask-slot modes: quadratic drafting feeds
+# 16-32) run GROUP_LAYERS layers a graph (fast/graphs.py; measured in docs/backends-kernels.md)
+GROUP_ROWS = 32
 GROUP_LAYERS = 6
 
 

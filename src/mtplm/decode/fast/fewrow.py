@@ -120,6 +120,7 @@ def _lora_linear_shape(
     down: torch.Tensor,
     gate: torch.Tensor,
     bias: torch.Tensor | None,
+    down_packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return inputs.new_empty(inputs.shape[0], packed.shape[0])
 
@@ -156,8 +157,11 @@ def lora_linear(
     down: torch.Tensor,
     gate: torch.Tensor,
     bias: torch.Tensor | None,
+    down_packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[inputs, gate * inputs @ down^T] @ [W | B]^T (+ bias) -> [N, M] over packed = pack([W | B]), one call:
     inputs [N, K] bf16, down (the adapters' A) [R, K] bf16, gate [N] float32; the low-rank activations are
-    rounded to bf16 before the product, as forward._project_widened's graph rounds them."""
-    return torch.ops.mtplm_fewrow.lora_linear(inputs, packed, down, gate, bias)
+    rounded to bf16 before the product, as forward._project_widened's graph rounds them. With down_packed =
+    pack(down) on a CPU with AMX, passes of up to 32 rows compute inputs @ down^T in AMX tiles (else AVX-512
+    dot products over down)."""
+    return torch.ops.mtplm_fewrow.lora_linear(inputs, packed, down, gate, bias, down_packed)

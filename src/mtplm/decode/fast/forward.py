@@ -160,7 +160,8 @@ def _project_widened(block, name: str, inputs: torch.Tensor, gate: torch.Tensor)
     down, widened = getattr(block, f"{name}_a"), getattr(block, f"{name}_wb_w")
     flat = inputs.reshape(-1, inputs.shape[-1])  # [N, in]
     if widened.dim() == 3 and down.dtype == torch.bfloat16 and flat.shape[0] <= FUSED_ADAPTER_ROWS:
-        out = fewrow.lora_linear(flat, widened, down, gate.reshape(-1), getattr(block, f"{name}_wb_bias"))
+        bias, down_packed = getattr(block, f"{name}_wb_bias"), getattr(block, f"{name}_ap", None)
+        out = fewrow.lora_linear(flat, widened, down, gate.reshape(-1), bias, down_packed)
         return out.view(*inputs.shape[:-1], widened.shape[0])
     low = _low_rank(inputs, down, gate)  # [b, Q, n r]
     return linear(block, f"{name}_wb", torch.cat([inputs, low.to(inputs.dtype)], dim=-1))

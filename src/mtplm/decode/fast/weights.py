@@ -27,7 +27,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from mtplm.decode.fast import kernels
+from mtplm.decode.fast import fewrow, kernels
 from mtplm.errors import UserError
 from mtplm.lora import GatedLoRALinear
 from mtplm.model import MTPModel
@@ -149,6 +149,11 @@ class _Block(nn.Module):
             self._add(
                 f"{name}_wb", torch.cat([weight, b.to(weight.dtype)], dim=1), bias, prepack
             )  # [out, in + n r]
+            down = getattr(self, f"{name}_a")
+            if getattr(self, f"{name}_wb_w").dim() == 3 and down.dtype == torch.bfloat16:
+                # A in the few-row kernel's layout too (a second copy, ~10 MB for SmolLM2 at rank 32): its
+                # lora_linear computes x A^T in AMX tiles from it (docs/backends-kernels.md)
+                self.register_buffer(f"{name}_ap", fewrow.pack(down), persistent=False)
 
     def _add(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool = False) -> None:
         """Buffers `{name}_w` [out, in] (prepacked, int8 with `{name}_scale` [out], int4 packed with

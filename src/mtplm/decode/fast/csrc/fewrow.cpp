@@ -30,6 +30,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -350,9 +351,78 @@ void low_rank_rows(const uint16_t* x, int64_t k, const uint16_t* a, int64_t j0, 
   if (held == 1) low_rank_group<1>(xr, a, k, j0, j1, g, dst);
 }
 
-// inputs [N, K], packed = pack([W | B]) ([M, 1, Kp], Kp >= K + R), down = A [R, K] bf16, gate [N] float32.
+// ---- the low-rank activations through AMX tiles over A packed once at load (pack(A): [R, 1, Ka], the W
+// layout): x A^T of up to 32 rows in float32, one 16-output block of A per tile product, the blocks split over
+// the threads. x is read from the joined input (row stride kp), whose columns past K are zero at that point.
+
+template <bool Wide>
+__attribute__((target("amx-tile,amx-bf16")))
+void amx_low_block(const uint16_t* x, int64_t kp, const uint16_t* a, int64_t ka, float* out, int64_t stride) {
+  _tile_zero(4);
+  if (Wide) _tile_zero(6);
+  for (int64_t k = 0; k < ka; k += 32) {
+    _tile_loadd(0, x + k, kp * 2);
+    _tile_loadd(2, a + k * kBlock, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    if (Wide) {
+      _tile_loadd(1, x + 16 * kp + k, kp * 2);
+      _tile_dpbf16ps(6, 1, 2);
+    }
+  }
+  _tile_stored(4, out, stride * 4);
+  if (Wide) _tile_stored(6, out + 16 * stride, stride * 4);
+}
+
+// A's output blocks [begin, end) of low[N, stride].
+__attribute__((target("amx-tile,amx-bf16")))
+void amx_low_blocks(const uint16_t* x, int64_t kp, int64_t n, const uint16_t* a, int64_t ka, float* low,
+                    int64_t stride, int64_t begin, int64_t end) {
+  amx_configure(static_cast<int>(n));
+  for (int64_t block = begin; block < end; ++block) {
+    const uint16_t* w = a + block * ka * kBlock;
+    if (n > 16) amx_low_block<true>(x, kp, w, ka, low + block * kBlock, stride);
+    else amx_low_block<false>(x, kp, w, ka, low + block * kBlock, stride);
+  }
+  _tile_release();
+}
+
+// low[N, Rp] (Rp: R rounded up to 16) = x[N, :Ka] A^T, N <= 32.
+void amx_low_rank(const uint16_t* x, int64_t kp, int64_t n, const at::Tensor& a_packed, float* low) {
+  const int64_t r = a_packed.size(0), ka = a_packed.size(2), blocks = (r + kBlock - 1) / kBlock;
+  const uint16_t* a = reinterpret_cast<const uint16_t*>(a_packed.data_ptr());
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    amx_low_blocks(x, kp, n, a, ka, low, blocks * kBlock, begin, end);
+  });
+}
+
+// The joined input's low-rank columns [K, K + R) from the AMX product: bf16(gate * x A^T), zeros where the
+// gate is 0 (rounded as the graph's own path rounds them).
+void amx_joined(uint16_t* joined, int64_t kp, int64_t k, int64_t n, const at::Tensor& a_packed, const float* gate) {
+  const int64_t r = a_packed.size(0), stride = (r + kBlock - 1) / kBlock * kBlock;
+  bool any = false;
+  for (int64_t row = 0; row < n; ++row) any = any || gate[row] != 0.f;
+  if (!any) return;  // the columns are zero already
+  alignas(64) float low[32 * 96];
+  std::vector<float> wide;
+  float* out = low;
+  if (n * stride > 32 * 96) {
+    wide.resize(n * stride);
+    out = wide.data();
+  }
+  amx_low_rank(joined, kp, n, a_packed, out);
+  for (int64_t row = 0; row < n; ++row) {
+    if (gate[row] == 0.f) continue;
+    const __m512 scale = _mm512_set1_ps(gate[row]);
+    for (int64_t j = 0; j < r; j += kBlock)  // round to nearest even, as c10::BFloat16 rounds
+      store_row(joined + row * kp + k, j, r, _mm512_mul_ps(_mm512_loadu_ps(out + row * stride + j), scale));
+  }
+}
+
+// inputs [N, K], packed = pack([W | B]) ([M, 1, Kp], Kp >= K + R), down = A [R, K] bf16, gate [N] float32;
+// down_packed = pack(A) where the caller holds one (the AMX path for up to 32 rows).
 at::Tensor fewrow_lora_linear(const at::Tensor& inputs, const at::Tensor& packed, const at::Tensor& down,
-                              const at::Tensor& gate, const c10::optional<at::Tensor>& bias) {
+                              const at::Tensor& gate, const c10::optional<at::Tensor>& bias,
+                              const c10::optional<at::Tensor>& down_packed) {
   TORCH_CHECK(inputs.dim() == 2 && packed.dim() == 3 && down.dim() == 2 && gate.dim() == 1,
               "fewrow lora_linear: inputs [N, K], packed [M, 1, Kp], down [R, K], gate [N]");
   TORCH_CHECK(inputs.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
@@ -369,15 +439,24 @@ at::Tensor fewrow_lora_linear(const at::Tensor& inputs, const at::Tensor& packed
   at::Tensor joined = at::empty({n, kp}, inputs.options());  // [x, gate * x A^T, zero padding]
   uint16_t* dst = reinterpret_cast<uint16_t*>(joined.data_ptr());
   const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const bool amx = isa() == 1;
+  const bool held = down_packed.has_value() && down_packed->defined(), tiles = held && amx && n <= 32;
+  TORCH_CHECK(!held || (down_packed->dim() == 3 && down_packed->size(0) == r &&
+                        down_packed->size(2) == (k + 31) / 32 * 32 && down_packed->scalar_type() == at::kBFloat16),
+              "fewrow lora_linear: down_packed is not pack(down)");
   for (int64_t row = 0; row < n; ++row) {
     std::memcpy(dst + row * kp, src + row * k, k * sizeof(uint16_t));
-    std::memset(dst + row * kp + wide, 0, (kp - wide) * sizeof(uint16_t));
+    const int64_t from = tiles ? k : wide;  // the AMX path reads zeros past K, then writes the adapter's columns
+    std::memset(dst + row * kp + from, 0, (kp - from) * sizeof(uint16_t));
   }
-  at::parallel_for(0, r, 16, [&](int64_t begin, int64_t end) {  // the adapter's outputs split over the threads
-    low_rank_rows(src, k, reinterpret_cast<const uint16_t*>(a.data_ptr()), begin, end, g.data_ptr<float>(), n,
-                  dst + k, kp);
-  });
-  const bool amx = isa() == 1;
+  if (tiles) {
+    amx_joined(dst, kp, k, n, *down_packed, g.data_ptr<float>());
+  } else {
+    at::parallel_for(0, r, 16, [&](int64_t begin, int64_t end) {  // the adapter's outputs over the threads
+      low_rank_rows(src, k, reinterpret_cast<const uint16_t*>(a.data_ptr()), begin, end, g.data_ptr<float>(), n,
+                    dst + k, kp);
+    });
+  }
   if (n > kMaxRows && !amx) return at::linear(joined.narrow(1, 0, wide), unpacked(packed, wide), b);
   at::Tensor y = at::empty({n, m}, inputs.options());
   if (n == 0 || m == 0) return y;
@@ -395,7 +474,9 @@ at::Tensor fewrow_lora_linear(const at::Tensor& inputs, const at::Tensor& packed
 TORCH_LIBRARY(mtplm_fewrow, m) {
   m.def("linear(Tensor inputs, Tensor packed, Tensor? bias) -> Tensor");
   m.def("pack(Tensor weight) -> Tensor");
-  m.def("lora_linear(Tensor inputs, Tensor packed, Tensor down, Tensor gate, Tensor? bias) -> Tensor");
+  m.def(
+      "lora_linear(Tensor inputs, Tensor packed, Tensor down, Tensor gate, Tensor? bias, Tensor? down_packed=None) "
+      "-> Tensor");
   m.def("isa() -> str");  // which kernel linear runs: "amx" or "avx512"
   m.def("use_isa(str isa) -> str");
 }
