@@ -89,13 +89,17 @@ def main() -> None:
         recorder.first = True
         tokens += len(generate(model, ids, cfg, backend=backend).tokens)
     total_s, total_n = sum(recorder.seconds.values()), sum(recorder.passes.values())
-    print(f"{name}: {len(prompts)} prompts, {tokens} tokens, {total_n} decode passes, "
-          f"{tokens / total_n:.2f} tokens/pass, {1e3 * total_s / total_n:.1f} ms/pass")
+    print(
+        f"{name}: {len(prompts)} prompts, {tokens} tokens, {total_n} decode passes, "
+        f"{tokens / total_n:.2f} tokens/pass, {1e3 * total_s / total_n:.1f} ms/pass"
+    )
     print("rows bucket | <mtp> | passes | share of passes | share of pass time | ms/pass")
     for key in sorted(recorder.passes):
         n, s = recorder.passes[key], recorder.seconds[key]
-        print(f"{key[0]:>11} | {'yes' if key[1] else 'no':>5} | {n:>6} | {n / total_n:>15.0%} | "
-              f"{s / total_s:>18.0%} | {1e3 * s / n:.1f}")
+        print(
+            f"{key[0]:>11} | {'yes' if key[1] else 'no':>5} | {n:>6} | {n / total_n:>15.0%} | "
+            f"{s / total_s:>18.0%} | {1e3 * s / n:.1f}"
+        )
 
 
 if __name__ == "__main__":

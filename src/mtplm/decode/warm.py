@@ -29,7 +29,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Protocol, TypeVar, runtime_checkable
 
 from mtplm.config import BACKEND_ENV, DecodeConfig
 from mtplm.decode.backends import Backend, resolve_backend
@@ -42,6 +42,22 @@ T = TypeVar("T")
 MARGIN = 64  # key positions past prompt + new tokens a pass may still feed (drafts, mask blocks)
 ONE_SHOT_COMPILED_TOKENS = 512  # `auto` compiles a one-shot generation from this many new tokens on
 PROGRESS_S = 30.0  # a warm-up says how far along it is at most this often
+
+
+Bucket = tuple[int, int, bool]  # (sequences b, fed rows Q, <mtp> rows or not)
+
+
+@runtime_checkable
+class Warmable(Protocol):
+    """A backend that compiles its buckets (decode/fast/backend.py); eager ones are not."""
+
+    capacity: int
+
+    def warm(
+        self, buckets: list[Bucket], capacity: int, progress: Callable | None = None
+    ) -> tuple[int, float]: ...
+
+    def to_compile(self, buckets: list[Bucket]) -> list[tuple]: ...
 
 
 def buckets(
@@ -88,8 +104,7 @@ def warm_up(
     what: str = "",
 ) -> float:
     """Compile every bucket the workload can meet (`buckets`), one line on stderr; seconds it took."""
-    warm = getattr(backend, "warm", None)
-    if warm is None:
+    if not isinstance(backend, Warmable):
         return 0.0
     todo, capacity = buckets(backend, model, cfgs, prompt_lengths, max_new_tokens, max_batch)
     # graphs compile for the store's size: a store that grows first compiles every bucket again
@@ -101,7 +116,7 @@ def warm_up(
             file=sys.stderr,
             flush=True,
         )
-    count, seconds = warm(todo, capacity, Progress(what))
+    count, seconds = backend.warm(todo, capacity, Progress(what))
     if count:
         print(
             f"mtplm: compiled {count} decode buckets{' for ' + what if what else ''} in {seconds:.1f} s "

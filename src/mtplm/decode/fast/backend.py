@@ -190,10 +190,10 @@ class StaticBackend:
             self._quiet = False
         return len(todo), time.perf_counter() - began
 
-    def to_compile(self, buckets: list[tuple[int, int, bool]]) -> list[tuple[int, int, bool]]:
+    def to_compile(self, buckets: list[tuple[int, int, bool]]) -> list[tuple]:
         """The graphs of the (b, Q, adapters) buckets of `buckets` not compiled for this store yet: (b, Q,
         adapters), and (b, Q, adapters, "long") where the store holds more than LONG_KEYS keys."""
-        wanted = [b for b in dict.fromkeys(buckets)]
+        wanted: list[tuple] = [b for b in dict.fromkeys(buckets)]
         if self.capacity > LONG_KEYS:
             wanted += [(*b, "long") for b in wanted]
         return [b for b in wanted if b not in self._ready] if self.compile else []
