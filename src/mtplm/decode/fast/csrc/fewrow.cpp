@@ -342,13 +342,16 @@ void amx_low_blocks(const uint16_t* x, int64_t kp, int64_t n, const uint16_t* a,
 }
 
 // low[N, Rp] (Rp: R rounded up to 16) = x[N, :Ka] A^T (x's rows kp apart): AMX tiles for up to 32 rows, else
-// the AVX-512 tiles.
+// the AVX-512 tiles. A small product runs on the calling thread: waking the others costs more than it saves.
+constexpr int64_t kParallelLowRank = 1 << 19;  // multiply-adds
+
 void low_rank(const uint16_t* x, int64_t kp, int64_t n, const at::Tensor& a_packed, float* low) {
   const int64_t r = a_packed.size(0), ka = a_packed.size(2), blocks = (r + kBlock - 1) / kBlock;
   const uint16_t* a = reinterpret_cast<const uint16_t*>(a_packed.data_ptr());
   const bool tiles = isa() == 1 && n <= 32;
   const Problem p{x, a, nullptr, nullptr, n, blocks * kBlock, ka, kp, low};
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t grain = n * ka * blocks * kBlock < kParallelLowRank ? blocks : 1;
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     tiles ? amx_low_blocks(x, kp, n, a, ka, low, blocks * kBlock, begin, end) : run_blocks(p, begin, end);
   });
 }
