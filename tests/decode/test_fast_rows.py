@@ -40,7 +40,7 @@ def test_lora_linear_is_the_widened_product(m, k, r, biased, isa):
         x = torch.randn(n, k, generator=generator).to(torch.bfloat16)
         gate = (torch.rand(n, generator=generator) < 0.6).float() * 2.0
         gate[0] = 0.0  # a plain row
-        got = fewrow.lora_linear(x, packed, down, gate, bias, down_packed)  # packed A: AMX tiles (AMX, <= 32)
+        got = fewrow.lora_linear(x, packed, down, gate, bias, down_packed)  # None: A packed per call
         expected = widened_reference(x, weight, up, down, gate, bias)
         assert got.shape == (n, m) and got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), expected, atol=0.03, rtol=0.02, msg=f"{n} rows")
@@ -48,7 +48,7 @@ def test_lora_linear_is_the_widened_product(m, k, r, biased, isa):
         torch.testing.assert_close(got[closed], fewrow.linear(x[closed], plain, bias), atol=0.02, rtol=0.01)
         if k % 32 == 0 and n <= 32:  # the same blocks of K and the same few-row path: the same sums
             assert torch.equal(got[closed], fewrow.linear(x[closed], plain, bias))
-        if down_packed is not None and n > 1:  # a row's result does not depend on the rows beside it
+        if n > 1:  # a row's result does not depend on the rows beside it
             alone = fewrow.lora_linear(x[-1:], packed, down, gate[-1:], bias, down_packed)
             assert torch.equal(got[-1:], alone), f"{n} rows"
 

@@ -41,11 +41,12 @@ constexpr int64_t kMaxRows = 32;      // AVX-512: more rows go to at::linear
 constexpr int64_t kMaxAmxRows = 1 << 20;  // AMX: any rows
 
 struct Problem {
-  const uint16_t* x;  // [N, Kp] bf16 bits
+  const uint16_t* x;  // [N, xs] bf16 bits, of which the first Kp are read
   const uint16_t* w;  // packed
   const uint16_t* bias;  // [M] bf16 bits or null
-  uint16_t* y;  // [N, M]
-  int64_t n, m, kp;
+  uint16_t* y;  // [N, M] bf16, or null where f32 takes the outputs
+  int64_t n, m, kp, xs;
+  float* f32 = nullptr;  // [N, M] float32 outputs instead of y (no bias; M a multiple of 16)
 };
 
 inline __m512 load_bias(const uint16_t* bias, int64_t col, int64_t m) {
@@ -68,7 +69,7 @@ void tile(const Problem& p, int64_t row, int64_t block) {
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
   const uint16_t* w = p.w + block * p.kp * kBlock;
-  const uint16_t* x = p.x + row * p.kp;
+  const uint16_t* x = p.x + row * p.xs;
   const int64_t pairs = p.kp / 2;
   for (int64_t k = 0; k < pairs; ++k) {
     __m512bh wv[B];
@@ -76,13 +77,17 @@ void tile(const Problem& p, int64_t row, int64_t block) {
       wv[b] = (__m512bh)_mm512_loadu_si512(w + (b * pairs + k) * 2 * kBlock);
     for (int r = 0; r < R; ++r) {
       int32_t pair;
-      std::memcpy(&pair, x + r * p.kp + 2 * k, sizeof(pair));
+      std::memcpy(&pair, x + r * p.xs + 2 * k, sizeof(pair));
       __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
       for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
     }
   }
   for (int b = 0; b < B; ++b) {
     const int64_t col = (block + b) * kBlock;
+    if (p.f32 != nullptr) {
+      for (int r = 0; r < R; ++r) _mm512_storeu_ps(p.f32 + (row + r) * p.m + col, acc[r][b]);
+      continue;
+    }
     const __m512 bias = load_bias(p.bias, col, p.m);
     for (int r = 0; r < R; ++r) store_row(p.y + (row + r) * p.m, col, p.m, _mm512_add_ps(acc[r][b], bias));
   }
@@ -182,13 +187,13 @@ void amx_pair(const Problem& p, int64_t row, int rows, int64_t block, float* scr
   if (Two) _tile_zero(5);
   if (Wide) _tile_zero(6);
   if (Wide && Two) _tile_zero(7);
-  const int64_t stride = p.kp * 2, per_block = p.kp * kBlock;
+  const int64_t stride = p.xs * 2, per_block = p.kp * kBlock;
   const uint16_t* w0 = p.w + block * per_block;
-  const uint16_t* x = p.x + row * p.kp;
+  const uint16_t* x = p.x + row * p.xs;
   for (int64_t k = 0; k < p.kp; k += 32) {
     _tile_loadd(0, x + k, stride);
     _tile_loadd(2, w0 + k * kBlock, 64);
-    if (Wide) _tile_loadd(1, x + 16 * p.kp + k, stride);
+    if (Wide) _tile_loadd(1, x + 16 * p.xs + k, stride);
     _tile_dpbf16ps(4, 0, 2);
     if (Wide) _tile_dpbf16ps(6, 1, 2);
     if (Two) {
@@ -274,7 +279,7 @@ at::Tensor fewrow_linear(const at::Tensor& inputs, const at::Tensor& packed,
   const Problem p{reinterpret_cast<const uint16_t*>(x.data_ptr()),
                   reinterpret_cast<const uint16_t*>(packed.data_ptr()),
                   b.defined() ? reinterpret_cast<const uint16_t*>(b.data_ptr()) : nullptr,
-                  reinterpret_cast<uint16_t*>(y.data_ptr()), n, m, kp};
+                  reinterpret_cast<uint16_t*>(y.data_ptr()), n, m, kp, kp};
   const int64_t blocks = (m + kBlock - 1) / kBlock;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     amx ? amx_blocks(p, begin, end) : run_blocks(p, begin, end);
@@ -295,61 +300,11 @@ at::Tensor fewrow_pack(const at::Tensor& weight) {
 
 
 // ---- gated adapters fused into the widened product (forward._project_widened): y = [x, gate * x A^T] @ [W | B]^T
-// (+ bias) in one call, without [x, gate * x A^T] built by the graph. A [R, K] is read as stored (bf16,
-// row-major): R x N dot products of K terms, four outputs at a time (independent accumulators), rows whose gate
-// is 0 skipped (their low-rank activations are 0: the product gives W x exactly). The activations are rounded to
-// bf16 (round to nearest even) as the graph's own path rounds them before the GEMM.
-
-// Rows x Outs dot products of K terms: rows xr[0 .. Rows) against A's rows j .. j + Outs, all accumulators in
-// registers, each A chunk loaded once for all the rows.
-template <int Rows, int Outs>
-inline void low_rank_block(const uint16_t* const* xr, const uint16_t* a, int64_t k, int64_t j, const float* g,
-                           uint16_t* const* dst) {
-  __m512 acc[Rows][Outs];
-  for (int r = 0; r < Rows; ++r)
-    for (int o = 0; o < Outs; ++o) acc[r][o] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < k; c += 32) {
-    const __mmask32 mask = c + 32 <= k ? ~__mmask32(0) : (__mmask32(1) << (k - c)) - 1;
-    __m512bh xv[Rows];
-    for (int r = 0; r < Rows; ++r) xv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, xr[r] + c);
-    for (int o = 0; o < Outs; ++o) {
-      const __m512bh av = (__m512bh)_mm512_maskz_loadu_epi16(mask, a + (j + o) * k + c);
-      for (int r = 0; r < Rows; ++r) acc[r][o] = _mm512_dpbf16_ps(acc[r][o], xv[r], av);
-    }
-  }
-  for (int r = 0; r < Rows; ++r)
-    for (int o = 0; o < Outs; ++o) dst[r][j + o] = c10::BFloat16(_mm512_reduce_add_ps(acc[r][o]) * g[r]).x;
-}
-
-template <int Rows>
-void low_rank_group(const uint16_t* const* xr, const uint16_t* a, int64_t k, int64_t j0, int64_t j1,
-                    const float* g, uint16_t* const* dst) {
-  int64_t j = j0;
-  for (; j + 4 <= j1; j += 4) low_rank_block<Rows, 4>(xr, a, k, j, g, dst);
-  for (; j < j1; ++j) low_rank_block<Rows, 1>(xr, a, k, j, g, dst);
-}
-
-// Outputs [j0, j1) of every row: out[row, j] = bf16(gate[row] * x[row] . A[j]); rows whose gate is 0 get
-// zeros.
-void low_rank_rows(const uint16_t* x, int64_t k, const uint16_t* a, int64_t j0, int64_t j1, const float* gate,
-                   int64_t n, uint16_t* out, int64_t stride) {
-  const uint16_t* xr[2];
-  uint16_t* dst[2];
-  float g[2];
-  int held = 0;
-  for (int64_t row = 0; row < n; ++row) {
-    if (gate[row] == 0.f) {
-      std::memset(out + row * stride + j0, 0, (j1 - j0) * sizeof(uint16_t));
-      continue;
-    }
-    xr[held] = x + row * k, dst[held] = out + row * stride, g[held] = gate[row];
-    if (++held == 2) {
-      low_rank_group<2>(xr, a, k, j0, j1, g, dst);
-      held = 0;
-    }
-  }
-  if (held == 1) low_rank_group<1>(xr, a, k, j0, j1, g, dst);
-}
+// (+ bias) in one call, without [x, gate * x A^T] built by the graph. x A^T is a few-row product over A packed
+// in the W layout (pack(A), held by the caller from load): AMX tiles for up to 32 rows where the CPU has them,
+// else the AVX-512 register tiles above with float32 outputs; either way no horizontal sums, and a row's sums
+// do not depend on the rows beside it. Rows whose gate is 0 keep zero activations (the product gives W x
+// exactly); the others are rounded to bf16 (round to nearest even) as the graph's own path rounds them.
 
 // ---- the low-rank activations through AMX tiles over A packed once at load (pack(A): [R, 1, Ka], the W
 // layout): x A^T of up to 32 rows in float32, one 16-output block of A per tile product, the blocks split over
@@ -373,7 +328,7 @@ void amx_low_block(const uint16_t* x, int64_t kp, const uint16_t* a, int64_t ka,
   if (Wide) _tile_stored(6, out + 16 * stride, stride * 4);
 }
 
-// A's output blocks [begin, end) of low[N, stride].
+// A's output blocks [begin, end) of low[N, stride] (AMX, N <= 32).
 __attribute__((target("amx-tile,amx-bf16")))
 void amx_low_blocks(const uint16_t* x, int64_t kp, int64_t n, const uint16_t* a, int64_t ka, float* low,
                     int64_t stride, int64_t begin, int64_t end) {
@@ -386,18 +341,25 @@ void amx_low_blocks(const uint16_t* x, int64_t kp, int64_t n, const uint16_t* a,
   _tile_release();
 }
 
-// low[N, Rp] (Rp: R rounded up to 16) = x[N, :Ka] A^T, N <= 32.
-void amx_low_rank(const uint16_t* x, int64_t kp, int64_t n, const at::Tensor& a_packed, float* low) {
+// low[N, Rp] (Rp: R rounded up to 16) = x[N, :Ka] A^T (x's rows kp apart): AMX tiles for up to 32 rows, else
+// the AVX-512 tiles. A small product runs on the calling thread: waking the others costs more than it saves.
+constexpr int64_t kParallelLowRank = 1 << 19;  // multiply-adds
+
+void low_rank(const uint16_t* x, int64_t kp, int64_t n, const at::Tensor& a_packed, float* low) {
   const int64_t r = a_packed.size(0), ka = a_packed.size(2), blocks = (r + kBlock - 1) / kBlock;
   const uint16_t* a = reinterpret_cast<const uint16_t*>(a_packed.data_ptr());
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    amx_low_blocks(x, kp, n, a, ka, low, blocks * kBlock, begin, end);
+  const bool tiles = isa() == 1 && n <= 32;
+  const Problem p{x, a, nullptr, nullptr, n, blocks * kBlock, ka, kp, low};
+  const int64_t grain = n * ka * blocks * kBlock < kParallelLowRank ? blocks : 1;
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    tiles ? amx_low_blocks(x, kp, n, a, ka, low, blocks * kBlock, begin, end) : run_blocks(p, begin, end);
   });
 }
 
-// The joined input's low-rank columns [K, K + R) from the AMX product: bf16(gate * x A^T), zeros where the
-// gate is 0 (rounded as the graph's own path rounds them).
-void amx_joined(uint16_t* joined, int64_t kp, int64_t k, int64_t n, const at::Tensor& a_packed, const float* gate) {
+// The joined input's low-rank columns [K, K + R): bf16(gate * x A^T), zeros where the gate is 0 (rounded as
+// the graph's own path rounds them).
+void joined_low_rank(uint16_t* joined, int64_t kp, int64_t k, int64_t n, const at::Tensor& a_packed,
+                     const float* gate) {
   const int64_t r = a_packed.size(0), stride = (r + kBlock - 1) / kBlock * kBlock;
   bool any = false;
   for (int64_t row = 0; row < n; ++row) any = any || gate[row] != 0.f;
@@ -409,7 +371,7 @@ void amx_joined(uint16_t* joined, int64_t kp, int64_t k, int64_t n, const at::Te
     wide.resize(n * stride);
     out = wide.data();
   }
-  amx_low_rank(joined, kp, n, a_packed, out);
+  low_rank(joined, kp, n, a_packed, out);
   for (int64_t row = 0; row < n; ++row) {
     if (gate[row] == 0.f) continue;
     const __m512 scale = _mm512_set1_ps(gate[row]);
@@ -419,7 +381,7 @@ void amx_joined(uint16_t* joined, int64_t kp, int64_t k, int64_t n, const at::Te
 }
 
 // inputs [N, K], packed = pack([W | B]) ([M, 1, Kp], Kp >= K + R), down = A [R, K] bf16, gate [N] float32;
-// down_packed = pack(A) where the caller holds one (the AMX path for up to 32 rows).
+// down_packed = pack(A) where the caller holds one (else A is packed per call).
 at::Tensor fewrow_lora_linear(const at::Tensor& inputs, const at::Tensor& packed, const at::Tensor& down,
                               const at::Tensor& gate, const c10::optional<at::Tensor>& bias,
                               const c10::optional<at::Tensor>& down_packed) {
@@ -435,34 +397,26 @@ at::Tensor fewrow_lora_linear(const at::Tensor& inputs, const at::Tensor& packed
               " features, the packed weight ", kp);
   const at::Tensor b = bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor();
   TORCH_CHECK(!b.defined() || (b.numel() == m && b.scalar_type() == at::kBFloat16), "fewrow lora_linear: bias");
-  const at::Tensor x = inputs.contiguous(), a = down.contiguous(), g = gate.contiguous();
+  const at::Tensor x = inputs.contiguous(), g = gate.contiguous();
   at::Tensor joined = at::empty({n, kp}, inputs.options());  // [x, gate * x A^T, zero padding]
   uint16_t* dst = reinterpret_cast<uint16_t*>(joined.data_ptr());
   const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const bool amx = isa() == 1;
-  const bool held = down_packed.has_value() && down_packed->defined(), tiles = held && amx && n <= 32;
+  const bool held = down_packed.has_value() && down_packed->defined();
   TORCH_CHECK(!held || (down_packed->dim() == 3 && down_packed->size(0) == r &&
                         down_packed->size(2) == (k + 31) / 32 * 32 && down_packed->scalar_type() == at::kBFloat16),
               "fewrow lora_linear: down_packed is not pack(down)");
-  for (int64_t row = 0; row < n; ++row) {
+  for (int64_t row = 0; row < n; ++row) {  // x A^T reads zeros past K, then writes the adapter's columns
     std::memcpy(dst + row * kp, src + row * k, k * sizeof(uint16_t));
-    const int64_t from = tiles ? k : wide;  // the AMX path reads zeros past K, then writes the adapter's columns
-    std::memset(dst + row * kp + from, 0, (kp - from) * sizeof(uint16_t));
+    std::memset(dst + row * kp + k, 0, (kp - k) * sizeof(uint16_t));
   }
-  if (tiles) {
-    amx_joined(dst, kp, k, n, *down_packed, g.data_ptr<float>());
-  } else {
-    at::parallel_for(0, r, 16, [&](int64_t begin, int64_t end) {  // the adapter's outputs over the threads
-      low_rank_rows(src, k, reinterpret_cast<const uint16_t*>(a.data_ptr()), begin, end, g.data_ptr<float>(), n,
-                    dst + k, kp);
-    });
-  }
+  joined_low_rank(dst, kp, k, n, held ? *down_packed : fewrow_pack(down.contiguous()), g.data_ptr<float>());
   if (n > kMaxRows && !amx) return at::linear(joined.narrow(1, 0, wide), unpacked(packed, wide), b);
   at::Tensor y = at::empty({n, m}, inputs.options());
   if (n == 0 || m == 0) return y;
   const Problem p{dst, reinterpret_cast<const uint16_t*>(packed.data_ptr()),
                   b.defined() ? reinterpret_cast<const uint16_t*>(b.data_ptr()) : nullptr,
-                  reinterpret_cast<uint16_t*>(y.data_ptr()), n, m, kp};
+                  reinterpret_cast<uint16_t*>(y.data_ptr()), n, m, kp, kp};
   at::parallel_for(0, (m + kBlock - 1) / kBlock, 1, [&](int64_t begin, int64_t end) {
     amx ? amx_blocks(p, begin, end) : run_blocks(p, begin, end);
   });
