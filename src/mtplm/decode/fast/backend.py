@@ -40,7 +40,7 @@ import torch
 
 from mtplm.decode.backends import SlotKV, require_compiler
 from mtplm.decode.chunked import PREFILL_CHUNK, run_chunked
-from mtplm.decode.fast import graphs, kernels
+from mtplm.decode.fast import forward, graphs, kernels
 from mtplm.decode.fast.forward import decode_pass
 from mtplm.decode.fast.prefill import wide_pass
 from mtplm.decode.fast.weights import FastWeights, check_supported, sliding_window
@@ -87,6 +87,7 @@ class StaticBackend:
         self.prefill_chunk = prefill_chunk
         self.key_buckets = key_buckets
         self.weights = FastWeights(model, fuse, prepack, quantize)
+        forward.attention_rows()  # probed before any graph reads it
         lm_head = model.hf.get_output_embeddings().weight  # [V, D]
         self._head = kernels.pack(lm_head.detach()) if self.weights.pack_head else None
         self.window = sliding_window(model)

@@ -33,6 +33,30 @@ from mtplm.decode.fast.weights import FastWeights, Shape
 # decode passes of up to this many rows take the few-row kernel's fused adapter entry (wider passes, prompts,
 # keep the graph's own path and the kernel's wide blocking)
 FUSED_ADAPTER_ROWS = 32
+# Attention's two float32 products: BLAS picks its kernel by the product's row count, and on some CPUs (MKL
+# on a 2-vCPU AMD EPYC, measured) the kernel for 3 rows sums otherwise than the one for 6, so a row would
+# round by how many rows share its pass. Over multiples of 8 rows it sums alike there; where the row count
+# does not matter (MKL on the Intel Xeon with AMX), padding only costs time. attention_rows() probes once.
+ATTENTION_ROWS = 8
+_attention_rows: int | None = None
+
+
+def attention_rows() -> int:
+    """The multiple of query rows attention's products run over here: 1 where this machine's BLAS gives a
+    row the same sums whatever the rows beside it (probed once per process on products of attention's
+    shapes), else ATTENTION_ROWS (zero rows padded)."""
+    global _attention_rows
+    if _attention_rows is None:
+        generator = torch.Generator().manual_seed(0)
+        keys, rows = torch.randn(64, 700, generator=generator), torch.randn(96, 64, generator=generator)
+        values, probs = torch.randn(700, 64, generator=generator), torch.rand(96, 700, generator=generator)
+        alike = all(
+            torch.equal((rows[:m] @ keys)[:3], rows[:3] @ keys)
+            and torch.equal((probs[:m] @ values)[:3], probs[:3] @ values)
+            for m in (6, 9, 24, 96)
+        )
+        _attention_rows = 1 if alike else ATTENTION_ROWS
+    return _attention_rows
 
 
 def decode_pass(
@@ -237,8 +261,12 @@ def attend(
     keys = key_store[:, :, :kv_len].index_select(0, slots).float()  # [b, KVH, T, d]
     values = value_store[:, :, :kv_len].index_select(0, slots).float()  # [b, KVH, T, d]
     grouped = query.view(b, q, kv_heads, groups, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, groups * q, d)
-    scores = (grouped.float() * scaling) @ keys.transpose(-1, -2)  # [b, KVH, G Q, T]
-    scores = scores.view(b, kv_heads, groups, q, kv_len) + mask
-    probs = scores.softmax(dim=-1).view(b, kv_heads, groups * q, kv_len)
-    out = (probs @ values).to(query.dtype)  # [b, KVH, G Q, d]
+    rows = groups * q
+    padded = -rows % attention_rows()  # zero rows: both products over a multiple of attention_rows()
+    scores = F.pad(grouped.float() * scaling, (0, 0, 0, padded)) @ keys.transpose(
+        -1, -2
+    )  # [b, KVH, G Q + pad, T]
+    scores = scores[:, :, :rows].view(b, kv_heads, groups, q, kv_len) + mask
+    probs = scores.softmax(dim=-1).view(b, kv_heads, rows, kv_len)
+    out = (F.pad(probs, (0, 0, 0, padded)) @ values)[:, :, :rows].to(query.dtype)  # [b, KVH, G Q, d]
     return out.view(b, kv_heads, groups, q, d).permute(0, 3, 1, 2, 4).reshape(b, q, heads * d)
