@@ -41,7 +41,6 @@ import torch
 from mtplm.decode.backends import SlotKV, require_compiler
 from mtplm.decode.chunked import PREFILL_CHUNK, run_chunked
 from mtplm.decode.fast import forward, graphs, kernels
-from mtplm.decode.fast.forward import decode_pass
 from mtplm.decode.fast.prefill import wide_pass
 from mtplm.decode.fast.weights import FastWeights, check_supported, sliding_window
 from mtplm.errors import UserError
@@ -101,7 +100,7 @@ class StaticBackend:
         self.compiles = 0  # graphs compiled so far (a store that grew compiles its buckets again)
         self._quiet = False  # warm() reports its compiles as one line
         self._identities: dict[tuple[int, int], torch.Tensor] = {}  # (b, Q) -> [b, Q, Q] identity
-        self._step: Callable[..., torch.Tensor] = decode_pass
+        self._step: Callable[..., torch.Tensor] = forward.decode_pass
         self._whole: Callable[..., torch.Tensor] | None = None  # the whole pass as one graph
         self.whole_rows = 0  # one-sequence buckets of up to this many plain rows: the whole-pass graph
         self._grouped: Callable[..., torch.Tensor] | None = None  # layers `group` at a time as one graph
@@ -130,7 +129,7 @@ class StaticBackend:
         adapters = self._adapters(feeds)
         with torch.inference_mode():
             if not compiled:
-                hidden = decode_pass(self.weights, self.keys, self.values, *inputs, keys, adapters)
+                hidden = forward.decode_pass(self.weights, self.keys, self.values, *inputs, keys, adapters)
             else:
                 hidden = self._compiled(inputs, (batch, rows, keys, adapters))
         return hidden[: len(feeds), :width]
