@@ -35,10 +35,17 @@ from mtplm.decode.fast.weights import FastWeights, Shape
 FUSED_ADAPTER_ROWS = 32
 # Attention's two float32 products: BLAS picks its kernel by the product's row count, and on some CPUs (MKL
 # on a 2-vCPU AMD EPYC, measured) the kernel for 3 rows sums otherwise than the one for 6, so a row would
-# round by how many rows share its pass. Over multiples of 8 rows it sums alike there; where the row count
-# does not matter (MKL on the Intel Xeon with AMX), padding only costs time. attention_rows() probes once.
+# round by how many rows share its pass. Over multiples of 8 rows it sums alike there. Where the row count
+# does not matter, padding would only cost time: attention_rows() probes once, and only pads where needed
+# (not run on the Intel Xeon with AMX, whose unpadded products gave plain decoding's tokens on 30 of 30).
 ATTENTION_ROWS = 8
 _attention_rows: int | None = None
+
+
+def _padded(rows: torch.Tensor) -> torch.Tensor:
+    """[..., R, n] with zero rows below to a multiple of attention_rows(); as it is where that is 1."""
+    missing = -rows.shape[-2] % attention_rows()
+    return F.pad(rows, (0, 0, 0, missing)) if missing else rows
 
 
 def attention_rows() -> int:
@@ -262,11 +269,8 @@ def attend(
     values = value_store[:, :, :kv_len].index_select(0, slots).float()  # [b, KVH, T, d]
     grouped = query.view(b, q, kv_heads, groups, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, groups * q, d)
     rows = groups * q
-    padded = -rows % attention_rows()  # zero rows: both products over a multiple of attention_rows()
-    scores = F.pad(grouped.float() * scaling, (0, 0, 0, padded)) @ keys.transpose(
-        -1, -2
-    )  # [b, KVH, G Q + pad, T]
+    scores = _padded(grouped.float() * scaling) @ keys.transpose(-1, -2)  # [b, KVH, G Q (+ zero rows), T]
     scores = scores[:, :, :rows].view(b, kv_heads, groups, q, kv_len) + mask
     probs = scores.softmax(dim=-1).view(b, kv_heads, rows, kv_len)
-    out = (F.pad(probs, (0, 0, 0, padded)) @ values)[:, :, :rows].to(query.dtype)  # [b, KVH, G Q, d]
+    out = (_padded(probs) @ values)[:, :, :rows].to(query.dtype)  # [b, KVH, G Q, d]
     return out.view(b, kv_heads, groups, q, d).permute(0, 3, 1, 2, 4).reshape(b, q, heads * d)
