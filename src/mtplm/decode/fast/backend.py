@@ -86,7 +86,7 @@ class StaticBackend:
         self.prefill_chunk = prefill_chunk
         self.key_buckets = key_buckets
         self.weights = FastWeights(model, fuse, prepack, quantize)
-        forward.attention_rows()  # probed before any graph reads it
+        forward.probe_attention()  # before any graph reads what it decides
         lm_head = model.hf.get_output_embeddings().weight  # [V, D]
         self._head = kernels.pack(lm_head.detach()) if self.weights.pack_head else None
         self.window = sliding_window(model)

@@ -1,8 +1,9 @@
 """mtplm's own few-row bf16 kernel (csrc/fewrow.cpp: AMX tiles where the CPU has them, else AVX-512
-vdpbf16ps; one packed layout serves both): built once into
-`$MTPLM_HOME/kernels/<hash>` (or `$MTPLM_KERNELS_DIR`) with torch.utils.cpp_extension and loaded as the
-ops `mtplm_fewrow::pack`, `mtplm_fewrow::linear` and `mtplm_fewrow::lora_linear` (a widened product with
-the gated adapters' low-rank activations computed inside). `load()` is None where it cannot be used (no
+vdpbf16ps; one packed layout serves both): built once into `$MTPLM_HOME/kernels/<hash>` (or
+`$MTPLM_KERNELS_DIR`) with torch.utils.cpp_extension and loaded as the ops `mtplm_fewrow::pack`,
+`mtplm_fewrow::linear`, `mtplm_fewrow::lora_linear` (a widened product with the gated adapters' low-rank
+activations computed inside) and `mtplm_fewrow::attend` (csrc/attend.cpp: decode attention over the bf16
+KV store whose sums do not depend on the pass's shape). `load()` is False where it cannot be used (no
 compiler, a CPU without avx512_bf16, a failed build, MTPLM_FEWROW=0), with one stderr line naming the
 fallback (the prepacked oneDNN path, kernels.py). `mtplm setup` builds it; otherwise the first use does,
 and says how long it took.
@@ -24,7 +25,7 @@ import torch
 
 from mtplm.files import home
 
-SOURCE = Path(__file__).with_name("csrc") / "fewrow.cpp"
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("fewrow.cpp", "attend.cpp")]
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
 
 
@@ -54,7 +55,8 @@ def unavailable() -> str | None:
 
 def build_dir() -> Path:
     """Where this source, torch version and flag set build: a new hash builds afresh."""
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(FLAGS).encode())
+    sources = b"".join(source.read_bytes() for source in SOURCES)
+    key = hashlib.sha256(sources + torch.__version__.encode() + " ".join(FLAGS).encode())
     root = os.environ.get("MTPLM_KERNELS_DIR") or home() / "kernels"
     return Path(root) / f"fewrow-{key.hexdigest()[:12]}"
 
@@ -84,7 +86,7 @@ def _build_and_load() -> None:
     began = time.perf_counter()
     cpp_extension.load(
         name="mtplm_fewrow",
-        sources=[str(SOURCE)],
+        sources=[str(source) for source in SOURCES],
         extra_cflags=FLAGS,
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),
@@ -99,6 +101,7 @@ def _build_and_load() -> None:
     torch.library.register_fake("mtplm_fewrow::linear", linear_shape)
     torch.library.register_fake("mtplm_fewrow::pack", _pack_shape)
     torch.library.register_fake("mtplm_fewrow::lora_linear", _lora_linear_shape)
+    torch.library.register_fake("mtplm_fewrow::attend", _attend_shape)
 
 
 def _ninja_on_path() -> None:
@@ -123,6 +126,11 @@ def _lora_linear_shape(
     down_packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return inputs.new_empty(inputs.shape[0], packed.shape[0])
+
+
+def _attend_shape(query, key_store, value_store, slots, mask, scaling) -> torch.Tensor:
+    b, q, heads, d = query.shape
+    return query.new_empty(b, q, heads * d)
 
 
 def _pack_shape(weight: torch.Tensor) -> torch.Tensor:
@@ -165,3 +173,17 @@ def lora_linear(
     pack(down) on a CPU with AMX, passes of up to 32 rows compute inputs @ down^T in AMX tiles (else AVX-512
     dot products over down)."""
     return torch.ops.mtplm_fewrow.lora_linear(inputs, packed, down, gate, bias, down_packed)
+
+
+def attend(
+    query: torch.Tensor,
+    key_store: torch.Tensor,
+    value_store: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """forward.attend over bf16 query [b, Q, H, d] and stores [S, KVH, C, d] (d 64 or 128) with an additive
+    float32 mask [b, 1, 1, Q, T] -> [b, Q, H d]: every sum in one order fixed by the row and the keys it
+    reads (csrc/attend.cpp), so a row's result does not depend on the rows beside it or on T."""
+    return torch.ops.mtplm_fewrow.attend(query, key_store, value_store, slots, mask, scaling)

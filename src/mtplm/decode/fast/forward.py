@@ -40,6 +40,9 @@ FUSED_ADAPTER_ROWS = 32
 # (not run on the Intel Xeon with AMX, whose unpadded products gave plain decoding's tokens on 30 of 30).
 ATTENTION_ROWS = 8
 _attention_rows: int | None = None
+# bf16 stores attend through mtplm's own kernel (fewrow.attend: one summation order whatever the pass's
+# rows and key count) where it loads; decided once per process, like attention_rows()
+_attention_kernel: bool | None = None
 
 
 def _padded(rows: torch.Tensor) -> torch.Tensor:
@@ -64,6 +67,21 @@ def attention_rows() -> int:
         )
         _attention_rows = 1 if alike else ATTENTION_ROWS
     return _attention_rows
+
+
+def probe_attention() -> None:
+    """Decide once per process, before any graph reads them, attention_rows() and whether bf16 stores
+    attend through fewrow.attend here (the kernel builds and loads)."""
+    global _attention_kernel
+    attention_rows()
+    if _attention_kernel is None:
+        _attention_kernel = fewrow.load()
+
+
+def _kernel_attends(query: torch.Tensor, key_store: torch.Tensor) -> bool:
+    """fewrow.attend takes this pass: bf16 on a CPU, head dim 64 or 128, the kernel loaded."""
+    usable = query.dtype == key_store.dtype == torch.bfloat16 and query.device.type == "cpu"
+    return usable and query.shape[-1] in (64, 128) and bool(_attention_kernel)
 
 
 def decode_pass(
@@ -262,6 +280,8 @@ def attend(
     scaling: float,
 ) -> torch.Tensor:
     """Grouped-query attention of query [b, Q, H, d] over the first T positions of each row's slot."""
+    if _kernel_attends(query, key_store):
+        return fewrow.attend(query, key_store, value_store, slots, mask, scaling)
     b, q, heads, d = query.shape
     kv_heads = key_store.shape[1]
     groups = heads // kv_heads

@@ -1,0 +1,80 @@
+"""mtplm's own decode attention (fewrow.attend, csrc/attend.cpp) over a bf16 store: a row's output is
+bitwise the same whatever rows share its pass, however many keys the pass is bucketed to and whichever
+sequences ride beside it, and it is attention (close to a float64 softmax over the keys the row reads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mtplm.decode.fast import fewrow, forward
+
+pytestmark = pytest.mark.skipif(
+    fewrow.unavailable() is not None, reason=f"the kernel cannot run here: {fewrow.unavailable()}"
+)
+
+
+def stores(seed: int, d: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [3 slots, 3 KV heads, capacity, d] in bf16, every position written."""
+    g = torch.Generator().manual_seed(seed)
+    keys, values = (torch.randn(3, 3, capacity, d, generator=g).bfloat16() for _ in range(2))
+    return keys, values
+
+
+def causal_mask(pasts: list[int], rows: int, kv_len: int) -> torch.Tensor:
+    """Additive float32 [b, 1, 1, rows, kv_len]: sequence i's rows read its first pasts[i] keys and the fed
+    rows up to their own (forward.attention_mask's convention: float32's lowest where blocked)."""
+    lengths = torch.tensor(pasts)
+    allowed = torch.ones(rows, rows, dtype=torch.bool).tril().expand(len(pasts), rows, rows)
+    return forward.attention_mask(lengths, allowed, kv_len)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("past", [100, 700, 2000])
+def test_a_row_is_bitwise_the_same_whatever_rows_and_keys_its_pass_has(past, d):
+    assert fewrow.load()
+    keys, values = stores(past, d, past + 96)
+    query = torch.randn(1, 32, 9, d, generator=torch.Generator().manual_seed(1)).bfloat16()
+    slots = torch.tensor([1])
+
+    def row_zero(rows: int, extra: int) -> torch.Tensor:  # `extra` keys past the fed rows, all masked
+        mask = causal_mask([past], rows, past + rows + extra)
+        return fewrow.attend(query[:, :rows], keys, values, slots, mask, d**-0.5)[:, :1]
+
+    alone = row_zero(1, 0)
+    for rows, extra in ((2, 0), (5, 3), (8, 56), (32, 0), (32, 31)):
+        assert torch.equal(row_zero(rows, extra), alone), f"{rows} rows, {extra} masked keys"
+
+
+def test_sequences_of_a_batch_get_what_each_gets_alone():
+    assert fewrow.load()
+    keys, values = stores(7, 64, 512)
+    query = torch.randn(3, 4, 9, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    pasts, slots = [300, 17, 120], torch.tensor([2, 0, 1])
+    together = fewrow.attend(query, keys, values, slots, causal_mask(pasts, 4, 320), 0.125)
+    for i, past in enumerate(pasts):
+        alone = fewrow.attend(
+            query[i : i + 1], keys, values, slots[i : i + 1], causal_mask([past], 4, past + 4), 0.125
+        )
+        assert torch.equal(together[i : i + 1], alone), f"sequence {i}"
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_it_is_the_softmax_over_the_keys_a_row_reads(d):
+    assert fewrow.load()
+    keys, values = stores(11, d, 400)
+    query = torch.randn(2, 6, 9, d, generator=torch.Generator().manual_seed(3)).bfloat16()
+    pasts, slots, scaling = [250, 390], torch.tensor([0, 2]), d**-0.5
+    got = fewrow.attend(query, keys, values, slots, causal_mask(pasts, 6, 400), scaling).double()
+    for i, past in enumerate(pasts):
+        k = (
+            keys[slots[i]].double().repeat_interleave(3, dim=0)
+        )  # [H, C, d]: query head h reads KV head h // 3
+        v = values[slots[i]].double().repeat_interleave(3, dim=0)
+        for r in range(6):
+            read = past + r + 1
+            q = query[i, r].double()  # [H, d]
+            probs = (torch.einsum("hd,hjd->hj", q, k[:, :read]) * scaling).softmax(-1)
+            want = torch.einsum("hj,hjd->hd", probs, v[:, :read]).reshape(-1)
+            scale = want.abs().max().item()
+            assert (got[i, r] - want).abs().max().item() <= scale / 64, f"sequence {i}, row {r}"
