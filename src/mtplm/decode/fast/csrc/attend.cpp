@@ -6,9 +6,11 @@
 // then drifts from plain decoding. Here every sum has one order, fixed by the row's own keys:
 //   score_j = scaling * (q . k_j) + mask_j    one vdpbf16ps chain over d, then a fixed horizontal sum
 //   p_j     = exp(score_j - max)             max is exact; exp is this file's polynomial
-//   out     = (sum_j p_j v_j) / (sum_j p_j)  keys in order; the p sum in 16 lanes by j mod 16
-// Keys a row may not read (mask at float32's lowest) get p_j = 0 exactly and add +0 to every sum, so the key
-// count a pass is bucketed to changes nothing, and neither do the other rows of the pass or the threads.
+//   out     = (sum_j p_j v_j) / (sum_j p_j)  both sums key by key, in key order
+// Keys a row may not read (mask at float32's lowest) get p_j = 0 exactly and add +0 to both sums, so a row's
+// output depends only on its query and the keys it reads, in their order: not on the key count a pass is
+// bucketed to, the other rows of the pass, masked keys between the ones it reads (a draft tree's branch), or
+// the threads.
 //
 // Shapes: query [b, Q, H, d] bf16, stores [S, KVH, C, d] bf16, slots [b] long, mask [b, 1, 1, Q, T] float32
 // (additive), out [b, Q, H d] bf16; G = H / KVH query heads read KV head H / G (grouped-query attention).
@@ -57,8 +59,8 @@ struct Head {  // one sequence's KV head and the mask rows of its pass
   float scaling;
 };
 
-// scores[j] = scaling * q . k_j + mask[j] for j < T, then p_j = exp(scores[j] - max) in place; returns sum p_j.
-float probabilities(const Head& h, const uint16_t* q, const float* mask, float* scores) {
+// scores[j] = scaling * q . k_j + mask[j] for j < T, then p_j = exp(scores[j] - max) in place.
+void probabilities(const Head& h, const uint16_t* q, const float* mask, float* scores) {
   __m512 top = _mm512_set1_ps(-__FLT_MAX__);
   for (int64_t j = 0; j < h.t; ++j) {
     const uint16_t* k = h.keys + j * h.d;
@@ -72,33 +74,33 @@ float probabilities(const Head& h, const uint16_t* q, const float* mask, float* 
     top = _mm512_mask_max_ps(top, in, top, _mm512_maskz_loadu_ps(in, scores + j));
   }
   const __m512 high = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-  __m512 total = _mm512_setzero_ps();
   for (int64_t j = 0; j < h.t; j += 16) {
     const __mmask16 in = h.t - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (h.t - j)) - 1);
-    const __m512 p = _mm512_maskz_mov_ps(in, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, scores + j), high)));
-    _mm512_mask_storeu_ps(scores + j, in, p);
-    total = _mm512_add_ps(total, p);
+    const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(in, scores + j), high);
+    _mm512_mask_storeu_ps(scores + j, in, exp_nonpositive(x));
   }
-  return _mm512_reduce_add_ps(total);
 }
 
-// out[r] = sum_j p[r][j] v_j / totals[r] for R rows (C = d / 16 float32 chunks), keys in order.
+// out[r] = sum_j p[r][j] v_j / sum_j p[r][j] for R rows (C = d / 16 float32 chunks), keys in order.
 template <int R, int C>
-void weighted_values(const Head& h, float* const* p, const float* totals, uint16_t* const* out) {
-  __m512 acc[R][C];
-  for (int r = 0; r < R; ++r)
+void weighted_values(const Head& h, float* const* p, uint16_t* const* out) {
+  __m512 acc[R][C], total[R];  // every lane of total[r] holds the same running sum
+  for (int r = 0; r < R; ++r) {
+    total[r] = _mm512_setzero_ps();
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  }
   for (int64_t j = 0; j < h.t; ++j) {
     const uint16_t* v = h.values + j * h.d;
     __m512 row[C];
     for (int c = 0; c < C; ++c) row[c] = widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * c)));
     for (int r = 0; r < R; ++r) {
       const __m512 weight = _mm512_set1_ps(p[r][j]);
+      total[r] = _mm512_add_ps(total[r], weight);
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(weight, row[c], acc[r][c]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    const __m512 scale = _mm512_set1_ps(1.0f / totals[r]);
+    const __m512 scale = _mm512_div_ps(_mm512_set1_ps(1.0f), total[r]);
     for (int c = 0; c < C; ++c)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[r] + 16 * c),
                           (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][c], scale)));
@@ -106,10 +108,10 @@ void weighted_values(const Head& h, float* const* p, const float* totals, uint16
 }
 
 template <int C>
-void values_in_groups(const Head& h, float* const* p, const float* totals, uint16_t* const* out, int rows) {
+void values_in_groups(const Head& h, float* const* p, uint16_t* const* out, int rows) {
   int r = 0;
-  for (; r + kValueRows <= rows; r += kValueRows) weighted_values<kValueRows, C>(h, p + r, totals + r, out + r);
-  for (; r < rows; ++r) weighted_values<1, C>(h, p + r, totals + r, out + r);
+  for (; r + kValueRows <= rows; r += kValueRows) weighted_values<kValueRows, C>(h, p + r, out + r);
+  for (; r < rows; ++r) weighted_values<1, C>(h, p + r, out + r);
 }
 
 at::Tensor attend(const at::Tensor& query, const at::Tensor& key_store, const at::Tensor& value_store,
@@ -145,15 +147,14 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key_store, const at
       const Head h{ks + store, vs + store, ms + i * q * t, t, d, float(scaling)};
       const int n = int(std::min<int64_t>(kRowsPerTask, rows - first));
       float* p[kRowsPerTask];
-      float totals[kRowsPerTask];
       uint16_t* o[kRowsPerTask];
       for (int r = 0; r < n; ++r) {  // row (g, fed row) of this KV head: query head kvh * G + g
         const int64_t g = (first + r) / q, row = (first + r) % q, head = kvh * groups + g;
         p[r] = scratch.data() + r * t;
-        totals[r] = probabilities(h, qs + ((i * q + row) * heads + head) * d, h.mask + row * t, p[r]);
+        probabilities(h, qs + ((i * q + row) * heads + head) * d, h.mask + row * t, p[r]);
         o[r] = os + ((i * q + row) * heads + head) * d;
       }
-      d == 64 ? values_in_groups<4>(h, p, totals, o, n) : values_in_groups<8>(h, p, totals, o, n);
+      d == 64 ? values_in_groups<4>(h, p, o, n) : values_in_groups<8>(h, p, o, n);
     }
   });
   return out;
