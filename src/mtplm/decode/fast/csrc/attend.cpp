@@ -51,6 +51,8 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_maskz_scalef_ps(live, p, n);
 }
 
+inline __mmask16 lanes(int64_t count) { return count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1); }
+
 struct Head {  // one sequence's KV head and the mask rows of its pass
   const uint16_t* keys;    // [C, d]
   const uint16_t* values;  // [C, d]
@@ -70,12 +72,12 @@ void probabilities(const Head& h, const uint16_t* q, const float* mask, float* s
     scores[j] = _mm512_reduce_add_ps(acc) * h.scaling + mask[j];
   }
   for (int64_t j = 0; j < h.t; j += 16) {
-    const __mmask16 in = h.t - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (h.t - j)) - 1);
+    const __mmask16 in = lanes(h.t - j);
     top = _mm512_mask_max_ps(top, in, top, _mm512_maskz_loadu_ps(in, scores + j));
   }
   const __m512 high = _mm512_set1_ps(_mm512_reduce_max_ps(top));
   for (int64_t j = 0; j < h.t; j += 16) {
-    const __mmask16 in = h.t - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (h.t - j)) - 1);
+    const __mmask16 in = lanes(h.t - j);
     const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(in, scores + j), high);
     _mm512_mask_storeu_ps(scores + j, in, exp_nonpositive(x));
   }
