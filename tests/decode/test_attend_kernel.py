@@ -1,6 +1,7 @@
-"""mtplm's own decode attention (fewrow.attend, csrc/attend.cpp) over a bf16 store: a row's output is
-bitwise the same whatever rows share its pass, however many keys the pass is bucketed to and whichever
-sequences ride beside it, and it is attention (close to a float64 softmax over the keys the row reads)."""
+"""mtplm's own decode attention (fewrow.attend, csrc/attend.cpp) over a bf16 or float32 store: a row's
+output is bitwise the same whatever rows share its pass, however many keys the pass is bucketed to and
+whichever sequences ride beside it, and it is attention (close to a float64 softmax over the keys the row
+reads)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def stores(seed: int, d: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values [3 slots, 3 KV heads, capacity, d] in bf16, every position written."""
+def stores(
+    seed: int, d: int, capacity: int, dtype: torch.dtype = torch.bfloat16
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [3 slots, 3 KV heads, capacity, d] in `dtype`, every position written."""
     g = torch.Generator().manual_seed(seed)
-    keys, values = (torch.randn(3, 3, capacity, d, generator=g).bfloat16() for _ in range(2))
+    keys, values = (torch.randn(3, 3, capacity, d, generator=g).to(dtype) for _ in range(2))
     return keys, values
 
 
@@ -29,12 +32,13 @@ def causal_mask(pasts: list[int], rows: int, kv_len: int) -> torch.Tensor:
     return forward.attention_mask(lengths, allowed, kv_len)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("past", [100, 700, 2000])
-def test_a_row_is_bitwise_the_same_whatever_rows_and_keys_its_pass_has(past, d):
+def test_a_row_is_bitwise_the_same_whatever_rows_and_keys_its_pass_has(past, d, dtype):
     assert fewrow.load()
-    keys, values = stores(past, d, past + 96)
-    query = torch.randn(1, 32, 9, d, generator=torch.Generator().manual_seed(1)).bfloat16()
+    keys, values = stores(past, d, past + 96, dtype)
+    query = torch.randn(1, 32, 9, d, generator=torch.Generator().manual_seed(1)).to(dtype)
     slots = torch.tensor([1])
 
     def row_zero(rows: int, extra: int) -> torch.Tensor:  # `extra` keys past the fed rows, all masked
@@ -59,11 +63,12 @@ def test_sequences_of_a_batch_get_what_each_gets_alone():
         assert torch.equal(together[i : i + 1], alone), f"sequence {i}"
 
 
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.bfloat16, 1 / 64), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("d", [64, 128])
-def test_it_is_the_softmax_over_the_keys_a_row_reads(d):
+def test_it_is_the_softmax_over_the_keys_a_row_reads(d, dtype, tolerance):
     assert fewrow.load()
-    keys, values = stores(11, d, 400)
-    query = torch.randn(2, 6, 9, d, generator=torch.Generator().manual_seed(3)).bfloat16()
+    keys, values = stores(11, d, 400, dtype)
+    query = torch.randn(2, 6, 9, d, generator=torch.Generator().manual_seed(3)).to(dtype)
     pasts, slots, scaling = [250, 390], torch.tensor([0, 2]), d**-0.5
     got = fewrow.attend(query, keys, values, slots, causal_mask(pasts, 6, 400), scaling).double()
     for i, past in enumerate(pasts):
@@ -77,7 +82,7 @@ def test_it_is_the_softmax_over_the_keys_a_row_reads(d):
             probs = (torch.einsum("hd,hjd->hj", q, k[:, :read]) * scaling).softmax(-1)
             want = torch.einsum("hj,hjd->hd", probs, v[:, :read]).reshape(-1)
             scale = want.abs().max().item()
-            assert (got[i, r] - want).abs().max().item() <= scale / 64, f"sequence {i}, row {r}"
+            assert (got[i, r] - want).abs().max().item() <= scale * tolerance, f"sequence {i}, row {r}"
 
 
 def test_masked_keys_between_the_ones_a_row_reads_change_nothing():

@@ -9,6 +9,7 @@ from conftest import tiny_mtp
 from synthetic import chain_rows
 
 from mtplm.config import DecodeConfig, Thresholds, parse_mode
+from mtplm.config.decode import LOOKUP_TOKENS
 from mtplm.decode.loop import generate, stream
 from mtplm.decode.strategies import ConfidentVerified, make_strategy
 from mtplm.errors import UserError
@@ -36,9 +37,18 @@ def _run(model, prompt, mode: str, n: int, **knobs):
 
 def test_hybrid_modes_parse_and_bad_ones_say_what_to_write():
     cfg = parse_mode("confadapt+quadratic+lookup:0.9@4")
-    assert (cfg.mode, cfg.drafting, cfg.lookup, cfg.tau, cfg.k_max) == ("confadapt", "quadratic", 8, 0.9, 4)
+    assert (cfg.mode, cfg.drafting, cfg.lookup, cfg.tau, cfg.k_max) == (
+        "confadapt",
+        "quadratic",
+        LOOKUP_TOKENS,
+        0.9,
+        4,
+    )
     assert cfg.verifies_rest()
-    assert (parse_mode("confadapt+lookup").drafting, parse_mode("confadapt+lookup").lookup) == ("linear", 8)
+    assert (parse_mode("confadapt+lookup").drafting, parse_mode("confadapt+lookup").lookup) == (
+        "linear",
+        LOOKUP_TOKENS,
+    )
     assert not parse_mode("confadapt").verifies_rest() and not parse_mode("confadapt:0.8@4").verifies_rest()
     for bad in (
         "confadapt+linear",

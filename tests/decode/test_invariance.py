@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from mtplm.config import DecodeConfig, parse_mode
 from mtplm.decode.backends import stop_ids
-from mtplm.decode.fast import StaticBackend, forward
+from mtplm.decode.fast import StaticBackend, fewrow, forward
 from mtplm.decode.loop import generate, stream
 from mtplm.decode.protocol import Feed, PassLogits, Plan
 from mtplm.decode.strategies import make_strategy
@@ -157,25 +157,34 @@ def test_verified_quadratic_lookup_greedy_is_plain_greedy_in_bf16():
     assert off_chain > 0  # drafts were rejected: trees were verified
 
 
-@pytest.mark.parametrize("padding", ["probed", "forced"])
+@pytest.mark.parametrize("path", ["probed", "forced", "kernel"])
 @pytest.mark.parametrize("kv_len", [100, 700, 2000])
-def test_attention_gives_a_row_the_same_sums_whatever_rows_share_its_pass(kv_len, padding, monkeypatch):
+def test_attention_gives_a_row_the_same_sums_whatever_rows_share_its_pass(kv_len, path, monkeypatch):
     """forward.attend at SmolLM2's attention shapes (9 query heads over 3 KV heads, d 64) and long key
-    lengths, where BLAS picks its kernel by the product's row count: row 0's output alone and as the
-    first of 2, 5, 8 or 32 rows (causal among them), bitwise. In float32, so that no rounding to bf16 hides
-    a difference in the sums; "forced" runs the padded products on any machine. Fails on MKL over an AMD
-    EPYC without the padding to attention_rows() (the tiny models above have too few keys to show it)."""
-    if padding == "forced":  # the padded products, whatever this machine's probe says
+    lengths, where BLAS picks its kernel by the product's shape: row 0's output alone and as the first of 2,
+    5, 8 or 32 rows (causal among them), bitwise, in float32 (no rounding to bf16 hides a difference).
+    torch's products ("probed": padded where this machine's probe asks; "forced": padded on any machine)
+    over one key count: the padding's claim (fails on MKL over an AMD EPYC without it). mtplm's kernel
+    ("kernel") also over the key count each pass has (kv_len + rows): MKL over an Intel Xeon rounds by key
+    count at 700 and 2000 keys, the kernel must not."""
+    if path == "kernel" and not fewrow.load():
+        pytest.skip("mtplm's kernel does not load here (needs a C++ compiler and avx512_bf16)")
+    monkeypatch.setattr(forward, "_attention_kernel", path == "kernel")
+    if path == "forced":
         monkeypatch.setattr(forward, "_attention_rows", forward.ATTENTION_ROWS)
     torch.manual_seed(kv_len)
     keys, values = torch.randn(2, 3, kv_len + 40, 64), torch.randn(2, 3, kv_len + 40, 64)
     query, slots = torch.randn(1, 32, 9, 64), torch.tensor([1])
 
     def row_zero(rows: int) -> torch.Tensor:
-        mask = torch.zeros(1, 1, 1, rows, kv_len + rows)
-        mask[..., kv_len:] = torch.full((rows, rows), float("-inf")).triu(1)
-        return forward.attend(query[:, :rows], keys, values, slots, kv_len + rows, mask, 0.125)[:, :1]
+        t = kv_len + (rows if path == "kernel" else 32)
+        mask = torch.full((1, 1, 1, rows, t), torch.finfo(torch.float32).min)
+        mask[..., : kv_len + rows] = 0.0
+        mask[..., kv_len : kv_len + rows] = torch.full((rows, rows), torch.finfo(torch.float32).min).triu(1)
+        return forward.attend(query[:, :rows], keys, values, slots, t, mask, 0.125)[:, :1]
 
     alone = row_zero(1)
     for rows in (2, 5, 8, 32):
-        assert torch.equal(row_zero(rows), alone), f"{rows} rows, {forward.attention_rows()}-row padding"
+        assert torch.equal(row_zero(rows), alone), (
+            f"{rows} rows, {path}, {forward.attention_rows()}-row padding"
+        )

@@ -2,8 +2,8 @@
 vdpbf16ps; one packed layout serves both): built once into `$MTPLM_HOME/kernels/<hash>` (or
 `$MTPLM_KERNELS_DIR`) with torch.utils.cpp_extension and loaded as the ops `mtplm_fewrow::pack`,
 `mtplm_fewrow::linear`, `mtplm_fewrow::lora_linear` (a widened product with the gated adapters' low-rank
-activations computed inside) and `mtplm_fewrow::attend` (csrc/attend.cpp: decode attention over the bf16
-KV store whose sums do not depend on the pass's shape). `load()` is False where it cannot be used (no
+activations computed inside) and `mtplm_fewrow::attend` (csrc/attend.cpp: decode attention over the bf16 or
+float32 KV store whose sums do not depend on the pass's shape). `load()` is False where it cannot be used (no
 compiler, a CPU without avx512_bf16, a failed build, MTPLM_FEWROW=0), with one stderr line naming the
 fallback (the prepacked oneDNN path, kernels.py). `mtplm setup` builds it; otherwise the first use does,
 and says how long it took.
@@ -183,7 +183,8 @@ def attend(
     mask: torch.Tensor,
     scaling: float,
 ) -> torch.Tensor:
-    """forward.attend over bf16 query [b, Q, H, d] and stores [S, KVH, C, d] (d 64 or 128) with an additive
+    """forward.attend over query [b, Q, H, d] and stores [S, KVH, C, d] (both bf16 or both float32; d 64 or
+    128) with an additive
     float32 mask [b, 1, 1, Q, T] -> [b, Q, H d]: every sum in one order fixed by the row and the keys it
     reads (csrc/attend.cpp), so a row's result does not depend on the rows beside it or on T."""
     return torch.ops.mtplm_fewrow.attend(query, key_store, value_store, slots, mask, scaling)

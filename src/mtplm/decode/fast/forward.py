@@ -40,8 +40,8 @@ FUSED_ADAPTER_ROWS = 32
 # (not run on the Intel Xeon with AMX, whose unpadded products gave plain decoding's tokens on 30 of 30).
 ATTENTION_ROWS = 8
 _attention_rows: int | None = None
-# bf16 stores attend through mtplm's own kernel (fewrow.attend: one summation order whatever the pass's
-# rows and key count) where it loads; decided once per process, like attention_rows()
+# bf16 and float32 stores attend through mtplm's own kernel (fewrow.attend: one summation order whatever
+# the pass's rows and key count) where it loads; decided once per process, like attention_rows()
 _attention_kernel: bool | None = None
 
 
@@ -70,8 +70,8 @@ def attention_rows() -> int:
 
 
 def probe_attention() -> None:
-    """Decide once per process, before any graph reads them, attention_rows() and whether bf16 stores
-    attend through fewrow.attend here (the kernel builds and loads)."""
+    """Decide once per process, before any graph reads them, attention_rows() and whether bf16 and float32
+    stores attend through fewrow.attend here (the kernel builds and loads)."""
     global _attention_kernel
     attention_rows()
     if _attention_kernel is None:
@@ -79,8 +79,8 @@ def probe_attention() -> None:
 
 
 def _kernel_attends(query: torch.Tensor, key_store: torch.Tensor) -> bool:
-    """fewrow.attend takes this pass: bf16 on a CPU, head dim 64 or 128, the kernel loaded."""
-    usable = query.dtype == key_store.dtype == torch.bfloat16 and query.device.type == "cpu"
+    """fewrow.attend takes this pass: bf16 or float32 on a CPU, head dim 64 or 128, the kernel loaded."""
+    usable = query.dtype == key_store.dtype in (torch.bfloat16, torch.float32) and query.device.type == "cpu"
     return usable and query.shape[-1] in (64, 128) and bool(_attention_kernel)
 
 

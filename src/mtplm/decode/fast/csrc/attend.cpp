@@ -1,10 +1,11 @@
-// Attention of a decode pass's rows over the bf16 KV store, with sums that depend on nothing but the row and
-// the keys it reads (mtplm/decode/fast/forward.py's attend calls it for bf16 stores).
+// Attention of a decode pass's rows over the KV store (bf16 or float32), with sums that depend on nothing but
+// the row and the keys it reads (mtplm/decode/fast/forward.py's attend calls it for both).
 //
 // A BLAS product sums by the shape it is handed: on some CPUs a row's scores and outputs round otherwise
 // when 3 rows share the product than when 8 do, or when it reads 301 keys rather than 308. Verified decoding
 // then drifts from plain decoding. Here every sum has one order, fixed by the row's own keys:
-//   score_j = scaling * (q . k_j) + mask_j    one vdpbf16ps chain over d, then a fixed horizontal sum
+//   score_j = scaling * (q . k_j) + mask_j    one vdpbf16ps (float32: FMA) chain over d, then a fixed
+//                                            horizontal sum
 //   p_j     = exp(score_j - max)             max is exact; exp is this file's polynomial
 //   out     = (sum_j p_j v_j) / (sum_j p_j)  both sums key by key, in key order
 // Keys a row may not read (mask at float32's lowest) get p_j = 0 exactly and add +0 to both sums, so a row's
@@ -12,8 +13,10 @@
 // bucketed to, the other rows of the pass, masked keys between the ones it reads (a draft tree's branch), or
 // the threads.
 //
-// Shapes: query [b, Q, H, d] bf16, stores [S, KVH, C, d] bf16, slots [b] long, mask [b, 1, 1, Q, T] float32
-// (additive), out [b, Q, H d] bf16; G = H / KVH query heads read KV head H / G (grouped-query attention).
+// Shapes: query [b, Q, H, d] and stores [S, KVH, C, d] of one dtype (bf16 or float32), slots [b] long, mask
+// [b, 1, 1, Q, T] float32 (additive), out [b, Q, H d] in the query's dtype; G = H / KVH query heads read KV
+// head H / G (grouped-query attention). MKL's float32 products also round by the key count on an Intel Xeon
+// (measured at 700 and 2000 keys), so float32 stores take this path too.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -31,8 +34,28 @@ namespace {
 constexpr int kRowsPerTask = 8;  // query rows of one KV head per parallel task
 constexpr int kValueRows = 4;    // rows whose output accumulators share the registers in the value sum
 
-inline __m512 widen(__m256i half) {  // 16 bf16 -> float32
+// 16 elements as float32, and back; bf16 is held as uint16_t
+inline __m512 load16(const uint16_t* from) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+inline __m512 load16(const float* from) { return _mm512_loadu_ps(from); }
+inline void store16(uint16_t* to, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(to), (__m256i)_mm512_cvtneps_pbh(x));
+}
+inline void store16(float* to, __m512 x) { _mm512_storeu_ps(to, x); }
+
+// q . k over d elements, one chain in a fixed order: vdpbf16ps on bf16 pairs, FMA in float32
+inline float dot(const uint16_t* q, const uint16_t* k, int64_t d) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t e = 0; e < d; e += 32)
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + e), (__m512bh)_mm512_loadu_si512(k + e));
+  return _mm512_reduce_add_ps(acc);
+}
+inline float dot(const float* q, const float* k, int64_t d) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t e = 0; e < d; e += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + e), _mm512_loadu_ps(k + e), acc);
+  return _mm512_reduce_add_ps(acc);
 }
 
 // e^x for x <= 0 in float32 (|relative error| ~1e-7); 0 below -87 (where float32 would go subnormal).
@@ -53,24 +76,20 @@ inline __m512 exp_nonpositive(__m512 x) {
 
 inline __mmask16 lanes(int64_t count) { return count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1); }
 
+template <typename T>
 struct Head {  // one sequence's KV head and the mask rows of its pass
-  const uint16_t* keys;    // [C, d]
-  const uint16_t* values;  // [C, d]
+  const T* keys;    // [C, d]
+  const T* values;  // [C, d]
   const float* mask;       // [Q, T]
   int64_t t, d;
   float scaling;
 };
 
 // scores[j] = scaling * q . k_j + mask[j] for j < T, then p_j = exp(scores[j] - max) in place.
-void probabilities(const Head& h, const uint16_t* q, const float* mask, float* scores) {
+template <typename T>
+void probabilities(const Head<T>& h, const T* q, const float* mask, float* scores) {
   __m512 top = _mm512_set1_ps(-__FLT_MAX__);
-  for (int64_t j = 0; j < h.t; ++j) {
-    const uint16_t* k = h.keys + j * h.d;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t e = 0; e < h.d; e += 32)
-      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + e), (__m512bh)_mm512_loadu_si512(k + e));
-    scores[j] = _mm512_reduce_add_ps(acc) * h.scaling + mask[j];
-  }
+  for (int64_t j = 0; j < h.t; ++j) scores[j] = dot(q, h.keys + j * h.d, h.d) * h.scaling + mask[j];
   for (int64_t j = 0; j < h.t; j += 16) {
     const __mmask16 in = lanes(h.t - j);
     top = _mm512_mask_max_ps(top, in, top, _mm512_maskz_loadu_ps(in, scores + j));
@@ -84,17 +103,17 @@ void probabilities(const Head& h, const uint16_t* q, const float* mask, float* s
 }
 
 // out[r] = sum_j p[r][j] v_j / sum_j p[r][j] for R rows (C = d / 16 float32 chunks), keys in order.
-template <int R, int C>
-void weighted_values(const Head& h, float* const* p, uint16_t* const* out) {
+template <int R, int C, typename T>
+void weighted_values(const Head<T>& h, float* const* p, T* const* out) {
   __m512 acc[R][C], total[R];  // every lane of total[r] holds the same running sum
   for (int r = 0; r < R; ++r) {
     total[r] = _mm512_setzero_ps();
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   }
   for (int64_t j = 0; j < h.t; ++j) {
-    const uint16_t* v = h.values + j * h.d;
+    const T* v = h.values + j * h.d;
     __m512 row[C];
-    for (int c = 0; c < C; ++c) row[c] = widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + 16 * c)));
+    for (int c = 0; c < C; ++c) row[c] = load16(v + 16 * c);
     for (int r = 0; r < R; ++r) {
       const __m512 weight = _mm512_set1_ps(p[r][j]);
       total[r] = _mm512_add_ps(total[r], weight);
@@ -103,53 +122,39 @@ void weighted_values(const Head& h, float* const* p, uint16_t* const* out) {
   }
   for (int r = 0; r < R; ++r) {
     const __m512 scale = _mm512_div_ps(_mm512_set1_ps(1.0f), total[r]);
-    for (int c = 0; c < C; ++c)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[r] + 16 * c),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][c], scale)));
+    for (int c = 0; c < C; ++c) store16(out[r] + 16 * c, _mm512_mul_ps(acc[r][c], scale));
   }
 }
 
-template <int C>
-void values_in_groups(const Head& h, float* const* p, uint16_t* const* out, int rows) {
+template <int C, typename T>
+void values_in_groups(const Head<T>& h, float* const* p, T* const* out, int rows) {
   int r = 0;
   for (; r + kValueRows <= rows; r += kValueRows) weighted_values<kValueRows, C>(h, p + r, out + r);
   for (; r < rows; ++r) weighted_values<1, C>(h, p + r, out + r);
 }
 
-at::Tensor attend(const at::Tensor& query, const at::Tensor& key_store, const at::Tensor& value_store,
-                  const at::Tensor& slots, const at::Tensor& mask, double scaling) {
-  TORCH_CHECK(query.dim() == 4 && key_store.dim() == 4 && value_store.sizes() == key_store.sizes() &&
-                  slots.dim() == 1 && mask.dim() == 5,
-              "mtplm attend: query [b, Q, H, d], stores [S, KVH, C, d], slots [b], mask [b, 1, 1, Q, T]");
-  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key_store.scalar_type() == at::kBFloat16 &&
-                  value_store.scalar_type() == at::kBFloat16 && mask.scalar_type() == at::kFloat &&
-                  slots.scalar_type() == at::kLong,
-              "mtplm attend: bf16 query and stores, float32 mask, long slots");
+// The pass over element type T (uint16_t for bf16, float): one parallel task per (sequence, KV head, 8 rows).
+template <typename T>
+void attend_rows(const at::Tensor& query, const at::Tensor& key_store, const at::Tensor& value_store,
+                 const at::Tensor& slots, const at::Tensor& mask, double scaling, at::Tensor& out) {
   const int64_t b = query.size(0), q = query.size(1), heads = query.size(2), d = query.size(3);
   const int64_t kv_heads = key_store.size(1), capacity = key_store.size(2), t = mask.size(4);
-  TORCH_CHECK(d == 64 || d == 128, "mtplm attend: head dim 64 or 128, not ", d);
-  TORCH_CHECK(heads % kv_heads == 0 && key_store.size(3) == d && slots.size(0) == b && t <= capacity &&
-                  mask.size(0) == b && mask.size(3) == q,
-              "mtplm attend: shapes do not agree");
-  TORCH_CHECK(key_store.is_contiguous() && value_store.is_contiguous(), "mtplm attend: contiguous stores");
-  const at::Tensor x = query.contiguous(), m = mask.contiguous(), s = slots.contiguous();
-  at::Tensor out = at::empty({b, q, heads * d}, query.options());
   const int64_t groups = heads / kv_heads, rows = groups * q, chunks = (rows + kRowsPerTask - 1) / kRowsPerTask;
-  const auto* qs = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const auto* ks = reinterpret_cast<const uint16_t*>(key_store.data_ptr());
-  const auto* vs = reinterpret_cast<const uint16_t*>(value_store.data_ptr());
-  auto* os = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const float* ms = m.data_ptr<float>();
-  const int64_t* ss = s.data_ptr<int64_t>();
+  const auto* qs = reinterpret_cast<const T*>(query.data_ptr());
+  const auto* ks = reinterpret_cast<const T*>(key_store.data_ptr());
+  const auto* vs = reinterpret_cast<const T*>(value_store.data_ptr());
+  auto* os = reinterpret_cast<T*>(out.data_ptr());
+  const float* ms = mask.data_ptr<float>();
+  const int64_t* ss = slots.data_ptr<int64_t>();
   at::parallel_for(0, b * kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(kRowsPerTask * t);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / (kv_heads * chunks), kvh = task / chunks % kv_heads, first = task % chunks * kRowsPerTask;
       const int64_t store = (ss[i] * kv_heads + kvh) * capacity * d;
-      const Head h{ks + store, vs + store, ms + i * q * t, t, d, float(scaling)};
+      const Head<T> h{ks + store, vs + store, ms + i * q * t, t, d, float(scaling)};
       const int n = int(std::min<int64_t>(kRowsPerTask, rows - first));
       float* p[kRowsPerTask];
-      uint16_t* o[kRowsPerTask];
+      T* o[kRowsPerTask];
       for (int r = 0; r < n; ++r) {  // row (g, fed row) of this KV head: query head kvh * G + g
         const int64_t g = (first + r) / q, row = (first + r) % q, head = kvh * groups + g;
         p[r] = scratch.data() + r * t;
@@ -159,6 +164,31 @@ at::Tensor attend(const at::Tensor& query, const at::Tensor& key_store, const at
       d == 64 ? values_in_groups<4>(h, p, o, n) : values_in_groups<8>(h, p, o, n);
     }
   });
+}
+
+at::Tensor attend(const at::Tensor& query, const at::Tensor& key_store, const at::Tensor& value_store,
+                  const at::Tensor& slots, const at::Tensor& mask, double scaling) {
+  TORCH_CHECK(query.dim() == 4 && key_store.dim() == 4 && value_store.sizes() == key_store.sizes() &&
+                  slots.dim() == 1 && mask.dim() == 5,
+              "mtplm attend: query [b, Q, H, d], stores [S, KVH, C, d], slots [b], mask [b, 1, 1, Q, T]");
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK((dtype == at::kBFloat16 || dtype == at::kFloat) && key_store.scalar_type() == dtype &&
+                  value_store.scalar_type() == dtype && mask.scalar_type() == at::kFloat &&
+                  slots.scalar_type() == at::kLong,
+              "mtplm attend: query and stores both bf16 or both float32, float32 mask, long slots");
+  const int64_t b = query.size(0), q = query.size(1), heads = query.size(2), d = query.size(3);
+  const int64_t kv_heads = key_store.size(1), t = mask.size(4);
+  TORCH_CHECK(d == 64 || d == 128, "mtplm attend: head dim 64 or 128, not ", d);
+  TORCH_CHECK(heads % kv_heads == 0 && key_store.size(3) == d && slots.size(0) == b && t <= key_store.size(2) &&
+                  mask.size(0) == b && mask.size(3) == q,
+              "mtplm attend: shapes do not agree");
+  TORCH_CHECK(key_store.is_contiguous() && value_store.is_contiguous(), "mtplm attend: contiguous stores");
+  const at::Tensor x = query.contiguous(), m = mask.contiguous(), s = slots.contiguous();
+  at::Tensor out = at::empty({b, q, heads * d}, query.options());
+  if (dtype == at::kFloat)
+    attend_rows<float>(x, key_store, value_store, s, m, scaling, out);
+  else
+    attend_rows<uint16_t>(x, key_store, value_store, s, m, scaling, out);
   return out;
 }
 
