@@ -4,8 +4,8 @@
 // A BLAS product sums by the shape it is handed: on some CPUs a row's scores and outputs round otherwise
 // when 3 rows share the product than when 8 do, or when it reads 301 keys rather than 308. Verified decoding
 // then drifts from plain decoding. Here every sum has one order, fixed by the row's own keys:
-//   score_j = scaling * (q . k_j) + mask_j    one vdpbf16ps (float32: FMA) chain over d, then a fixed
-//                                            horizontal sum
+//   score_j = scaling * (q . k_j) + mask_j    one vdpbf16ps (float32: FMA) chain over d, then its lanes
+//                                            summed in one fixed tree (16 keys at a time)
 //   p_j     = exp(score_j - max)             max is exact; exp is this file's polynomial
 //   out     = (sum_j p_j v_j) / (sum_j p_j)  both sums key by key, in key order
 // Keys a row may not read (mask at float32's lowest) get p_j = 0 exactly and add +0 to both sums, so a row's
@@ -45,17 +45,37 @@ inline void store16(uint16_t* to, __m512 x) {
 }
 inline void store16(float* to, __m512 x) { _mm512_storeu_ps(to, x); }
 
-// q . k over d elements, one chain in a fixed order: vdpbf16ps on bf16 pairs, FMA in float32
-inline float dot(const uint16_t* q, const uint16_t* k, int64_t d) {
+// q . k_j's 16 lane partial sums over d elements (lane l: the elements at l, l + 16, ... in bf16 pairs
+// for vdpbf16ps), one chain in a fixed order: vdpbf16ps on bf16 pairs, FMA in float32
+inline __m512 partial_dot(const uint16_t* q, const uint16_t* k, int64_t d) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t e = 0; e < d; e += 32)
     acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + e), (__m512bh)_mm512_loadu_si512(k + e));
-  return _mm512_reduce_add_ps(acc);
+  return acc;
 }
-inline float dot(const float* q, const float* k, int64_t d) {
+inline __m512 partial_dot(const float* q, const float* k, int64_t d) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t e = 0; e < d; e += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + e), _mm512_loadu_ps(k + e), acc);
-  return _mm512_reduce_add_ps(acc);
+  return acc;
+}
+
+// The lane sums of 16 keys' partials, part[k] -> lane k, all in one tree that is the same for every key
+// (lanes l + l+8, then + l+4, + l+2, + l+1): a key's score does not depend on its place in the block.
+// Four levels of shuffles and adds for 16 keys instead of one horizontal reduction per key.
+inline __m512 lane_sums(const __m512* part) {
+  __m512 eight[8], four[4], two[2];
+  for (int i = 0; i < 8; ++i)  // key 2i's lanes in blocks 0-1, key 2i+1's in blocks 2-3
+    eight[i] = _mm512_add_ps(_mm512_shuffle_f32x4(part[2 * i], part[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(part[2 * i], part[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // block k: key 4i + k
+    four[i] = _mm512_add_ps(_mm512_shuffle_f32x4(eight[2 * i], eight[2 * i + 1], 0x88),
+                            _mm512_shuffle_f32x4(eight[2 * i], eight[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)  // block k: keys 8i + k, 8i + 4 + k, two lanes each
+    two[i] = _mm512_add_ps(_mm512_shuffle_ps(four[2 * i], four[2 * i + 1], 0x44),
+                           _mm512_shuffle_ps(four[2 * i], four[2 * i + 1], 0xEE));
+  const __m512 one = _mm512_add_ps(_mm512_shuffle_ps(two[0], two[1], 0x88),  // lane 4k + m: key 4m + k
+                                   _mm512_shuffle_ps(two[0], two[1], 0xDD));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), one);
 }
 
 // e^x for x <= 0 in float32 (|relative error| ~1e-7); 0 below -87 (where float32 would go subnormal).
@@ -85,20 +105,38 @@ struct Head {  // one sequence's KV head and the mask rows of its pass
   float scaling;
 };
 
-// scores[j] = scaling * q . k_j + mask[j] for j < T, then p_j = exp(scores[j] - max) in place.
+// For each of a task's rows r: p[r][j] = scaling * q_r . k_j + mask_r[j] for j < T, then exp(. - max) in
+// place. 16 keys at a time, every row's partials of a key taken while the key sits in L1 (keys past T:
+// zeros, their lanes unused); a row's scores are the same whichever rows share the task.
 template <typename T>
-void probabilities(const Head<T>& h, const T* q, const float* mask, float* scores) {
-  __m512 top = _mm512_set1_ps(-__FLT_MAX__);
-  for (int64_t j = 0; j < h.t; ++j) scores[j] = dot(q, h.keys + j * h.d, h.d) * h.scaling + mask[j];
+void probabilities(const Head<T>& h, const T* const* q, const float* const* mask, float* const* p, int rows) {
+  alignas(64) float part[kRowsPerTask][16][16];
+  const __m512 scaling = _mm512_set1_ps(h.scaling);
+  __m512 top[kRowsPerTask];
+  for (int r = 0; r < rows; ++r) top[r] = _mm512_set1_ps(-__FLT_MAX__);
   for (int64_t j = 0; j < h.t; j += 16) {
-    const __mmask16 in = lanes(h.t - j);
-    top = _mm512_mask_max_ps(top, in, top, _mm512_maskz_loadu_ps(in, scores + j));
+    const int64_t n = std::min<int64_t>(16, h.t - j);
+    for (int k = 0; k < 16; ++k) {
+      const T* key = h.keys + (j + k) * h.d;
+      for (int r = 0; r < rows; ++r)
+        _mm512_store_ps(part[r][k], k < n ? partial_dot(q[r], key, h.d) : _mm512_setzero_ps());
+    }
+    const __mmask16 in = lanes(n);
+    for (int r = 0; r < rows; ++r) {
+      __m512 sums[16];
+      for (int k = 0; k < 16; ++k) sums[k] = _mm512_load_ps(part[r][k]);
+      const __m512 x = _mm512_add_ps(_mm512_mul_ps(lane_sums(sums), scaling), _mm512_maskz_loadu_ps(in, mask[r] + j));
+      _mm512_mask_storeu_ps(p[r] + j, in, x);
+      top[r] = _mm512_mask_max_ps(top[r], in, top[r], x);
+    }
   }
-  const __m512 high = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-  for (int64_t j = 0; j < h.t; j += 16) {
-    const __mmask16 in = lanes(h.t - j);
-    const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(in, scores + j), high);
-    _mm512_mask_storeu_ps(scores + j, in, exp_nonpositive(x));
+  for (int r = 0; r < rows; ++r) {
+    const __m512 high = _mm512_set1_ps(_mm512_reduce_max_ps(top[r]));
+    for (int64_t j = 0; j < h.t; j += 16) {
+      const __mmask16 in = lanes(h.t - j);
+      const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(in, p[r] + j), high);
+      _mm512_mask_storeu_ps(p[r] + j, in, exp_nonpositive(x));
+    }
   }
 }
 
@@ -154,13 +192,17 @@ void attend_rows(const at::Tensor& query, const at::Tensor& key_store, const at:
       const Head<T> h{ks + store, vs + store, ms + i * q * t, t, d, float(scaling)};
       const int n = int(std::min<int64_t>(kRowsPerTask, rows - first));
       float* p[kRowsPerTask];
+      const T* query_rows[kRowsPerTask];
+      const float* mask_rows[kRowsPerTask];
       T* o[kRowsPerTask];
       for (int r = 0; r < n; ++r) {  // row (g, fed row) of this KV head: query head kvh * G + g
         const int64_t g = (first + r) / q, row = (first + r) % q, head = kvh * groups + g;
         p[r] = scratch.data() + r * t;
-        probabilities(h, qs + ((i * q + row) * heads + head) * d, h.mask + row * t, p[r]);
+        query_rows[r] = qs + ((i * q + row) * heads + head) * d;
+        mask_rows[r] = h.mask + row * t;
         o[r] = os + ((i * q + row) * heads + head) * d;
       }
+      probabilities(h, query_rows, mask_rows, p, n);
       d == 64 ? values_in_groups<4>(h, p, o, n) : values_in_groups<8>(h, p, o, n);
     }
   });
