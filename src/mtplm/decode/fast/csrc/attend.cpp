@@ -31,7 +31,7 @@
 
 namespace {
 
-constexpr int kRowsPerTask = 8;  // query rows of one KV head per parallel task
+constexpr int kRowsPerTask = 16;  // at most this many query rows of one KV head per parallel task
 constexpr int kValueRows = 4;    // rows whose output accumulators share the registers in the value sum
 
 // 16 elements as float32, and back; bf16 is held as uint16_t
@@ -171,6 +171,15 @@ void values_in_groups(const Head<T>& h, float* const* p, T* const* out, int rows
   for (; r < rows; ++r) weighted_values<1, C>(h, p + r, out + r);
 }
 
+// Keys [0, n) hold every key a mask row lets its row read (mask above float32's lowest); all T where it
+// reads none. The keys after it would add exactly +0 to every sum: skipping them (the pass's key count is
+// bucketed, so often a third of them) changes no bit.
+inline int64_t readable(const float* mask, int64_t t) {
+  for (int64_t j = t; j > 0; --j)
+    if (mask[j - 1] > -__FLT_MAX__) return j;
+  return t;
+}
+
 // The pass over element type T (uint16_t for bf16, float): one parallel task per (sequence, KV head, 8 rows).
 template <typename T>
 void attend_rows(const at::Tensor& query, const at::Tensor& key_store, const at::Tensor& value_store,
@@ -178,6 +187,7 @@ void attend_rows(const at::Tensor& query, const at::Tensor& key_store, const at:
   const int64_t b = query.size(0), q = query.size(1), heads = query.size(2), d = query.size(3);
   const int64_t kv_heads = key_store.size(1), capacity = key_store.size(2), t = mask.size(4);
   const int64_t groups = heads / kv_heads, rows = groups * q, chunks = (rows + kRowsPerTask - 1) / kRowsPerTask;
+  const int64_t span = (rows + chunks - 1) / chunks;  // rows per task, as even as they go (each reads K and V)
   const auto* qs = reinterpret_cast<const T*>(query.data_ptr());
   const auto* ks = reinterpret_cast<const T*>(key_store.data_ptr());
   const auto* vs = reinterpret_cast<const T*>(value_store.data_ptr());
@@ -185,23 +195,26 @@ void attend_rows(const at::Tensor& query, const at::Tensor& key_store, const at:
   const float* ms = mask.data_ptr<float>();
   const int64_t* ss = slots.data_ptr<int64_t>();
   at::parallel_for(0, b * kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(kRowsPerTask * t);
+    std::vector<float> scratch(span * t);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / (kv_heads * chunks), kvh = task / chunks % kv_heads, first = task % chunks * kRowsPerTask;
+      const int64_t i = task / (kv_heads * chunks), kvh = task / chunks % kv_heads, first = task % chunks * span;
       const int64_t store = (ss[i] * kv_heads + kvh) * capacity * d;
-      const Head<T> h{ks + store, vs + store, ms + i * q * t, t, d, float(scaling)};
-      const int n = int(std::min<int64_t>(kRowsPerTask, rows - first));
+      const float* masks = ms + i * q * t;
+      const int n = int(std::min<int64_t>(span, rows - first));
       float* p[kRowsPerTask];
       const T* query_rows[kRowsPerTask];
       const float* mask_rows[kRowsPerTask];
       T* o[kRowsPerTask];
+      int64_t reach = 0;  // keys up to the last one any of these rows reads
       for (int r = 0; r < n; ++r) {  // row (g, fed row) of this KV head: query head kvh * G + g
         const int64_t g = (first + r) / q, row = (first + r) % q, head = kvh * groups + g;
         p[r] = scratch.data() + r * t;
         query_rows[r] = qs + ((i * q + row) * heads + head) * d;
-        mask_rows[r] = h.mask + row * t;
+        mask_rows[r] = masks + row * t;
         o[r] = os + ((i * q + row) * heads + head) * d;
+        reach = std::max(reach, readable(mask_rows[r], t));
       }
+      const Head<T> h{ks + store, vs + store, masks, reach, d, float(scaling)};
       probabilities(h, query_rows, mask_rows, p, n);
       d == 64 ? values_in_groups<4>(h, p, o, n) : values_in_groups<8>(h, p, o, n);
     }
