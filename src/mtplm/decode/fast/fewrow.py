@@ -184,7 +184,7 @@ def attend(
     scaling: float,
 ) -> torch.Tensor:
     """forward.attend over query [b, Q, H, d] and stores [S, KVH, C, d] (both bf16 or both float32; d 64 or
-    128) with an additive
-    float32 mask [b, 1, 1, Q, T] -> [b, Q, H d]: every sum in one order fixed by the row and the keys it
-    reads (csrc/attend.cpp), so a row's result does not depend on the rows beside it or on T."""
+    128) with an additive float32 mask [b, 1, 1, Q, T] -> [b, Q, H d]: every sum in one order fixed by the
+    row and the keys it reads (csrc/attend.cpp), so a row's result does not depend on the rows beside it or
+    on T."""
     return torch.ops.mtplm_fewrow.attend(query, key_store, value_store, slots, mask, scaling)

@@ -37,7 +37,8 @@ FUSED_ADAPTER_ROWS = 32
 # on a 2-vCPU AMD EPYC, measured) the kernel for 3 rows sums otherwise than the one for 6, so a row would
 # round by how many rows share its pass. Over multiples of 8 rows it sums alike there. Where the row count
 # does not matter, padding would only cost time: attention_rows() probes once, and only pads where needed
-# (not run on the Intel Xeon with AMX, whose unpadded products gave plain decoding's tokens on 30 of 30).
+# (not run on the Intel Xeon with AMX). Only where mtplm's kernel cannot run: MKL on that Xeon also rounds
+# by the key count, which no padding fixes, and the kernel sums alike whatever the rows and keys.
 ATTENTION_ROWS = 8
 _attention_rows: int | None = None
 # bf16 and float32 stores attend through mtplm's own kernel (fewrow.attend: one summation order whatever

@@ -95,7 +95,8 @@ inline __m512 exp_nonpositive(__m512 x) {
 }
 
 // The store's rows stream from memory (a layer's K and V leave the cache while the weights pass through);
-// the hardware prefetcher alone left attention inside a pass 2-3x slower than with a warm cache.
+// the hardware prefetcher alone left attention inside a pass 2-3x slower than with a warm cache. A prefetch
+// past the store's end is a hint that never faults.
 constexpr int kPrefetchKeys = 32;
 template <typename T>
 inline void ahead(const T* row, int64_t d) {  // one key's or value's d elements towards L1
@@ -106,10 +107,9 @@ inline void ahead(const T* row, int64_t d) {  // one key's or value's d elements
 inline __mmask16 lanes(int64_t count) { return count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1); }
 
 template <typename T>
-struct Head {  // one sequence's KV head and the mask rows of its pass
+struct Head {  // one sequence's KV head, over the first t keys
   const T* keys;    // [C, d]
   const T* values;  // [C, d]
-  const float* mask;       // [Q, T]
   int64_t t, d;
   float scaling;
 };
@@ -191,7 +191,8 @@ inline int64_t readable(const float* mask, int64_t t) {
   return t;
 }
 
-// The pass over element type T (uint16_t for bf16, float): one parallel task per (sequence, KV head, 8 rows).
+// The pass over element type T (uint16_t for bf16, float): parallel tasks of up to kRowsPerTask query rows of
+// one sequence's KV head.
 template <typename T>
 void attend_rows(const at::Tensor& query, const at::Tensor& key_store, const at::Tensor& value_store,
                  const at::Tensor& slots, const at::Tensor& mask, double scaling, at::Tensor& out) {
@@ -227,7 +228,7 @@ void attend_rows(const at::Tensor& query, const at::Tensor& key_store, const at:
         o[r] = os + ((i * q + row) * heads + head) * d;
         reach = std::max(reach, readable(mask_rows[r], t));
       }
-      const Head<T> h{ks + store, vs + store, masks, reach, d, float(scaling)};
+      const Head<T> h{ks + store, vs + store, reach, d, float(scaling)};
       probabilities(h, query_rows, mask_rows, p, n);
       d == 64 ? values_in_groups<4>(h, p, o, n) : values_in_groups<8>(h, p, o, n);
     }
