@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from mtplm.config import DecodeConfig, parse_mode
+from mtplm.config import DecodeConfig, Thresholds, parse_mode
 from mtplm.decode.backends import stop_ids
 from mtplm.decode.fast import StaticBackend, fewrow, forward
 from mtplm.decode.loop import generate, stream
@@ -113,6 +113,20 @@ def test_verified_knows_the_widest_decode_pass():
     from mtplm.decode.verified import DECODE_ROWS
 
     assert DECODE_ROWS == ROW_BUCKETS[-1]
+
+
+@pytest.mark.parametrize("mode", ["verified:tree", "verified:quadratic@4", "verified:quadratic+lookup@4"])
+def test_a_wide_prompt_pass_feeds_the_prompt_alone(mode):
+    """The first pass of a long prompt carries no drafts and no <mtp> block in any verified strategy: they
+    would widen the compiled backend's wide (prompt) pass, whose rounding depends on its rows, and part the
+    prompt's bf16 KV from plain decoding's (verified:tree did, stop 39: 6 of 10 prompts parted, the first at
+    its first token). A short prompt's first pass, a decode pass, keeps its block."""
+    from mtplm.decode.verified import DECODE_ROWS
+
+    strategy = make_strategy(parse_mode(mode), Thresholds(k_max=4))
+    long = strategy.plan(list(range(DECODE_ROWS + 5)), 64, None)
+    assert (long.drafts, long.slots) == ((), 0)
+    assert strategy.plan([1, 2, 3], 64, None).slots > 0
 
 
 def test_a_path_off_the_chain_is_kept_only_where_its_rows_sit_in_place():

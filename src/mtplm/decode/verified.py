@@ -52,17 +52,9 @@ class Verified:
         self.lookup = NgramLookup() if cfg.lookup_tokens() else None
 
     def plan(self, text: Sequence[int], budget: int, last: Outcome | None) -> Plan:
-        """The previous pass's drafts (as many as fit this pass's window), with lookup beside or instead.
-
-        A prompt pass wider than a decode pass drafts nothing: the compiled backend runs it as a wide pass
-        (flash attention, whose rounding depends on the rows fed), so drafts after the prompt would change
-        the prompt rows' bf16 results from plain decoding's, and at a near-tie its tokens. Decode passes
-        are row-invariant (tests/decode/test_invariance.py): there drafts change no other row."""
-        plan = self._plan(text, budget, last)
-        if last is None and (plan.drafts or plan.slots):
-            rows = len(Feed.of(plan, list(text), plan.slots, lambda: 0).tokens)
-            return Plan(1) if rows > DECODE_ROWS else plan
-        return plan
+        """The previous pass's drafts (as many as fit this pass's window), with lookup beside or instead;
+        none on a wide prompt pass (plain_prompt)."""
+        return plain_prompt(self._plan(text, budget, last), text, last)
 
     def _plan(self, text: Sequence[int], budget: int, last: Outcome | None) -> Plan:
         drafts, proposal = (last.drafts, last.proposal) if last is not None else ((), None)
@@ -163,7 +155,11 @@ class TreeVerified:
 
     def plan(self, text: Sequence[int], budget: int, last: Outcome | None) -> Plan:
         """A tree of the previous pass's block (Outcome.block, the drafter's logits after the last committed
-        token): the top tree_width tokens of each position under every node of the depth before."""
+        token): the top tree_width tokens of each position under every node of the depth before; no mask
+        block on a wide prompt pass (plain_prompt)."""
+        return plain_prompt(self._plan(text, budget, last), text, last)
+
+    def _plan(self, text: Sequence[int], budget: int, last: Outcome | None) -> Plan:
         block = last.block if last is not None else None
         k = max(1, min(self.window.size(len(text)), budget))
         depth = mask_tree_depth(self.widths, k - 1) if self.mask_blocks else k - 1
@@ -196,6 +192,18 @@ class TreeVerified:
         self, outcome: Outcome, block: torch.Tensor | None, room: int, generator: torch.Generator
     ) -> Outcome:
         return outcome.replace(block=block)
+
+
+def plain_prompt(plan: Plan, text: Sequence[int], last: Outcome | None) -> Plan:
+    """The plan as it is, except on a prompt pass wider than a decode pass: there a plain one-row plan. The
+    compiled backend runs such a pass as a wide pass (flash attention, whose rounding depends on the rows
+    fed), so drafts or mask slots after the prompt would change the prompt rows' bf16 results from plain
+    decoding's, and at a near-tie its first token. Decode passes are row-invariant
+    (tests/decode/test_invariance.py): there drafts change no other row."""
+    if last is None and (plan.drafts or plan.slots):
+        rows = len(Feed.of(plan, list(text), plan.slots, lambda: 0).tokens)
+        return Plan(1) if rows > DECODE_ROWS else plan
+    return plan
 
 
 def _add(tokens: list[int], parents: list[int], token: int, parent: int) -> int:
