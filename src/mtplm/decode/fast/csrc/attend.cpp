@@ -198,9 +198,8 @@ void attend_rows(const at::Tensor& query, const at::Tensor& key_store, const at:
                  const at::Tensor& slots, const at::Tensor& mask, double scaling, at::Tensor& out) {
   const int64_t b = query.size(0), q = query.size(1), heads = query.size(2), d = query.size(3);
   const int64_t kv_heads = key_store.size(1), capacity = key_store.size(2), t = mask.size(4);
-  const int64_t groups = heads / kv_heads, rows = groups * q, threads = at::get_num_threads();
-  int64_t chunks = (rows + kRowsPerTask - 1) / kRowsPerTask;  // tasks per (sequence, KV head): each reads K, V
-  while (b * kv_heads * chunks % threads != 0 && chunks < rows) ++chunks;  // every thread as many tasks
+  const int64_t groups = heads / kv_heads, rows = groups * q;
+  const int64_t chunks = (rows + kRowsPerTask - 1) / kRowsPerTask;  // tasks per (sequence, KV head): each reads K, V
   const int64_t span = (rows + chunks - 1) / chunks;  // rows per task, as even as they go
   const auto* qs = reinterpret_cast<const T*>(query.data_ptr());
   const auto* ks = reinterpret_cast<const T*>(key_store.data_ptr());
@@ -214,7 +213,7 @@ void attend_rows(const at::Tensor& query, const at::Tensor& key_store, const at:
       const int64_t i = task / (kv_heads * chunks), kvh = task / chunks % kv_heads, first = task % chunks * span;
       const int64_t store = (ss[i] * kv_heads + kvh) * capacity * d;
       const float* masks = ms + i * q * t;
-      const int n = int(std::max<int64_t>(0, std::min<int64_t>(span, rows - first)));
+      const int n = int(std::min<int64_t>(span, rows - first));  // >= 1: chunks * span - rows < span
       float* p[kRowsPerTask];
       const T* query_rows[kRowsPerTask];
       const float* mask_rows[kRowsPerTask];
