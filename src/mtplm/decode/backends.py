@@ -171,9 +171,12 @@ def describe(model: MTPModel, backend: Backend) -> DecodeModel:
     mask_id = model.meta.mask_id if model.meta is not None else None
     drafter = model.new_drafter if model.heads is not None else None
     head: Callable[[torch.Tensor], torch.Tensor] = backend.head
+    argmax: Callable[[torch.Tensor], torch.Tensor] | None = getattr(backend, "greedy_head", None)
     if model.feature_layers:
-        head = partial(_final_columns, backend.head, model.hf.get_input_embeddings().weight.shape[1])
-    return DecodeModel(head, mask_id, drafter, frozenset(stop_ids(model)), thresholds)
+        dim = model.hf.get_input_embeddings().weight.shape[1]
+        head = partial(_final_columns, backend.head, dim)
+        argmax = partial(_final_columns, argmax, dim) if argmax is not None else None
+    return DecodeModel(head, mask_id, drafter, frozenset(stop_ids(model)), thresholds, argmax)
 
 
 def _final_columns(

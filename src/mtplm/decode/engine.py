@@ -36,9 +36,10 @@ from mtplm.config import DecodeConfig
 from mtplm.decode.backends import KV, Backend, EagerBackend, describe
 from mtplm.decode.chunked import PREFILL_CHUNK
 from mtplm.decode.constraint import Constraint
-from mtplm.decode.loop import Decoding, Step
+from mtplm.decode.loop import Decoding
 from mtplm.decode.policy import make_policy
 from mtplm.decode.protocol import Feed, mode_entry
+from mtplm.decode.steps import Step
 from mtplm.decode.strategies import make_strategy
 from mtplm.errors import UserError
 from mtplm.model import MTPModel
@@ -267,10 +268,14 @@ class Engine:
             # the LM head once for every sequence's tail rows (the last pending token onwards): one read
             # of its weights per pass, not one per sequence
             tails = [hidden[i, feed.pending - 1 : len(feed.tokens)] for i, feed in enumerate(feeds)]
-            logits = self.spec.head(torch.cat(tails)).split([len(t) for t in tails])
+            sizes = [len(t) for t in tails]
+            greedy = self.spec.argmax is not None and all(job.decoding.greedy_only() for job in jobs)
+            # (or of its int8 copy, where every sequence needs only its greedy tokens)
+            rows = (self.spec.argmax if greedy else self.spec.head)(torch.cat(tails)).split(sizes)  # type: ignore[misc]
             steps = []
             for i, (job, feed) in enumerate(zip(jobs, feeds, strict=False)):
-                steps.append(job.decoding.advance(hidden[i, : len(feed.tokens)], job.kv, logits[i]))
+                found = (None, rows[i]) if greedy else (rows[i], None)
+                steps.append(job.decoding.advance(hidden[i, : len(feed.tokens)], job.kv, *found))
         except Exception as exc:  # a failed pass fails its sequences, never the engine
             for job in jobs:
                 job.emit(None, exc)

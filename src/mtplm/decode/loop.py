@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -28,55 +27,10 @@ from mtplm.decode.constraint_drafts import forced_plan, literal_plan, pruned
 from mtplm.decode.logprobs import TokenLogprob, prompt_logprobs, rows_logprobs, step_logprobs
 from mtplm.decode.protocol import DecodeModel, Drafting, Feed, Outcome, PassLogits, Plan, Strategy
 from mtplm.decode.sampling import greedy
+from mtplm.decode.steps import Generation, Step
 from mtplm.decode.strategies import make_strategy
 from mtplm.errors import UserError
 from mtplm.model import MTPModel
-
-
-@dataclass(frozen=True)
-class Step:
-    tokens: list[int]  # emitted this step (ends with the stop token if one was hit)
-    offered: int  # k: the most tokens this pass could emit (Plan.k)
-    cache_len: int  # cached positions after the step's crop
-    stopped: bool
-    drafted: int = 0  # drafts verified by this pass (verified mode)
-    accepted: int = 0  # of which kept
-    last: bool = False  # the generation ends here (a stop token, or max_new_tokens reached)
-    logprobs: tuple[TokenLogprob, ...] | None = (
-        None  # one per emitted token, when the Decoding asked for them
-    )
-    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # prompt tokens 1.. (first step, when asked)
-    forced: int = (
-        0  # tokens the constraint forced: taken without a pass, or chosen where it allowed one token
-    )
-    complete: bool | None = None  # under a constraint: the output so far is complete (None: no constraint)
-
-
-@dataclass
-class Generation:
-    prompt_len: int
-    tokens: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)  # tokens emitted per forward pass
-    drafts: list[tuple[int, int]] = field(
-        default_factory=list
-    )  # (drafted, kept) per pass that verified drafts
-    forced: int = 0  # tokens a constraint forced (in `tokens` and `accepted`, but chosen by no pass)
-    complete: bool | None = None  # under a constraint: stopped with the output complete (None: no constraint)
-    ttft_s: float = 0.0
-    elapsed_s: float = 0.0
-    stopped: bool = False
-
-    @property
-    def forwards(self) -> int:
-        return len(self.accepted)
-
-    @property
-    def tokens_per_forward(self) -> float:
-        return len(self.tokens) / max(1, self.forwards)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return len(self.tokens) / max(self.elapsed_s, 1e-9)
 
 
 class Decoding:
@@ -228,14 +182,20 @@ class Decoding:
             raise UserError("this model has no <mtp> token: convert it first with `mtplm train`")
         return self.model.mask_id
 
-    def advance(self, hidden: torch.Tensor, kv: KV, logits: torch.Tensor | None = None) -> Step:
+    def advance(
+        self,
+        hidden: torch.Tensor,
+        kv: KV,
+        logits: torch.Tensor | None = None,
+        tokens: torch.Tensor | None = None,
+    ) -> Step:
         """Decide the step from the fed rows' hidden states [Q, D] (and, if the caller computed them, the
-        LM head's logits for rows pending-1 onwards); commit it in `kv`."""
+        LM head's logits, or its greedy tokens, for rows pending-1 onwards); commit it in `kv`."""
         plan, feed = self.plan, self.fed
         assert plan is not None and feed is not None, "advance() follows feed()"
         tail = hidden[feed.pending - 1 :]
         rows = (
-            PassLogits(self.model.head, tail, feed, logits)
+            PassLogits(self.model.head, tail, feed, logits, argmax=self.model.argmax, tokens=tokens)
             if self.constraint is None
             else ConstrainedLogits(self.constraint, plan.drafts, self.model.head, tail, feed, logits)
         )
@@ -259,6 +219,23 @@ class Decoding:
         if self.drafter is not None and self.drafter.keeps_state:
             self.drafter.commit(self.past, *self._committed(hidden, outcome.path, outcome.new[0]))
         return self._commit(plan, outcome, kv, hidden, rows, block)
+
+    def greedy_only(self) -> bool:
+        """Whether this pass's choice reads only its rows' greedy tokens, which the backend computes without
+        the logits (DecodeModel.argmax): greedy, no mask rows, logprobs, grammar or head drafter. Otherwise
+        the caller computes the logits up front, one head call for all the rows."""
+        feed = self.fed
+        assert feed is not None, "greedy_only() follows feed()"
+        sampling = getattr(self.strategy, "cfg", None)
+        return (
+            self.model.argmax is not None
+            and sampling is not None
+            and sampling.temperature == 0
+            and feed.slots == 0
+            and self.logprobs is None
+            and self.constraint is None
+            and self.drafter is None
+        )
 
     def _heads(self, hidden: torch.Tensor, path: list[int], token: int, n: int) -> torch.Tensor:
         """The head drafter's block [n, V] after the pending tokens, drafts `path`, then `token`."""
@@ -353,8 +330,12 @@ def stream(
             feed = sequence.feed()
             hidden = backend.run(0, [feed], [sequence.past])[0, : len(feed.tokens)]  # [Q, D]
             # the LM head once over the tail rows (last pending token onwards): one read of its weights a pass
-            logits = spec.head(hidden[feed.pending - 1 :])  # [Q - pending + 1, V]
-            yield sequence.advance(hidden, kv, logits)
+            # (or of its int8 copy, for greedy tokens alone)
+            tail = hidden[feed.pending - 1 :]
+            if sequence.greedy_only():
+                yield sequence.advance(hidden, kv, tokens=spec.argmax(tail))  # type: ignore[misc]
+            else:
+                yield sequence.advance(hidden, kv, spec.head(tail))  # [Q - pending + 1, V]
 
 
 def generate(

@@ -63,6 +63,11 @@ class _Block(_SingleTokenSampler):
 class NextToken(_Block):
     """Plain decoding: one token per forward, no mask slots (the baseline)."""
 
+    def choose(self, plan: Plan, logits: PassLogits, generator: torch.Generator) -> Outcome:
+        if self.cfg.temperature == 0:  # the greedy token, without the logits where the backend can
+            return Outcome(0, (int(logits.next_tokens[0]),))
+        return super().choose(plan, logits, generator)
+
     def emit(self, logits, generator):
         return self.next_token(logits[0], generator)
 

@@ -83,7 +83,7 @@ class Verified:
         if plan.parents is not None:
             return self._choose_tree(plan, logits)
         if self.cfg.temperature == 0:  # one host read of the m+1 targets, then plain list work
-            target = greedy(logits.next_token).tolist()  # [m+1]
+            target = logits.next_tokens.tolist()  # [m+1]
             kept = next((i for i, d in enumerate(plan.drafts) if d != target[i]), len(plan.drafts))
             token = target[kept]
         else:
@@ -99,7 +99,7 @@ class Verified:
         nodes sit in place (in_place); the rest of it, confirmed only by rows that do not, becomes the next
         pass's drafts, verified there as a chain."""
         assert plan.parents is not None
-        target = greedy(logits.next_token).tolist()  # row 0: the last committed token; row i+1: node i
+        target = logits.next_tokens.tolist()  # row 0: the last committed token; row i+1: node i
         path = greedy_path(plan.drafts, plan.parents, target)
         if plan.drafted:
             self.window.update(plan.drafted, sum(1 for i in path if i < plan.drafted))
@@ -182,7 +182,7 @@ class TreeVerified:
 
     def choose(self, plan: Plan, logits: PassLogits, generator: torch.Generator) -> Outcome:
         self.mask_blocks = logits.mask_rows
-        target = greedy(logits.next_token).tolist()  # row 0: the last committed token; row i+1: node i
+        target = logits.next_tokens.tolist()  # row 0: the last committed token; row i+1: node i
         path = greedy_path(plan.drafts, plan.parents or (), target)
         if plan.drafts:
             self.window.update(plan.drafted, len(path))

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from mtplm.config import DecodeConfig
 from mtplm.decode.constraint import Grammar
 from mtplm.decode.engine import EngineClosed, Job
-from mtplm.decode.loop import Step
+from mtplm.decode.steps import Step
 from mtplm.decode.strategies import make_strategy
 from mtplm.errors import UserError
 from mtplm.serve.logprobs import LogprobWriter, merge

@@ -21,10 +21,6 @@ than 32 rows (prompts) run in chunks of `prefill_chunk` rows (decode/chunked.py)
 with fused attention (fast/prefill.py), or the compiled 32-row buckets where a chunk is that small;
 either way a prompt's cost grows like the model's own forward, never with the square of its length.
 
-Inductor's compile cache lives under `$MTPLM_HOME/inductor` (unless TORCHINDUCTOR_CACHE_DIR is set),
-so a second process reuses the generated kernels instead of recompiling them; inductor writes its
-cache entries atomically.
-
 Shapes: b sequences, Q fed rows, T key positions, D hidden, S slots, C capacity, KVH key/value heads,
 d head dim.
 """
@@ -40,7 +36,7 @@ import torch
 
 from mtplm.decode.backends import SlotKV, require_compiler
 from mtplm.decode.chunked import PREFILL_CHUNK, run_chunked
-from mtplm.decode.fast import forward, graphs, kernels
+from mtplm.decode.fast import forward, graphs, greedy, kernels
 from mtplm.decode.fast.prefill import wide_pass
 from mtplm.decode.fast.weights import FastWeights, check_supported, sliding_window
 from mtplm.errors import UserError
@@ -87,8 +83,10 @@ class StaticBackend:
         self.key_buckets = key_buckets
         self.weights = FastWeights(model, fuse, prepack, quantize)
         forward.probe_attention()  # before any graph reads what it decides
-        lm_head = model.hf.get_output_embeddings().weight  # [V, D]
-        self._head = kernels.pack(lm_head.detach()) if self.weights.pack_head else None
+        lm_head = model.hf.get_output_embeddings().weight.detach()  # [V, D]
+        self._head = kernels.pack(lm_head) if self.weights.pack_head else None
+        # DecodeModel.argmax: greedy tokens from an int8 copy of the head, exactly its argmax (greedy.py)
+        self.greedy_head = greedy.for_head(lm_head, self._head, self.weights.shape.mask_id)
         self.window = sliding_window(model)
         self.capacity = 0
         self.keys: list[torch.Tensor] = []  # per layer [S + 1, KVH, C + 1, d]

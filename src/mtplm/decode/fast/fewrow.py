@@ -25,7 +25,7 @@ import torch
 
 from mtplm.files import home
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("fewrow.cpp", "attend.cpp")]
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("fewrow.cpp", "attend.cpp", "head.cpp")]
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
 
 

@@ -25,6 +25,10 @@ Measured choices (docs/backends-kernels.md, SmolLM2-135M bf16 on a 2-vCPU Xeon w
     another accumulator), so a bucket has a second graph for longer key lengths (backend.LONG_KEYS). The
     store holds one position past the largest key length (backend.py), so slicing its first T positions is
     never the whole store, which would specialize T.
+
+Inductor's compile cache lives under `$MTPLM_HOME/inductor` (unless TORCHINDUCTOR_CACHE_DIR is set), so a
+second process reuses the generated kernels instead of recompiling them; inductor writes its cache entries
+atomically.
 """
 
 from __future__ import annotations

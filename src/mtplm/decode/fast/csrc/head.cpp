@@ -1,0 +1,312 @@
+// Greedy tokens from the LM head at about half of its weight traffic, bitwise the argmax of its logits
+// (mtplm/decode/fast/greedy.py holds the int8 copy and calls this).
+//
+// Greedy decoding needs each row's argmax, yet the head's bf16 weights W [V, D] (57 MB for SmolLM2) are read
+// whole every pass. This op reads an int8 copy (codes q_t, one scale s_t per token) and bounds the logit the
+// bf16 kernel (fewrow.cpp) computes for every token:
+//
+//   the row in two int8 levels: h ~ s1 q1 + s2 q2 (s2 = s1 / 254: about 15 bits; one int8 level would make
+//   the bound thousands of times wider, a hidden state's few outlying features being ~100x the rest)
+//   approx_t = s_t (s1 q1 . q_t + s2 q2 . q_t)      the dots exact in int32
+//   |h . W_t - approx_t| <= |h|_1 r_t + e_h a_t      r_t = max_k |W_tk - s_t q_tk|, a_t = s_t |q_t|_1,
+//                                                    e_h = max_k |h_k - s1 q1_k - s2 q2_k|
+//   plus float32 rounding: the kernel's own sums (D 2^-22 |h|_1 max_k |W_tk|) and a relative 2^-20.
+//
+// A token whose upper bound falls short of the row's best lower bound (less the bf16 output's rounding) is
+// not the argmax. The few that remain (a median of 4 tokens a row on SmolLM2) are computed again by the
+// bf16 kernel over their 16-token blocks of the packed head: a logit does not depend on the other rows or
+// outputs of the product, so the token chosen is the full head's argmax (its first maximal index) exactly.
+//
+// Codes are packed [Vp / 16][Dp / 4][16][4] int8 (Dp a multiple of 64): 64 contiguous bytes per quad of
+// inputs of a 16-token block, which is AMX's int8 B-tile layout. Without AMX, the row is one int16 level and
+// each 64-byte group is widened and added by vpdpwssd, two pairs at a time.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int kBlock = 16;
+constexpr int kMaxRows = 16;  // rows one call takes (greedy.py splits more)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Rows {  // the hidden rows quantized: [N, Dp] codes per level, and per row s1, s2, e_h, |h|_1
+  std::vector<int8_t> high, low;     // AMX: two int8 levels
+  std::vector<int16_t> wide;         // AVX-512: one int16 level (scale in s1, s2 = 0)
+  float s1[kMaxRows], s2[kMaxRows], residual[kMaxRows], l1[kMaxRows];
+  int64_t n, dp;
+};
+
+inline float clamped(float x, float limit) { return std::min(limit, std::max(-limit, std::nearbyint(x))); }
+
+Rows quantize(const at::Tensor& hidden, int64_t dp, bool amx) {
+  const int64_t n = hidden.size(0), d = hidden.size(1);
+  const auto* h = reinterpret_cast<const c10::BFloat16*>(hidden.data_ptr());
+  Rows rows{};
+  rows.n = n, rows.dp = dp;
+  rows.high.assign(amx ? n * dp : 0, 0), rows.low.assign(amx ? n * dp : 0, 0);
+  rows.wide.assign(amx ? 0 : n * dp, 0);
+  const float limit = float(std::min<int64_t>(16383, (int64_t(1) << 31) / (dp * 127 + 1) - 1));
+  for (int64_t r = 0; r < n; ++r) {
+    float top = 0.f, l1 = 0.f;
+    for (int64_t k = 0; k < d; ++k) {
+      const float x = float(h[r * d + k]);
+      top = std::max(top, std::fabs(x)), l1 += std::fabs(x);
+    }
+    const float s1 = top > 0.f ? top / (amx ? 127.f : limit) : 1.f, s2 = amx ? s1 / 254.f : 0.f;
+    float residual = 0.f;
+    for (int64_t k = 0; k < d; ++k) {
+      const float x = float(h[r * d + k]);
+      if (amx) {
+        const float q1 = clamped(x / s1, 127.f), q2 = clamped((x - q1 * s1) / s2, 127.f);
+        rows.high[r * dp + k] = int8_t(q1), rows.low[r * dp + k] = int8_t(q2);
+        residual = std::max(residual, std::fabs(x - q1 * s1 - q2 * s2));
+      } else {
+        const float q = clamped(x / s1, limit);
+        rows.wide[r * dp + k] = int16_t(q);
+        residual = std::max(residual, std::fabs(x - q * s1));
+      }
+    }
+    // float32 rounding in these checks: e_h by a relative 10^-3, |h|_1 (D < 2^10 terms) by 2^-16
+    rows.s1[r] = s1, rows.s2[r] = s2, rows.residual[r] = residual * 1.001f, rows.l1[r] = l1 * (1.f + 1.f / 65536.f);
+  }
+  return rows;
+}
+
+struct Head {  // the int8 copy: codes and per token [4, Vp] float32 stats; v real tokens, mask_id never chosen
+  const int8_t* codes;
+  const float *scale, *residual, *spread, *largest;  // s_t, r_t, a_t, 127 s_t + r_t (>= max_k |W_tk|)
+  int64_t vp, dp, v, mask_id;
+};
+
+// Block `block`'s bounds for every row from its int32 dots (dot1: level one, dot2: level two or null):
+// upper bounds stored to upper [N, Vp], each row's largest lower and upper bounds kept.
+void bound_block(const Rows& x, const Head& hd, int64_t block, const int32_t* dot1, const int32_t* dot2,
+                 float* upper, __m512* lower, __m512* higher) {
+  const int64_t col = block * kBlock;
+  const __m512 scale = _mm512_loadu_ps(hd.scale + col), residual = _mm512_loadu_ps(hd.residual + col);
+  const __m512 spread = _mm512_loadu_ps(hd.spread + col), largest = _mm512_loadu_ps(hd.largest + col);
+  const __m512i token = _mm512_add_epi32(_mm512_set1_epi32(int32_t(col)),
+                                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __mmask16 valid = _mm512_cmplt_epi32_mask(token, _mm512_set1_epi32(int32_t(hd.v))) &
+                          _mm512_cmpneq_epi32_mask(token, _mm512_set1_epi32(int32_t(hd.mask_id)));
+  const __m512 inf = _mm512_set1_ps(kNegInf), sums = _mm512_set1_ps(float(hd.dp) / 4194304.f);  // D 2^-22
+  for (int64_t r = 0; r < x.n; ++r) {
+    __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(dot1 + r * kBlock)), _mm512_set1_ps(x.s1[r]));
+    if (dot2 != nullptr)
+      dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(dot2 + r * kBlock)), _mm512_set1_ps(x.s2[r]), dot);
+    const __m512 approx = _mm512_mul_ps(dot, scale), l1 = _mm512_set1_ps(x.l1[r]);
+    __m512 bound = _mm512_fmadd_ps(l1, residual, _mm512_mul_ps(_mm512_set1_ps(x.residual[r]), spread));
+    bound = _mm512_fmadd_ps(_mm512_mul_ps(l1, sums), largest, bound);
+    bound = _mm512_fmadd_ps(_mm512_abs_ps(approx), _mm512_set1_ps(1.f / 1048576.f), bound);
+    const __m512 high = _mm512_mask_blend_ps(valid, inf, _mm512_add_ps(approx, bound));
+    _mm512_storeu_ps(upper + r * hd.vp + col, high);
+    lower[r] = _mm512_max_ps(lower[r], _mm512_mask_blend_ps(valid, inf, _mm512_sub_ps(approx, bound)));
+    higher[r] = _mm512_max_ps(higher[r], high);
+  }
+}
+
+struct TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// AMX: tiles 0, 1 the row's two levels, 2 a block's codes, 4, 5 the dots by level. Codes two blocks on are
+// prefetched (the tile loads stall on memory otherwise; two blocks a step measured slower).
+__attribute__((target("amx-tile,amx-int8")))
+void amx_bounds(const Rows& x, const Head& hd, int64_t begin, int64_t end, float* upper, __m512* lower,
+                __m512* higher) {
+  TileConfig config{};
+  config.palette = 1;
+  for (int t : {0, 1, 4, 5}) config.rows[t] = uint8_t(x.n), config.colsb[t] = 64;
+  config.rows[2] = 16, config.colsb[2] = 64;
+  asm volatile("" : : "r"(&config) : "memory");  // see fewrow.cpp's amx_configure
+  _tile_loadconfig(&config);
+  alignas(64) int32_t dot1[kMaxRows * kBlock], dot2[kMaxRows * kBlock];
+  for (int64_t block = begin; block < end; ++block) {
+    const int8_t* w = hd.codes + block * hd.dp * kBlock;
+    const char* ahead = reinterpret_cast<const char*>(w + 2 * hd.dp * kBlock);
+    _tile_zero(4);
+    _tile_zero(5);
+    for (int64_t k = 0; k < hd.dp; k += 64) {
+      if (block + 2 < end)
+        for (int line = 0; line < 16; ++line) _mm_prefetch(ahead + k * kBlock + line * 64, _MM_HINT_T0);
+      _tile_loadd(0, x.high.data() + k, x.dp);
+      _tile_loadd(1, x.low.data() + k, x.dp);
+      _tile_loadd(2, w + k * kBlock, 64);
+      _tile_dpbssd(4, 0, 2);
+      _tile_dpbssd(5, 1, 2);
+    }
+    _tile_stored(4, dot1, 64);
+    _tile_stored(5, dot2, 64);
+    bound_block(x, hd, block, dot1, dot2, upper, lower, higher);
+  }
+  _tile_release();
+}
+
+// AVX-512: per 64 bytes (16 tokens x 4 inputs) the codes widened to int16 in two halves, then per row one
+// vpdpwssd per half with the row's input pair. The halves hold tokens 0-7 and 8-15 as [8][4] int16: lanes
+// (token, input pair) come out in token-major order, two lanes per token, summed at the end.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+void avx512_bounds(const Rows& x, const Head& hd, int64_t begin, int64_t end, float* upper, __m512* lower,
+                   __m512* higher) {
+  alignas(64) int32_t dot[kMaxRows * kBlock];
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int64_t block = begin; block < end; ++block) {
+    const int8_t* w = hd.codes + block * hd.dp * kBlock;
+    for (int64_t r = 0; r < x.n; ++r) {
+      __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();  // tokens 0-7, 8-15: 2 lanes each
+      const int16_t* row = x.wide.data() + r * x.dp;
+      for (int64_t k = 0; k < hd.dp; k += 4) {
+        const __m512i codes = _mm512_loadu_si512(w + k * kBlock);
+        const __m512i first = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(codes));
+        const __m512i second = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(codes, 1));
+        int64_t quad;
+        std::memcpy(&quad, row + k, 8);
+        const __m512i pairs = _mm512_set1_epi64(quad);  // lanes alternate the inputs' first and second pair
+        lo = _mm512_dpwssd_epi32(lo, pairs, first);
+        hi = _mm512_dpwssd_epi32(hi, pairs, second);
+      }
+      const __m512i sum_lo = _mm512_add_epi32(_mm512_permutexvar_epi32(even, lo), _mm512_permutexvar_epi32(odd, lo));
+      const __m512i sum_hi = _mm512_add_epi32(_mm512_permutexvar_epi32(even, hi), _mm512_permutexvar_epi32(odd, hi));
+      // sum_lo lanes 0-7: tokens 0-7; sum_hi lanes 0-7: tokens 8-15
+      _mm512_storeu_si512(dot + r * kBlock,
+                          _mm512_inserti64x4(sum_lo, _mm512_castsi512_si256(sum_hi), 1));
+    }
+    bound_block(x, hd, block, dot, nullptr, upper, lower, higher);
+  }
+}
+
+bool amx_in_use() {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mtplm_fewrow::isa", "").typed<std::string()>();
+  return op.call() == "amx";
+}
+
+at::Tensor fewrow_linear(const at::Tensor& x, const at::Tensor& packed) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("mtplm_fewrow::linear", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
+  return op.call(x, packed, std::nullopt);
+}
+
+// Each row's candidates (upper bound >= its threshold), 16 bounds a compare.
+std::vector<std::vector<int64_t>> candidates(const float* upper, const float* threshold, int64_t n, int64_t vp) {
+  std::vector<std::vector<int64_t>> found(n);
+  for (int64_t r = 0; r < n; ++r) {
+    const __m512 cut = _mm512_set1_ps(threshold[r]);
+    for (int64_t t = 0; t < vp; t += kBlock) {
+      __mmask16 hits = _mm512_cmp_ps_mask(_mm512_loadu_ps(upper + r * vp + t), cut, _CMP_GE_OQ);
+      for (; hits != 0; hits &= hits - 1) found[r].push_back(t + __builtin_ctz(hits));
+    }
+  }
+  return found;
+}
+
+// The candidates' blocks' bf16 logits by the full head's kernel, and each row's first maximal candidate.
+at::Tensor exact_argmax(const at::Tensor& hidden, const at::Tensor& packed,
+                        const std::vector<std::vector<int64_t>>& found, int64_t vp) {
+  const int64_t n = hidden.size(0), kp = packed.size(2);
+  std::vector<int64_t> slot(vp / kBlock, -1), chosen;  // block -> its place among the gathered blocks
+  for (const auto& row : found)
+    for (int64_t t : row)
+      if (slot[t / kBlock] < 0) slot[t / kBlock] = int64_t(chosen.size()), chosen.push_back(t / kBlock);
+  const int64_t count = int64_t(chosen.size());
+  at::Tensor gathered = at::empty({count * kBlock * kp}, packed.options());
+  const auto* from = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  auto* to = reinterpret_cast<uint16_t*>(gathered.data_ptr());
+  for (int64_t i = 0; i < count; ++i)
+    std::memcpy(to + i * kBlock * kp, from + chosen[i] * kBlock * kp, kBlock * kp * sizeof(uint16_t));
+  const at::Tensor logits = fewrow_linear(hidden, gathered.as_strided({count * kBlock, 1, kp}, {kp, kp, 1}));
+  const auto* y = reinterpret_cast<const c10::BFloat16*>(logits.data_ptr());
+  at::Tensor out = at::empty({n}, hidden.options().dtype(at::kLong));
+  int64_t* tokens = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r) {
+    float best = kNegInf;
+    int64_t token = -1;
+    for (int64_t t : found[r]) {  // ascending: the first of equal maxima wins, as argmax(-1)
+      const float value = float(y[r * count * kBlock + slot[t / kBlock] * kBlock + t % kBlock]);
+      if (token < 0 || value > best) best = value, token = t;
+    }
+    tokens[r] = token;
+  }
+  return out;
+}
+
+// hidden [N <= 16, D] bf16; codes [Vp, 1, Dp] int8 (the packed layout); stats [4, Vp] float32 (s_t, r_t, a_t,
+// 127 s_t + r_t); packed: the head's bf16 weight in fewrow's layout; v real tokens; mask_id never chosen
+// (-1: none). -> token ids [N]; -1 for a row whose bounds are not finite (the caller asks the full head).
+at::Tensor head_argmax(const at::Tensor& hidden, const at::Tensor& codes, const at::Tensor& stats,
+                       const at::Tensor& packed, int64_t v, int64_t mask_id) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kBFloat16 && hidden.size(0) <= kMaxRows &&
+                  hidden.size(0) > 0,
+              "head_argmax: hidden [1..16, D] bf16");
+  TORCH_CHECK(codes.dim() == 3 && codes.scalar_type() == at::kChar && codes.size(2) % 64 == 0 &&
+                  codes.size(2) >= hidden.size(1) && codes.size(0) % kBlock == 0 && codes.size(0) >= v,
+              "head_argmax: codes [Vp, 1, Dp] int8, Vp a multiple of 16, Dp of 64");
+  TORCH_CHECK(stats.dim() == 2 && stats.size(0) == 4 && stats.size(1) == codes.size(0) &&
+                  stats.scalar_type() == at::kFloat && stats.is_contiguous(),
+              "head_argmax: stats [4, Vp] float32");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kBFloat16 && packed.size(0) == v,
+              "head_argmax: packed [V, 1, Kp] bf16");
+  const at::Tensor h = hidden.contiguous();
+  const int64_t n = h.size(0), vp = codes.size(0), dp = codes.size(2);
+  const bool amx = amx_in_use();
+  const Rows x = quantize(h, dp, amx);
+  const float* s = stats.data_ptr<float>();
+  const Head hd{reinterpret_cast<const int8_t*>(codes.data_ptr()), s, s + vp, s + 2 * vp, s + 3 * vp, vp, dp, v,
+                mask_id};
+  std::unique_ptr<float[]> upper(new float[n * vp]);  // every element is written before it is read
+  const int threads = at::get_num_threads();
+  std::vector<float> extremes(threads * 2 * kMaxRows, kNegInf);  // per thread: rows' largest lower, upper
+  at::parallel_for(0, vp / kBlock, 64, [&](int64_t begin, int64_t end) {
+    __m512 lower[kMaxRows], higher[kMaxRows];
+    for (int64_t r = 0; r < n; ++r) lower[r] = higher[r] = _mm512_set1_ps(kNegInf);
+    amx ? amx_bounds(x, hd, begin, end, upper.get(), lower, higher)
+        : avx512_bounds(x, hd, begin, end, upper.get(), lower, higher);
+    float* mine = extremes.data() + at::get_thread_num() * 2 * kMaxRows;
+    for (int64_t r = 0; r < n; ++r) {
+      mine[r] = std::max(mine[r], _mm512_reduce_max_ps(lower[r]));
+      mine[kMaxRows + r] = std::max(mine[kMaxRows + r], _mm512_reduce_max_ps(higher[r]));
+    }
+  });
+  float threshold[kMaxRows];
+  bool finite = true;
+  for (int64_t r = 0; r < n; ++r) {
+    float low = kNegInf, high = kNegInf;
+    for (int t = 0; t < threads; ++t) {
+      low = std::max(low, extremes[t * 2 * kMaxRows + r]);
+      high = std::max(high, extremes[t * 2 * kMaxRows + kMaxRows + r]);
+    }
+    // bf16 keeps 8 significant bits: float32 sums within 2^-7 of the largest (|it| <= max(|low|, |high|))
+    // may round to the same bf16 value, and the argmax takes the first of equals
+    threshold[r] = low - (std::max(std::fabs(low), std::fabs(high)) / 64.f + 1e-6f);
+    finite = finite && std::isfinite(threshold[r]) && std::isfinite(high);
+  }
+  if (!finite) return at::full({n}, -1, hidden.options().dtype(at::kLong));
+  return exact_argmax(h, packed, candidates(upper.get(), threshold, n, vp), vp);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(mtplm_fewrow, m) {
+  m.def("head_argmax(Tensor hidden, Tensor codes, Tensor stats, Tensor packed, int v, int mask_id) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mtplm_fewrow, CPU, m) { m.impl("head_argmax", head_argmax); }

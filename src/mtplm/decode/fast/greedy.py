@@ -1,0 +1,76 @@
+"""Greedy tokens from the LM head at about half of its weight traffic, bitwise the argmax of its logits.
+
+Greedy decoding needs only each row's argmax, yet the head's bf16 weights (57 MB for SmolLM2, ~2.2 ms a
+pass from memory) are read whole every pass. `GreedyHead` keeps an int8 copy: the kernel
+(csrc/head.cpp, `mtplm_fewrow::head_argmax`) bounds every token's logit from it, and computes again, with
+the bf16 kernel the full head runs, only the tokens whose upper bound reaches the row's best lower bound. A
+logit does not depend on the other rows or outputs of that product, so the token chosen is the full head's
+`argmax(-1)` (its first maximal index) exactly; on SmolLM2 a row leaves a median of 4 candidates.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from mtplm.decode.fast import fewrow
+
+BLOCK = 16  # tokens per packed block (fewrow.cpp, head.cpp)
+MAX_ROWS = 16  # rows one head_argmax call takes
+
+
+def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [V, D] -> (codes [Vp, 1, Dp] int8 in head.cpp's layout, stats [4, Vp] float32): per token
+    its scale, largest rounding residual, scale * |codes|_1, and 127 * scale + residual (>= max |weight|)."""
+    wide = weight.detach().float()
+    v, d = wide.shape
+    vp, dp = -(-v // BLOCK) * BLOCK, -(-d // 64) * 64
+    scale = (wide.abs().amax(dim=1) / 127).clamp(min=1e-30)
+    codes = torch.round(wide / scale[:, None]).clamp(-127, 127)
+    residual = (wide - codes * scale[:, None]).abs().amax(dim=1) * 1.001  # float32 rounding of the check
+    padded = torch.zeros(vp, dp, dtype=torch.int8)
+    padded[:v, :d] = codes.to(torch.int8)
+    packed = padded.view(vp // BLOCK, BLOCK, dp // 4, 4).permute(0, 2, 1, 3).contiguous()
+    stats = torch.zeros(4, vp)
+    stats[0, :v], stats[1, :v] = scale, residual
+    stats[2, :v] = scale * codes.abs().sum(dim=1)
+    stats[3, :v] = 127 * scale + residual
+    return packed.view(vp, 1, dp), stats
+
+
+class GreedyHead:
+    """hidden [..., D] bf16 -> token ids [N]: the argmax of fewrow's linear(hidden, packed) [N, V] with
+    `mask_id` (-1: none) never chosen. `packed`: the head's weight [V, D] `weight` in fewrow's layout."""
+
+    def __init__(self, weight: torch.Tensor, packed: torch.Tensor, mask_id: int) -> None:
+        self.codes, self.stats = int8_codes(weight)
+        self.packed, self.vocab, self.mask_id = packed, weight.shape[0], mask_id
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        return torch.cat([self._tokens(part) for part in flat.split(MAX_ROWS)])
+
+    def _tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        tokens = torch.ops.mtplm_fewrow.head_argmax(
+            hidden, self.codes, self.stats, self.packed, self.vocab, self.mask_id
+        )
+        if bool((tokens < 0).any()):  # a row of NaN or inf: the full head's logits decide, as they would
+            logits = torch.ops.mtplm_fewrow.linear(hidden, self.packed, None).float()
+            if self.mask_id >= 0:
+                logits[:, self.mask_id] = float("-inf")
+            return logits.max(dim=-1).indices
+        return tokens
+
+
+def for_head(weight: torch.Tensor, packed: torch.Tensor | None, mask_id: int) -> GreedyHead | None:
+    """A GreedyHead for a head packed in fewrow's layout (`packed` from kernels.pack) on a CPU with AMX or
+    AVX-512 VNNI (head.cpp), else None: greedy tokens then come from the full head's logits (as with
+    MTPLM_GREEDY_HEAD=0, for comparisons)."""
+    if os.environ.get("MTPLM_GREEDY_HEAD", "1") == "0":
+        return None
+    if packed is None or packed.dim() != 3 or weight.dtype != torch.bfloat16:
+        return None
+    if torch.ops.mtplm_fewrow.isa() != "amx" and "avx512_vnni" not in fewrow.cpu_flags():
+        return None
+    return GreedyHead(weight, packed, mask_id)
