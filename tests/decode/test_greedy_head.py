@@ -51,7 +51,7 @@ def test_the_tokens_are_the_full_heads_argmax(vocab, width, isa):
     packed = torch.ops.mtplm_fewrow.pack(weight)
     for mask_id in (-1, 7):
         chooser = greedy.GreedyHead(weight, packed, mask_id)
-        for n in (1, 5, 16, 37):  # 37: three calls of at most 16 rows
+        for n in (1, 5, 16, 37):  # 37: more than one call takes, so the full head
             x = rows(n, width, weight, seed=n)
             assert torch.equal(chooser(x), full_argmax(x, packed, mask_id)), (n, mask_id)
 

@@ -17,7 +17,7 @@ import torch
 from mtplm.decode.fast import fewrow
 
 BLOCK = 16  # tokens per packed block (fewrow.cpp, head.cpp)
-MAX_ROWS = 16  # rows one head_argmax call takes
+MAX_ROWS = 16  # rows one head_argmax call takes (more: the full head, one read of it for up to 32 rows)
 
 
 def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,18 +49,20 @@ class GreedyHead:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1])
-        return torch.cat([self._tokens(part) for part in flat.split(MAX_ROWS)])
-
-    def _tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        if len(flat) > MAX_ROWS:  # the copy read once per 16 rows would cost more than one read of the head
+            return self._full(flat)
         tokens = torch.ops.mtplm_fewrow.head_argmax(
-            hidden, self.codes, self.stats, self.packed, self.vocab, self.mask_id
+            flat, self.codes, self.stats, self.packed, self.vocab, self.mask_id
         )
         if bool((tokens < 0).any()):  # a row of NaN or inf: the full head's logits decide, as they would
-            logits = torch.ops.mtplm_fewrow.linear(hidden, self.packed, None).float()
-            if self.mask_id >= 0:
-                logits[:, self.mask_id] = float("-inf")
-            return logits.max(dim=-1).indices
+            return self._full(flat)
         return tokens
+
+    def _full(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = torch.ops.mtplm_fewrow.linear(hidden, self.packed, None).float()
+        if self.mask_id >= 0:
+            logits[:, self.mask_id] = float("-inf")
+        return logits.max(dim=-1).indices
 
 
 def for_head(weight: torch.Tensor, packed: torch.Tensor | None, mask_id: int) -> GreedyHead | None:
