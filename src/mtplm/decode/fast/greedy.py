@@ -20,22 +20,25 @@ BLOCK = 16  # tokens per packed block (fewrow.cpp, head.cpp)
 MAX_ROWS = 16  # rows one head_argmax call takes (more: the full head, one read of it for up to 32 rows)
 
 
-def int8_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_codes(weight: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [V, D] -> (codes [Vp, 1, Dp] int8 in head.cpp's layout, stats [4, Vp] float32): per token
-    its scale, largest rounding residual, scale * |codes|_1, and 127 * scale + residual (>= max |weight|)."""
-    wide = weight.detach().float()
-    v, d = wide.shape
+    its scale, largest rounding residual, scale * |codes|_1, and 127 * scale + residual (>= max |weight|).
+    `chunk` tokens at a time, so a large vocabulary never takes a float32 copy of the whole head."""
+    v, d = weight.shape
     vp, dp = -(-v // BLOCK) * BLOCK, -(-d // 64) * 64
-    scale = (wide.abs().amax(dim=1) / 127).clamp(min=1e-30)
-    codes = torch.round(wide / scale[:, None]).clamp(-127, 127)
-    residual = (wide - codes * scale[:, None]).abs().amax(dim=1) * 1.001  # float32 rounding of the check
     padded = torch.zeros(vp, dp, dtype=torch.int8)
-    padded[:v, :d] = codes.to(torch.int8)
-    packed = padded.view(vp // BLOCK, BLOCK, dp // 4, 4).permute(0, 2, 1, 3).contiguous()
     stats = torch.zeros(4, vp)
-    stats[0, :v], stats[1, :v] = scale, residual
-    stats[2, :v] = scale * codes.abs().sum(dim=1)
-    stats[3, :v] = 127 * scale + residual
+    for start in range(0, v, chunk):
+        wide = weight[start : start + chunk].detach().float()
+        rows = slice(start, start + len(wide))
+        scale = (wide.abs().amax(dim=1) / 127).clamp(min=1e-30)
+        codes = torch.round(wide / scale[:, None]).clamp(-127, 127)
+        residual = (wide - codes * scale[:, None]).abs().amax(dim=1) * 1.001  # float32 rounding of the check
+        padded[rows, :d] = codes.to(torch.int8)
+        stats[0, rows], stats[1, rows] = scale, residual
+        stats[2, rows] = scale * codes.abs().sum(dim=1)
+        stats[3, rows] = 127 * scale + residual
+    packed = padded.view(vp // BLOCK, BLOCK, dp // 4, 4).permute(0, 2, 1, 3).contiguous()
     return packed.view(vp, 1, dp), stats
 
 

@@ -160,36 +160,56 @@ void amx_bounds(const Rows& x, const Head& hd, int64_t begin, int64_t end, float
   _tile_release();
 }
 
-// AVX-512: per 64 bytes (16 tokens x 4 inputs) the codes widened to int16 in two halves, then per row one
-// vpdpwssd per half with the row's input pair. The halves hold tokens 0-7 and 8-15 as [8][4] int16: lanes
-// (token, input pair) come out in token-major order, two lanes per token, summed at the end.
+// AVX-512: per 64 bytes (16 tokens x 4 inputs) the codes widened to int16 once, in two halves (tokens 0-7,
+// 8-15 as [8][4]), then per row of a tile one vpdpwssd per half with the row's four inputs: lanes (token,
+// input pair) come out two per token, summed at the end.
+template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+void avx512_dots(const Rows& x, int64_t row, const int8_t* w, int64_t dp, int32_t* dot) {
+  __m512i lo[R], hi[R];
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < dp; k += 4) {
+    const __m512i codes = _mm512_loadu_si512(w + k * kBlock);
+    const __m512i first = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(codes));
+    const __m512i second = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(codes, 1));
+    for (int r = 0; r < R; ++r) {
+      int64_t quad;
+      std::memcpy(&quad, x.wide.data() + (row + r) * x.dp + k, 8);
+      const __m512i pairs = _mm512_set1_epi64(quad);  // lanes alternate the inputs' first and second pair
+      lo[r] = _mm512_dpwssd_epi32(lo[r], pairs, first);
+      hi[r] = _mm512_dpwssd_epi32(hi[r], pairs, second);
+    }
+  }
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int r = 0; r < R; ++r) {  // lanes 0-7 of each sum: its half's 8 tokens
+    const __m512i a = _mm512_add_epi32(_mm512_permutexvar_epi32(even, lo[r]), _mm512_permutexvar_epi32(odd, lo[r]));
+    const __m512i b = _mm512_add_epi32(_mm512_permutexvar_epi32(even, hi[r]), _mm512_permutexvar_epi32(odd, hi[r]));
+    _mm512_storeu_si512(dot + (row + r) * kBlock, _mm512_inserti64x4(a, _mm512_castsi512_si256(b), 1));
+  }
+}
+
+using DotsFn = void (*)(const Rows&, int64_t, const int8_t*, int64_t, int32_t*);
+
+DotsFn avx512_tile(int64_t rows) {
+  switch (rows) {
+    case 1: return avx512_dots<1>;
+    case 2: return avx512_dots<2>;
+    case 3: return avx512_dots<3>;
+    case 4: return avx512_dots<4>;
+    case 5: return avx512_dots<5>;
+    case 6: return avx512_dots<6>;
+    case 7: return avx512_dots<7>;
+    default: return avx512_dots<8>;
+  }
+}
+
 void avx512_bounds(const Rows& x, const Head& hd, int64_t begin, int64_t end, float* upper, __m512* lower,
                    __m512* higher) {
   alignas(64) int32_t dot[kMaxRows * kBlock];
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
   for (int64_t block = begin; block < end; ++block) {
     const int8_t* w = hd.codes + block * hd.dp * kBlock;
-    for (int64_t r = 0; r < x.n; ++r) {
-      __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();  // tokens 0-7, 8-15: 2 lanes each
-      const int16_t* row = x.wide.data() + r * x.dp;
-      for (int64_t k = 0; k < hd.dp; k += 4) {
-        const __m512i codes = _mm512_loadu_si512(w + k * kBlock);
-        const __m512i first = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(codes));
-        const __m512i second = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(codes, 1));
-        int64_t quad;
-        std::memcpy(&quad, row + k, 8);
-        const __m512i pairs = _mm512_set1_epi64(quad);  // lanes alternate the inputs' first and second pair
-        lo = _mm512_dpwssd_epi32(lo, pairs, first);
-        hi = _mm512_dpwssd_epi32(hi, pairs, second);
-      }
-      const __m512i sum_lo = _mm512_add_epi32(_mm512_permutexvar_epi32(even, lo), _mm512_permutexvar_epi32(odd, lo));
-      const __m512i sum_hi = _mm512_add_epi32(_mm512_permutexvar_epi32(even, hi), _mm512_permutexvar_epi32(odd, hi));
-      // sum_lo lanes 0-7: tokens 0-7; sum_hi lanes 0-7: tokens 8-15
-      _mm512_storeu_si512(dot + r * kBlock,
-                          _mm512_inserti64x4(sum_lo, _mm512_castsi512_si256(sum_hi), 1));
-    }
+    for (int64_t row = 0; row < x.n; row += 8) avx512_tile(std::min<int64_t>(8, x.n - row))(x, row, w, hd.dp, dot);
     bound_block(x, hd, block, dot, nullptr, upper, lower, higher);
   }
 }
