@@ -120,3 +120,38 @@ def test_two_logits_that_round_to_one_bf16_value_go_to_the_first_token(isa):
     packed = torch.ops.mtplm_fewrow.pack(weight)
     assert full_argmax(x, packed, -1).item() == 10
     assert greedy.GreedyHead(weight, packed, -1)(x).item() == 10
+
+
+@needs_kernel
+def test_the_batch_engine_reads_the_copy_and_decodes_what_each_sequence_decodes_alone(isa):
+    from test_engine import Collector
+
+    from mtplm.decode.engine import Engine, Job
+
+    model = tiny_mtp(gated=True)
+    model.hf.to(torch.bfloat16)
+    model.adapters_to(torch.bfloat16)
+    backend = StaticBackend(model, 4, capacity=96, compile=False)
+    assert backend.greedy_head is not None
+    copy_calls = []
+    copy = backend.greedy_head
+    backend.greedy_head = lambda hidden: copy_calls.append(len(hidden)) or copy(hidden)
+    jobs = [
+        ([3 + i, 4, 5, 6, 3 + i, 4, 5], parse_mode(mode))
+        for i, mode in enumerate(["ntp", "verified:lookup"] * 2)
+    ]
+    jobs = [(ids, dataclasses.replace(cfg, max_new_tokens=16)) for ids, cfg in jobs]
+    engine = Engine(model, max_batch=4, backend=backend)
+    collectors = [Collector() for _ in jobs]
+    for (ids, cfg), collector in zip(jobs, collectors, strict=True):
+        engine.submit(Job(ids, cfg, collector))
+    try:
+        assert all(collector.done.wait(120) for collector in collectors)
+    finally:
+        engine.close(grace_s=5)
+    alone = StaticBackend(model, 1, capacity=96, compile=False)
+    alone.greedy_head = None  # the full head's logits
+    assert [c.tokens for c in collectors] == [
+        generate(model, ids, cfg, backend=alone).tokens for ids, cfg in jobs
+    ]
+    assert copy_calls  # the engine's passes took their tokens from the copy

@@ -266,15 +266,14 @@ class Engine:
             lengths = [job.decoding.past for job in jobs]
             hidden = self.backend.run(start, feeds, lengths)  # [b, Q, D]
             # the LM head once for every sequence's tail rows (the last pending token onwards): one read
-            # of its weights per pass, not one per sequence
+            # of its weights per pass, not one per sequence (of its int8 copy where every sequence needs
+            # only its greedy tokens)
             tails = [hidden[i, feed.pending - 1 : len(feed.tokens)] for i, feed in enumerate(feeds)]
-            sizes = [len(t) for t in tails]
-            greedy = self.spec.argmax is not None and all(job.decoding.greedy_only() for job in jobs)
-            # (or of its int8 copy, where every sequence needs only its greedy tokens)
-            rows = (self.spec.argmax if greedy else self.spec.head)(torch.cat(tails)).split(sizes)  # type: ignore[misc]
+            argmax = self.spec.argmax if all(job.decoding.greedy_only() for job in jobs) else None
+            rows = (argmax or self.spec.head)(torch.cat(tails)).split([len(t) for t in tails])
             steps = []
             for i, (job, feed) in enumerate(zip(jobs, feeds, strict=False)):
-                found = (None, rows[i]) if greedy else (rows[i], None)
+                found = (None, rows[i]) if argmax is not None else (rows[i], None)
                 steps.append(job.decoding.advance(hidden[i, : len(feed.tokens)], job.kv, *found))
         except Exception as exc:  # a failed pass fails its sequences, never the engine
             for job in jobs:

@@ -226,7 +226,7 @@ class Decoding:
         the caller computes the logits up front, one head call for all the rows."""
         feed = self.fed
         assert feed is not None, "greedy_only() follows feed()"
-        sampling = getattr(self.strategy, "cfg", None)
+        sampling = getattr(self.strategy, "cfg", None)  # a strategy without one: not known to be greedy
         return (
             self.model.argmax is not None
             and sampling is not None
@@ -332,8 +332,9 @@ def stream(
             # the LM head once over the tail rows (last pending token onwards): one read of its weights a pass
             # (or of its int8 copy, for greedy tokens alone)
             tail = hidden[feed.pending - 1 :]
-            if sequence.greedy_only():
-                yield sequence.advance(hidden, kv, tokens=spec.argmax(tail))  # type: ignore[misc]
+            argmax = spec.argmax if sequence.greedy_only() else None
+            if argmax is not None:
+                yield sequence.advance(hidden, kv, tokens=argmax(tail))
             else:
                 yield sequence.advance(hidden, kv, spec.head(tail))  # [Q - pending + 1, V]
 

@@ -3,7 +3,8 @@ vdpbf16ps; one packed layout serves both): built once into `$MTPLM_HOME/kernels/
 `$MTPLM_KERNELS_DIR`) with torch.utils.cpp_extension and loaded as the ops `mtplm_fewrow::pack`,
 `mtplm_fewrow::linear`, `mtplm_fewrow::lora_linear` (a widened product with the gated adapters' low-rank
 activations computed inside) and `mtplm_fewrow::attend` (csrc/attend.cpp: decode attention over the bf16 or
-float32 KV store whose sums do not depend on the pass's shape). `load()` is False where it cannot be used (no
+float32 KV store whose sums do not depend on the pass's shape) and `mtplm_fewrow::head_argmax` (csrc/head.cpp:
+greedy tokens from an int8 copy of the LM head, greedy.py). `load()` is False where it cannot be used (no
 compiler, a CPU without avx512_bf16, a failed build, MTPLM_FEWROW=0), with one stderr line naming the
 fallback (the prepacked oneDNN path, kernels.py). `mtplm setup` builds it; otherwise the first use does,
 and says how long it took.

@@ -42,7 +42,7 @@
 namespace {
 
 constexpr int kBlock = 16;
-constexpr int kMaxRows = 16;  // rows one call takes (greedy.py splits more)
+constexpr int kMaxRows = 16;  // rows one call takes (greedy.py gives more to the full head)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Rows {  // the hidden rows quantized: [N, Dp] codes per level, and per row s1, s2, e_h, |h|_1
