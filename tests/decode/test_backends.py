@@ -7,12 +7,11 @@ import pytest
 import torch
 from conftest import tiny_mtp, with_random_heads
 from synthetic import chain_rows
-from test_engine import MODES, Collector
+from test_engine import MODES, run_batched
 from torch._inductor import config as inductor_config
 
 from mtplm.config import BACKEND_ENV, DecodeConfig, Thresholds
 from mtplm.decode.backends import EagerBackend, make_backend, resolve_backend
-from mtplm.decode.engine import Engine, Job
 from mtplm.decode.fast.backend import ROW_BUCKETS
 from mtplm.decode.loop import generate, stream
 from mtplm.decode.strategies import make_strategy
@@ -58,14 +57,7 @@ def test_the_batch_engine_on_the_compiled_backend_decodes_what_each_sequence_dec
         (ids, DecodeConfig(**{**MODES[i % len(MODES)].__dict__, "max_new_tokens": 20}))
         for i, ids in enumerate(_prompts(model, 6, seed=23))
     ]
-    engine = Engine(model, max_batch=4, backend=make_backend("compiled", model, 4))
-    collectors = [Collector() for _ in jobs]
-    for (ids, cfg), collector in zip(jobs, collectors, strict=True):
-        engine.submit(Job(ids, cfg, collector))
-    try:
-        assert all(collector.done.wait(120) for collector in collectors)
-    finally:
-        engine.close(grace_s=5)
+    collectors = run_batched(model, jobs, 4, [], backend=make_backend("compiled", model, 4))
     alone = [generate(model, ids, cfg, backend=EagerBackend(model)).tokens for ids, cfg in jobs]
     assert [c.tokens for c in collectors] == alone
 

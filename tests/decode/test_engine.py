@@ -54,10 +54,16 @@ class Collector:
         return [t for step in self.steps for t in step.tokens]
 
 
-def _run_batched(
-    model, jobs: list[tuple[list[int], DecodeConfig]], max_batch: int, passes: list, k_by_batch=None
+def run_batched(
+    model,
+    jobs: list[tuple[list[int], DecodeConfig]],
+    max_batch: int,
+    passes: list,
+    k_by_batch=None,
+    backend=None,
 ):
-    engine = Engine(model, max_batch=max_batch, on_pass=passes.append, k_by_batch=k_by_batch)
+    """The jobs through one Engine (its default backend unless given); their Collectors once all are done."""
+    engine = Engine(model, max_batch=max_batch, on_pass=passes.append, k_by_batch=k_by_batch, backend=backend)
     collectors = []
     for ids, cfg in jobs:
         collector = Collector()
@@ -81,7 +87,7 @@ def test_ragged_batches_decode_exactly_what_each_sequence_decodes_alone(chain_ch
         cfg = DecodeConfig(**{**cfg.__dict__, "max_new_tokens": 12 + 3 * (i % 4)})
         jobs.append((chat_prompt_ids(model.tokenizer, row["prompt"]), cfg))
     passes = []
-    collectors = _run_batched(model, jobs, max_batch=5, passes=passes)
+    collectors = run_batched(model, jobs, max_batch=5, passes=passes)
     for (ids, cfg), collector in zip(jobs, collectors, strict=False):
         assert collector.error is None
         alone = generate(model, ids, cfg)
@@ -104,7 +110,7 @@ def test_heads_with_trees_batch_exactly_too(base_dir):
         DecodeConfig(mode="ntp", max_new_tokens=16),
     ]
     jobs = [(ids, configs[i % 2]) for i, ids in enumerate(prompts)]
-    collectors = _run_batched(model, jobs, max_batch=4, passes=[])
+    collectors = run_batched(model, jobs, max_batch=4, passes=[])
     plain = [generate(model, ids, DecodeConfig(mode="ntp", max_new_tokens=16)).tokens for ids in prompts]
     assert [c.tokens for c in collectors] == plain
 
@@ -155,7 +161,7 @@ def test_the_measured_policy_leaves_verified_output_unchanged(chain_checkpoint):
         )
         for row in chain_rows(4, seed=17)
     ]
-    collectors = _run_batched(model, jobs, max_batch=4, passes=[], k_by_batch="auto")
+    collectors = run_batched(model, jobs, max_batch=4, passes=[], k_by_batch="auto")
     assert [c.tokens for c in collectors] == [generate(model, ids, cfg).tokens for ids, cfg in jobs]
 
 

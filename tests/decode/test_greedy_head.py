@@ -92,7 +92,7 @@ def test_greedy_decoding_reads_the_int8_copy_and_emits_the_same_tokens(mode, isa
 
 
 @needs_kernel
-def test_sampling_and_logprobs_still_read_the_full_head(isa):
+def test_sampling_still_reads_the_full_head(isa):
     model = tiny_mtp()
     model.hf.to(torch.bfloat16)
     backend = StaticBackend(model, 1, capacity=64, compile=False)
@@ -124,9 +124,7 @@ def test_two_logits_that_round_to_one_bf16_value_go_to_the_first_token(isa):
 
 @needs_kernel
 def test_the_batch_engine_reads_the_copy_and_decodes_what_each_sequence_decodes_alone(isa):
-    from test_engine import Collector
-
-    from mtplm.decode.engine import Engine, Job
+    from test_engine import run_batched
 
     model = tiny_mtp(gated=True)
     model.hf.to(torch.bfloat16)
@@ -141,14 +139,7 @@ def test_the_batch_engine_reads_the_copy_and_decodes_what_each_sequence_decodes_
         for i, mode in enumerate(["ntp", "verified:lookup"] * 2)
     ]
     jobs = [(ids, dataclasses.replace(cfg, max_new_tokens=16)) for ids, cfg in jobs]
-    engine = Engine(model, max_batch=4, backend=backend)
-    collectors = [Collector() for _ in jobs]
-    for (ids, cfg), collector in zip(jobs, collectors, strict=True):
-        engine.submit(Job(ids, cfg, collector))
-    try:
-        assert all(collector.done.wait(120) for collector in collectors)
-    finally:
-        engine.close(grace_s=5)
+    collectors = run_batched(model, jobs, 4, [], backend=backend)
     alone = StaticBackend(model, 1, capacity=96, compile=False)
     alone.greedy_head = None  # the full head's logits
     assert [c.tokens for c in collectors] == [

@@ -195,7 +195,7 @@ class Decoding:
         assert plan is not None and feed is not None, "advance() follows feed()"
         tail = hidden[feed.pending - 1 :]
         rows = (
-            PassLogits(self.model.head, tail, feed, logits, argmax=self.model.argmax, tokens=tokens)
+            PassLogits(self.model.head, tail, feed, logits, tokens=tokens)
             if self.constraint is None
             else ConstrainedLogits(self.constraint, plan.drafts, self.model.head, tail, feed, logits)
         )

@@ -137,9 +137,8 @@ class PassLogits:
     hidden [1 + m + blocks*slots, D]: the last pending token, the m drafts, then the mask blocks as the Feed
     lays them out. `logits`, when given, are the LM head's output for (a prefix of) those rows, already
     computed in one call for a whole batch. A head-based model feeds no mask rows: for a plan that emits its
-    block (Plan.emits_block) the loop drafts it with the heads first and passes it as `block`. `argmax`, where
-    the backend has one (DecodeModel.argmax), gives the rows' greedy tokens without their logits; `tokens`,
-    when given, are those tokens for (a prefix of) the rows, computed in one call for a batch.
+    block (Plan.emits_block) the loop drafts it with the heads first and passes it as `block`. `tokens`, when
+    given instead of `logits`, are the rows' greedy tokens (DecodeModel.argmax, computed without the logits).
     """
 
     def __init__(
@@ -149,11 +148,10 @@ class PassLogits:
         feed: Feed,
         logits: torch.Tensor | None = None,
         block: torch.Tensor | None = None,
-        argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
         tokens: torch.Tensor | None = None,
     ) -> None:
         self._head, self._hidden, self.feed, self._logits, self._block = head, hidden, feed, logits, block
-        self._argmax, self._tokens = argmax, tokens
+        self._tokens = tokens
 
     def _rows(self, start: int, stop: int) -> torch.Tensor:
         if self._logits is not None and stop <= len(self._logits):
@@ -178,15 +176,12 @@ class PassLogits:
 
     @cached_property
     def next_tokens(self) -> torch.Tensor:
-        """[m+1]: the greedy tokens of next_token's rows (its argmax, ties to the first index), without
-        computing their logits where the backend can (DecodeModel.argmax) and nothing computed them yet."""
+        """[m+1]: the greedy tokens of next_token's rows (its argmax, ties to the first index): the given
+        `tokens` where they cover them, else from the logits."""
         stop = self.feed.drafts + 1
         if self._tokens is not None and stop <= len(self._tokens):
             return self._tokens[:stop]
-        computed = "next_token" in self.__dict__ or (self._logits is not None and stop <= len(self._logits))
-        if self._argmax is None or computed:
-            return greedy(self.next_token)
-        return self._argmax(self._hidden[:stop])
+        return greedy(self.next_token)
 
     def block(self, anchor: int) -> torch.Tensor | None:
         """[slots, V]: the fed mask block after draft `anchor` (-1: the last committed token), if any."""

@@ -5,7 +5,8 @@ pass from memory) are read whole every pass. `GreedyHead` keeps an int8 copy: th
 (csrc/head.cpp, `mtplm_fewrow::head_argmax`) bounds every token's logit from it, and computes again, with
 the bf16 kernel the full head runs, only the tokens whose upper bound reaches the row's best lower bound. A
 logit does not depend on the other rows or outputs of that product, so the token chosen is the full head's
-`argmax(-1)` (its first maximal index) exactly; on SmolLM2 a row leaves a median of 4 candidates.
+`argmax(-1)` (its first maximal index) exactly; on SmolLM2 a row left a median of 4 candidates
+(docs/backends-kernels.md).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def int8_codes(weight: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, t
         rows = slice(start, start + len(wide))
         scale = (wide.abs().amax(dim=1) / 127).clamp(min=1e-30)
         codes = torch.round(wide / scale[:, None]).clamp(-127, 127)
-        residual = (wide - codes * scale[:, None]).abs().amax(dim=1) * 1.001  # float32 rounding of the check
+        residual = (wide - codes * scale[:, None]).abs().amax(dim=1)  # ulps of 127 * scale short at most
+        residual = residual * 1.001 + 127 * scale * 2**-21
         padded[rows, :d] = codes.to(torch.int8)
         stats[0, rows], stats[1, rows] = scale, residual
         stats[2, rows] = scale * codes.abs().sum(dim=1)
