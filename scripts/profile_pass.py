@@ -85,7 +85,8 @@ def weight_bytes(model) -> tuple[int, int]:
 def passes(args, model):
     """{backend name: a function running one pass of `rows` rows behind `context` cached positions}."""
     rows = [5] + [model.mask_id if args.mask_rows else 5] * (args.rows - 1)
-    feeds = [Feed(rows, 1 if args.mask_rows else args.rows, 0, 0, False, None)] * args.batch
+    block = args.rows - 1 if args.mask_rows else 0  # one mask block of rows - 1 slots after the first row
+    feeds = [Feed(rows, args.rows - block, 0, block, False, None)] * args.batch
     prompt = [Feed(list(range(100, 100 + args.context)), args.context, 0, 0, False, None)] * args.batch
     lengths = [args.context] * args.batch
     runs = {}

@@ -1,6 +1,7 @@
-"""mtplm's own decode attention (fewrow.attend, csrc/attend.cpp) over a bf16 or float32 store: a row's
-output is bitwise the same whatever rows share its pass, however many keys the pass is bucketed to and
-whichever sequences ride beside it, and it is attention (close to a float64 softmax over the keys the row
+"""mtplm's own decode attention (fewrow.attend, csrc/attend.cpp) over a bf16 or float32 store, on the
+AVX-512 path and (bf16, head dim 64) the AMX tiles: a row's output is bitwise the same whatever rows share
+its pass, however many keys the pass is bucketed to, whichever sequences ride beside it and whatever masked
+keys lie between the ones it reads, and it is attention (close to a float64 softmax over the keys the row
 reads)."""
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def causal_mask(pasts: list[int], rows: int, kv_len: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("past", [100, 700, 2000])
-def test_a_row_is_bitwise_the_same_whatever_rows_and_keys_its_pass_has(past, d, dtype):
+def test_a_row_is_bitwise_the_same_whatever_rows_and_keys_its_pass_has(past, d, dtype, isa):
     assert fewrow.load()
     keys, values = stores(past, d, past + 96, dtype)
     query = torch.randn(1, 32, 9, d, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -50,7 +51,7 @@ def test_a_row_is_bitwise_the_same_whatever_rows_and_keys_its_pass_has(past, d, 
         assert torch.equal(row_zero(rows, extra), alone), f"{rows} rows, {extra} masked keys"
 
 
-def test_sequences_of_a_batch_get_what_each_gets_alone():
+def test_sequences_of_a_batch_get_what_each_gets_alone(isa):
     assert fewrow.load()
     keys, values = stores(7, 64, 512)
     query = torch.randn(3, 4, 9, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
@@ -65,7 +66,7 @@ def test_sequences_of_a_batch_get_what_each_gets_alone():
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.bfloat16, 1 / 64), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("d", [64, 128])
-def test_it_is_the_softmax_over_the_keys_a_row_reads(d, dtype, tolerance):
+def test_it_is_the_softmax_over_the_keys_a_row_reads(d, dtype, tolerance, isa):
     assert fewrow.load()
     keys, values = stores(11, d, 400, dtype)
     query = torch.randn(2, 6, 9, d, generator=torch.Generator().manual_seed(3)).to(dtype)
@@ -85,7 +86,7 @@ def test_it_is_the_softmax_over_the_keys_a_row_reads(d, dtype, tolerance):
             assert (got[i, r] - want).abs().max().item() <= scale * tolerance, f"sequence {i}, row {r}"
 
 
-def test_masked_keys_between_the_ones_a_row_reads_change_nothing():
+def test_masked_keys_between_the_ones_a_row_reads_change_nothing(isa):
     """A draft tree's branch reads its ancestors with other branches' keys masked between them: its output
     must be what it gets from the same keys side by side (as plain decoding's pass reads them). (A softmax
     whose sum runs in lanes by key position differs here in 2 of 110592 outputs.)"""
@@ -102,3 +103,20 @@ def test_masked_keys_between_the_ones_a_row_reads_change_nothing():
         want = fewrow.attend(query, read[:1], read[1:], slots, torch.zeros(1, 1, 1, 32, 2000), 0.125)
         got = fewrow.attend(query, spread[:1], spread[1:], slots, between, 0.125)  # stores [1, 3, C, 64]
         assert torch.equal(got, want), f"seed {seed}"
+
+
+def test_branch_rows_beside_chain_rows_get_what_each_gets_alone(isa):
+    """A draft tree's pass: rows that read every key beside rows with masked keys between theirs (on AMX the
+    latter run again over their own keys packed together); each row's output is its output alone."""
+    assert fewrow.load()
+    keys, values = stores(5, 64, 700)
+    query = torch.randn(1, 12, 9, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    slots, lowest = torch.tensor([2]), torch.finfo(torch.float32).min
+    mask = causal_mask([600], 12, 612)
+    mask[..., 1::2, 590:600:3] = lowest  # odd rows skip every third of the last ten cached keys
+    together = fewrow.attend(query, keys, values, slots, mask, 0.125)
+    for row in range(12):
+        alone = fewrow.attend(
+            query[:, row : row + 1], keys, values, slots, mask[..., row : row + 1, :], 0.125
+        )
+        assert torch.equal(together[:, row : row + 1], alone), f"row {row}"

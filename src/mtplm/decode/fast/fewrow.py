@@ -2,12 +2,12 @@
 vdpbf16ps; one packed layout serves both): built once into `$MTPLM_HOME/kernels/<hash>` (or
 `$MTPLM_KERNELS_DIR`) with torch.utils.cpp_extension and loaded as the ops `mtplm_fewrow::pack`,
 `mtplm_fewrow::linear`, `mtplm_fewrow::lora_linear` (a widened product with the gated adapters' low-rank
-activations computed inside) and `mtplm_fewrow::attend` (csrc/attend.cpp: decode attention over the bf16 or
-float32 KV store whose sums do not depend on the pass's shape) and `mtplm_fewrow::head_argmax` (csrc/head.cpp:
-greedy tokens from an int8 copy of the LM head, greedy.py). `load()` is False where it cannot be used (no
-compiler, a CPU without avx512_bf16, a failed build, MTPLM_FEWROW=0), with one stderr line naming the
-fallback (the prepacked oneDNN path, kernels.py). `mtplm setup` builds it; otherwise the first use does,
-and says how long it took.
+activations computed inside), `mtplm_fewrow::attend` (csrc/attend.cpp, and csrc/attend_amx.cpp where the
+products run on AMX: decode attention over the bf16 or float32 KV store whose sums do not depend on the pass's
+shape) and `mtplm_fewrow::head_argmax` (csrc/head.cpp: greedy tokens from an int8 copy of the LM head,
+greedy.py). `load()` is False where it cannot be used (no compiler, a CPU without avx512_bf16, a failed build,
+MTPLM_FEWROW=0), with one stderr line naming the fallback (the prepacked oneDNN path, kernels.py). `mtplm
+setup` builds it; otherwise the first use does, and says how long it took.
 
 Shapes: N rows, K in features, M out features, Kp = K rounded up to 32.
 """
@@ -26,7 +26,8 @@ import torch
 
 from mtplm.files import home
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("fewrow.cpp", "attend.cpp", "head.cpp")]
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / name for name in ("fewrow.cpp", "attend.cpp", "attend_amx.cpp", "head.cpp")]
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
 
 
@@ -56,7 +57,8 @@ def unavailable() -> str | None:
 
 def build_dir() -> Path:
     """Where this source, torch version and flag set build: a new hash builds afresh."""
-    sources = b"".join(source.read_bytes() for source in SOURCES)
+    files = sorted([*CSRC.glob("*.cpp"), *CSRC.glob("*.h")])  # headers too
+    sources = b"".join(source.read_bytes() for source in files)
     key = hashlib.sha256(sources + torch.__version__.encode() + " ".join(FLAGS).encode())
     root = os.environ.get("MTPLM_KERNELS_DIR") or home() / "kernels"
     return Path(root) / f"fewrow-{key.hexdigest()[:12]}"

@@ -13,6 +13,10 @@
 // bucketed to, the other rows of the pass, masked keys between the ones it reads (a draft tree's branch), or
 // the threads.
 //
+// Where the CPU has AMX (and fewrow's isa() says "amx"), bf16 stores with head dim 64 take tile products
+// instead (attend_amx.cpp): the same guarantees, other sums. 1 / 8 / 32 rows over 400 keys, one layer: 20 / 75 /
+// 265 us here, 20 / 34 / 94 us there (scripts/attend_cost.py, a 2-vCPU Xeon with AMX).
+//
 // Shapes: query [b, Q, H, d] and stores [S, KVH, C, d] of one dtype (bf16 or float32), slots [b] long, mask
 // [b, 1, 1, Q, T] float32 (additive), out [b, Q, H d] in the query's dtype; G = H / KVH query heads read KV
 // head H / G (grouped-query attention). MKL's float32 products also round by the key count on an Intel Xeon
@@ -23,27 +27,20 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "attend.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-constexpr int kRowsPerTask = 16;  // at most this many query rows of one KV head per parallel task
-constexpr int kValueRows = 4;    // rows whose output accumulators share the registers in the value sum
+using namespace mtplm::attend;
 
-// 16 elements as float32, and back; bf16 is held as uint16_t
-inline __m512 load16(const uint16_t* from) {
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-inline __m512 load16(const float* from) { return _mm512_loadu_ps(from); }
-inline void store16(uint16_t* to, __m512 x) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(to), (__m256i)_mm512_cvtneps_pbh(x));
-}
-inline void store16(float* to, __m512 x) { _mm512_storeu_ps(to, x); }
+constexpr int kValueRows = 4;    // rows whose output accumulators share the registers in the value sum
 
 // q . k_j's 16 lane partial sums over d elements (lane l: the elements at l, l + 16, ... in bf16 pairs
 // for vdpbf16ps), one chain in a fixed order: vdpbf16ps on bf16 pairs, FMA in float32
@@ -77,42 +74,6 @@ inline __m512 lane_sums(const __m512* part) {
                                    _mm512_shuffle_ps(two[0], two[1], 0xDD));
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), one);
 }
-
-// e^x for x <= 0 in float32 (|relative error| ~1e-7); 0 below -87 (where float32 would go subnormal).
-inline __m512 exp_nonpositive(__m512 x) {
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // x - n ln2, ln2 in two parts
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);  // Taylor to r^6 on |r| <= ln2 / 2
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_scalef_ps(live, p, n);
-}
-
-// The store's rows stream from memory (a layer's K and V leave the cache while the weights pass through);
-// the hardware prefetcher alone left attention inside a pass 2-3x slower than with a warm cache. A prefetch
-// past the store's end is a hint that never faults.
-constexpr int kPrefetchKeys = 32;
-template <typename T>
-inline void ahead(const T* row, int64_t d) {  // one key's or value's d elements towards L1
-  const char* bytes = reinterpret_cast<const char*>(row);
-  for (int64_t b = 0; b < d * int64_t(sizeof(T)); b += 64) _mm_prefetch(bytes + b, _MM_HINT_T0);
-}
-
-inline __mmask16 lanes(int64_t count) { return count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1); }
-
-template <typename T>
-struct Head {  // one sequence's KV head, over the first t keys
-  const T* keys;    // [C, d]
-  const T* values;  // [C, d]
-  int64_t t, d;
-  float scaling;
-};
 
 // For each of a task's rows r: p[r][j] = scaling * q_r . k_j + mask_r[j] for j < T, then exp(. - max) in
 // place. 16 keys at a time, every row's partials of a key taken while the key sits in L1 (keys past T:
@@ -182,15 +143,6 @@ void values_in_groups(const Head<T>& h, float* const* p, T* const* out, int rows
   for (; r < rows; ++r) weighted_values<1, C>(h, p + r, out + r);
 }
 
-// Keys [0, n) hold every key a mask row lets its row read (mask above float32's lowest); all T where it
-// reads none. The keys after it would add exactly +0 to every sum: skipping them (the pass's key count is
-// bucketed, so often a third of them) changes no bit.
-inline int64_t readable(const float* mask, int64_t t) {
-  for (int64_t j = t; j > 0; --j)
-    if (mask[j - 1] > -__FLT_MAX__) return j;
-  return t;
-}
-
 // The pass over element type T (uint16_t for bf16, float): parallel tasks of up to kRowsPerTask query rows of
 // one sequence's KV head.
 template <typename T>
@@ -207,8 +159,9 @@ void attend_rows(const at::Tensor& query, const at::Tensor& key_store, const at:
   auto* os = reinterpret_cast<T*>(out.data_ptr());
   const float* ms = mask.data_ptr<float>();
   const int64_t* ss = slots.data_ptr<int64_t>();
+  const bool tiles = std::is_same<T, uint16_t>::value && d == 64 && amx_in_use();
   at::parallel_for(0, b * kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(span * t);
+    std::vector<float> scratch(tiles ? 16 * (t + 32) : span * t);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / (kv_heads * chunks), kvh = task / chunks % kv_heads, first = task % chunks * span;
       const int64_t store = (ss[i] * kv_heads + kvh) * capacity * d;
@@ -228,6 +181,12 @@ void attend_rows(const at::Tensor& query, const at::Tensor& key_store, const at:
         reach = std::max(reach, readable(mask_rows[r], t));
       }
       const Head<T> h{ks + store, vs + store, reach, d, float(scaling)};
+      if constexpr (std::is_same<T, uint16_t>::value) {
+        if (tiles) {
+          amx_task(h, query_rows, mask_rows, o, n, scratch.data());
+          continue;
+        }
+      }
       probabilities(h, query_rows, mask_rows, p, n);
       d == 64 ? values_in_groups<4>(h, p, o, n) : values_in_groups<8>(h, p, o, n);
     }

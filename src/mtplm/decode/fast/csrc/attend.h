@@ -1,0 +1,77 @@
+// What attend.cpp (the op, the AVX-512 path) and attend_amx.cpp (AMX tiles) share: the loads, the exp,
+// the prefetch, one KV head's view and the AMX entry.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace mtplm::attend {
+
+constexpr int kRowsPerTask = 16;  // at most this many query rows of one KV head per parallel task
+
+// 16 elements as float32, and back; bf16 is held as uint16_t
+inline __m512 load16(const uint16_t* from) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+inline __m512 load16(const float* from) { return _mm512_loadu_ps(from); }
+inline void store16(uint16_t* to, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(to), (__m256i)_mm512_cvtneps_pbh(x));
+}
+inline void store16(float* to, __m512 x) { _mm512_storeu_ps(to, x); }
+
+// e^x for x <= 0 in float32 (|relative error| ~1e-7); 0 below -87 (where float32 would go subnormal).
+inline __m512 exp_nonpositive(__m512 x) {
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // x - n ln2, ln2 in two parts
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);  // Taylor to r^6 on |r| <= ln2 / 2
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_scalef_ps(live, p, n);
+}
+
+// The store's rows stream from memory (a layer's K and V leave the cache while the weights pass through);
+// the hardware prefetcher alone left attention inside a pass 2-3x slower than with a warm cache. A prefetch
+// past the store's end is a hint that never faults.
+constexpr int kPrefetchKeys = 32;
+template <typename T>
+inline void ahead(const T* row, int64_t d) {  // one key's or value's d elements towards L1
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < d * int64_t(sizeof(T)); b += 64) _mm_prefetch(bytes + b, _MM_HINT_T0);
+}
+
+inline __mmask16 lanes(int64_t count) { return count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1); }
+
+template <typename T>
+struct Head {  // one sequence's KV head, over the first t keys
+  const T* keys;    // [C, d]
+  const T* values;  // [C, d]
+  int64_t t, d;
+  float scaling;
+};
+
+// Keys [0, n) hold every key a mask row lets its row read (mask above float32's lowest); all T where it
+// reads none. The keys after it would add exactly +0 to every sum: skipping them (the pass's key count is
+// bucketed, so often a third of them) changes no bit.
+inline int64_t readable(const float* mask, int64_t t) {
+  for (int64_t j = t; j > 0; --j)
+    if (mask[j - 1] > -__FLT_MAX__) return j;
+  return t;
+}
+
+// "amx" is fewrow's isa() (the few-row products' choice, MTPLM_FEWROW_ISA): the tiles serve attention too
+bool amx_in_use();
+
+// One task's rows (<= kRowsPerTask of one KV head, bf16, d = 64) through AMX tiles; scratch holds at least
+// 16 * (t + 32) floats.
+void amx_task(const Head<uint16_t>& h, const uint16_t* const* q, const float* const* mask, uint16_t* const* o,
+              int rows, float* scratch);
+
+}  // namespace mtplm::attend
