@@ -330,3 +330,26 @@ def test_the_quantized_pass_is_the_eager_pass_over_dequantized_weights(arch, kin
                 torch.testing.assert_close(
                     got[i, : len(feed.tokens)], expected[i, : len(feed.tokens)], atol=1e-4, rtol=1e-4
                 )
+
+
+@pytest.mark.parametrize(("m", "k"), [(37, 64), (16, 32), (70, 96)])
+def test_the_few_row_int4_kernel_multiplies_exactly_the_dequantized_weights(m, k, isa):
+    """csrc/int4.cpp dequantizes in cache and runs the bf16 products: bitwise the bf16 kernel over
+    dequantize_int4's weights, bias included, for 1-32 rows (more rows: the AVX-512 path's bf16 reference is
+    at::linear, which sums otherwise)."""
+    from mtplm.decode.fast import fewrow
+    from mtplm.decode.fast.kernels import dequantize_int4, int4_linear, quantize_int4
+
+    torch.manual_seed(1)
+    weight = (torch.randn(m, k) * torch.logspace(-2, 0, m).unsqueeze(1)).to(torch.bfloat16)
+    bias = torch.randn(m).to(torch.bfloat16)
+    codes, scales = quantize_int4(weight)
+    assert codes.dim() == 3, "bf16 weights take the few-row kernel's layout where it loads"
+    reference = fewrow.pack(dequantize_int4(weight))
+    for rows in (1, 2, 7, 16, 32, 45):
+        inputs = torch.randn(rows, k).to(torch.bfloat16)
+        got, want = int4_linear(inputs, codes, scales, m, bias), fewrow.linear(inputs, reference, bias)
+        if rows <= 32 or isa == "amx":
+            assert torch.equal(got, want), f"{rows} rows"
+        else:
+            torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)

@@ -2,12 +2,13 @@
 vdpbf16ps; one packed layout serves both): built once into `$MTPLM_HOME/kernels/<hash>` (or
 `$MTPLM_KERNELS_DIR`) with torch.utils.cpp_extension and loaded as the ops `mtplm_fewrow::pack`,
 `mtplm_fewrow::linear`, `mtplm_fewrow::lora_linear` (a widened product with the gated adapters' low-rank
-activations computed inside), `mtplm_fewrow::attend` (csrc/attend.cpp, and csrc/attend_amx.cpp where the
-products run on AMX: decode attention over the bf16 or float32 KV store whose sums do not depend on the pass's
-shape) and `mtplm_fewrow::head_argmax` (csrc/head.cpp: greedy tokens from an int8 copy of the LM head,
-greedy.py). `load()` is False where it cannot be used (no compiler, a CPU without avx512_bf16, a failed build,
-MTPLM_FEWROW=0), with one stderr line naming the fallback (the prepacked oneDNN path, kernels.py). `mtplm
-setup` builds it; otherwise the first use does, and says how long it took.
+activations computed inside), `mtplm_fewrow::int4_linear` (csrc/int4.cpp: group-wise int4 weights
+dequantized in cache and run through the same products), `mtplm_fewrow::attend` (csrc/attend.cpp, and
+csrc/attend_amx.cpp where the products run on AMX: decode attention over the bf16 or float32 KV store whose
+sums do not depend on the pass's shape) and `mtplm_fewrow::head_argmax` (csrc/head.cpp: greedy tokens from an
+int8 copy of the LM head, greedy.py). `load()` is False where it cannot be used (no compiler, a CPU without
+avx512_bf16, a failed build, MTPLM_FEWROW=0), with one stderr line naming the fallback (the prepacked oneDNN
+path, kernels.py). `mtplm setup` builds it; otherwise the first use does, and says how long it took.
 
 Shapes: N rows, K in features, M out features, Kp = K rounded up to 32.
 """
@@ -27,7 +28,7 @@ import torch
 from mtplm.files import home
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("fewrow.cpp", "attend.cpp", "attend_amx.cpp", "head.cpp")]
+SOURCES = [CSRC / name for name in ("fewrow.cpp", "int4.cpp", "attend.cpp", "attend_amx.cpp", "head.cpp")]
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
 
 
@@ -104,6 +105,7 @@ def _build_and_load() -> None:
     torch.library.register_fake("mtplm_fewrow::linear", linear_shape)
     torch.library.register_fake("mtplm_fewrow::pack", _pack_shape)
     torch.library.register_fake("mtplm_fewrow::lora_linear", _lora_linear_shape)
+    torch.library.register_fake("mtplm_fewrow::int4_linear", _int4_linear_shape)
     torch.library.register_fake("mtplm_fewrow::attend", _attend_shape)
 
 
@@ -118,6 +120,12 @@ def _ninja_on_path() -> None:
 def linear_shape(inputs: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The [N, M] result of a packed product, for tracing (this op's and kernels.py's oneDNN op's)."""
     return inputs.new_empty(inputs.shape[0], packed.shape[0])
+
+
+def _int4_linear_shape(
+    inputs: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return inputs.new_empty(inputs.shape[0], codes.shape[0])
 
 
 def _lora_linear_shape(

@@ -91,8 +91,10 @@ INT4_GROUP = 32  # weights per (scale, zero) pair along K: llama.cpp's Q4 block 
 
 def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """Asymmetric group-wise int4 (llama.cpp's Q4_1 scheme): per `group` inputs of an output row, 16 levels
-    from the group's min to its max. weight [M, K] -> (packed [M', K / 2] uint8 for PyTorch's CPU int4
-    kernel, scales_and_zeros [K / group, M', 2] in weight's dtype), M' = M rounded up to 16 (zero rows)."""
+    from the group's min to its max. weight [M, K] -> (codes, scales and zeros) in the layout int4_linear
+    runs: mtplm's few-row kernel's (csrc/int4.cpp: [M, 1, K / 2] uint8 and [M, 1, K / 16] bf16 over blocked
+    storage) for bf16 weights where that kernel loads, else PyTorch's CPU int4 kernel's (packed [M', K / 2]
+    uint8, scales_and_zeros [K / group, M', 2] in weight's dtype; M' = M rounded up to 16, zero rows)."""
     m, k = weight.shape
     if k % group:
         raise ValueError(f"int4 weights need in-features a multiple of {group}; this projection has {k}")
@@ -101,9 +103,31 @@ def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.
     low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
     scales = ((high - low) / 15).clamp(min=1e-12)
     q = torch.round((groups - low) / scales).clamp(0, 15).to(torch.int32).view_as(padded)
-    zeros = low + 8 * scales  # the kernel dequantizes (q - 8) * scale + zero
+    zeros = low + 8 * scales  # the kernels dequantize (q - 8) * scale + zero
+    if weight.dtype == torch.bfloat16 and group == 32 and fewrow.load():
+        return _few_row_int4(q, scales.squeeze(-1), zeros.squeeze(-1), m)
     scales_and_zeros = torch.cat([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(weight.dtype)
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scales_and_zeros
+
+
+def _few_row_int4(
+    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes q [M', K] and float scales, zeros [M', K / 32] in csrc/int4.cpp's layout: per block of 16
+    outputs and group of 32 inputs, 16 pairs x 16 bytes (byte l: lane l of outputs 0-7's pairs, and in its
+    high nibble of outputs 8-15's), then 16 scales and 16 zeros in bf16."""
+    rows, k = q.shape
+    pairs = q.view(rows // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)  # [block, group, pair, output, 2]
+    first, last = (
+        half.reshape(rows // 16, k // 32, 16, 16) for half in (pairs[..., :8, :], pairs[..., 8:, :])
+    )
+    codes = (first | (last << 4)).to(torch.uint8).contiguous().view(-1)
+    both = torch.stack([scales, zeros]).to(torch.bfloat16).view(2, rows // 16, 16, k // 32)
+    blocked = both.permute(1, 3, 0, 2).contiguous().view(-1)  # [block, group, scale | zero, output]
+    return (
+        codes.as_strided((m, 1, k // 2), (k // 2, k // 2, 1)),
+        blocked.as_strided((m, 1, k // 16), (k // 16, k // 16, 1)),
+    )
 
 
 def dequantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
@@ -126,8 +150,12 @@ def int4_linear(
     bias: torch.Tensor | None,
     group: int = INT4_GROUP,
 ) -> torch.Tensor:
-    """inputs [..., K] @ dequantized(packed)^T (+ bias) -> [..., M], with PyTorch's CPU int4 kernel."""
+    """inputs [..., K] @ dequantized(packed)^T (+ bias) -> [..., M], with the kernel whose layout
+    quantize_int4 chose: mtplm's few-row kernel or PyTorch's CPU int4 kernel."""
     flat = inputs.reshape(-1, inputs.shape[-1])  # [N, K]
+    if packed.dim() == 3:  # csrc/int4.cpp's layout
+        out = torch.ops.mtplm_fewrow.int4_linear(flat, packed, scales_and_zeros, bias)
+        return out.reshape(*inputs.shape[:-1], out_features)
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, packed, group, scales_and_zeros.to(flat.dtype))
     out = out[:, :out_features]
     out = out if bias is None else out + bias

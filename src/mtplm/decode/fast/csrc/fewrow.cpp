@@ -12,6 +12,8 @@
 // The packed tensor is presented as [M, 1, Kp] over storage of Mp * Kp elements (an opaque weight whose
 // shape names the true out features; fewrow.py's fake kernel reads it).
 
+#include "fewrow.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -34,20 +36,12 @@
 
 namespace {
 
-constexpr int kBlock = 16;    // outputs per vdpbf16ps
+using mtplm::fewrow::kBlock;  // outputs per vdpbf16ps
+using mtplm::fewrow::Problem;
 constexpr int kGroup = 4;     // output blocks streamed together
 constexpr int kTileRows = 6;  // rows whose accumulators share the registers
 constexpr int64_t kMaxRows = 32;      // AVX-512: more rows go to at::linear
 constexpr int64_t kMaxAmxRows = 1 << 20;  // AMX: any rows
-
-struct Problem {
-  const uint16_t* x;  // [N, xs] bf16 bits, of which the first Kp are read
-  const uint16_t* w;  // packed
-  const uint16_t* bias;  // [M] bf16 bits or null
-  uint16_t* y;  // [N, M] bf16, or null where f32 takes the outputs
-  int64_t n, m, kp, xs;
-  float* f32 = nullptr;  // [N, M] float32 outputs instead of y (no bias; M a multiple of 16)
-};
 
 inline __m512 load_bias(const uint16_t* bias, int64_t col, int64_t m) {
   if (bias == nullptr) return _mm512_setzero_ps();
@@ -68,7 +62,7 @@ void tile(const Problem& p, int64_t row, int64_t block) {
   __m512 acc[R][B];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
-  const uint16_t* w = p.w + block * p.kp * kBlock;
+  const uint16_t* w = p.w + (block - p.first) * p.kp * kBlock;
   const uint16_t* x = p.x + row * p.xs;
   const int64_t pairs = p.kp / 2;
   for (int64_t k = 0; k < pairs; ++k) {
@@ -188,7 +182,7 @@ void amx_pair(const Problem& p, int64_t row, int rows, int64_t block, float* scr
   if (Wide) _tile_zero(6);
   if (Wide && Two) _tile_zero(7);
   const int64_t stride = p.xs * 2, per_block = p.kp * kBlock;
-  const uint16_t* w0 = p.w + block * per_block;
+  const uint16_t* w0 = p.w + (block - p.first) * per_block;
   const uint16_t* x = p.x + row * p.xs;
   for (int64_t k = 0; k < p.kp; k += 32) {
     _tile_loadd(0, x + k, stride);
@@ -424,6 +418,18 @@ at::Tensor fewrow_lora_linear(const at::Tensor& inputs, const at::Tensor& packed
 }
 
 }  // namespace
+
+void mtplm::fewrow::products(const Problem& p, int64_t begin, int64_t end) {
+  isa() == 1 ? amx_blocks(p, begin, end) : run_blocks(p, begin, end);
+}
+
+bool mtplm::fewrow::amx() { return isa() == 1; }
+
+void mtplm::fewrow::configure_tiles(int rows) { amx_configure(rows); }
+
+void mtplm::fewrow::store_tile(const Problem& p, int tile, int64_t row, int rows, int64_t block, float* scratch) {
+  amx_store(p, tile, row, rows, block, scratch);
+}
 
 TORCH_LIBRARY(mtplm_fewrow, m) {
   m.def("linear(Tensor inputs, Tensor packed, Tensor? bias) -> Tensor");

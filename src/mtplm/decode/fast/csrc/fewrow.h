@@ -1,0 +1,30 @@
+// What fewrow.cpp (the bf16 few-row products) lends to int4.cpp: the problem it solves and its block loop.
+#pragma once
+
+#include <cstdint>
+
+namespace mtplm::fewrow {
+
+constexpr int kBlock = 16;  // outputs per vdpbf16ps, and per AMX tile column
+
+struct Problem {
+  const uint16_t* x;  // [N, xs] bf16 bits, of which the first Kp are read
+  const uint16_t* w;  // packed: output blocks first, first + 1, ... (pack()'s layout)
+  const uint16_t* bias;  // [M] bf16 bits or null
+  uint16_t* y;  // [N, M] bf16, or null where f32 takes the outputs
+  int64_t n, m, kp, xs;
+  float* f32 = nullptr;  // [N, M] float32 outputs instead of y (no bias; M a multiple of 16)
+  int64_t first = 0;  // the output block w starts at
+};
+
+// Output blocks [begin, end) of p on the calling thread: AMX tiles where isa() says so, else AVX-512.
+void products(const Problem& p, int64_t begin, int64_t end);
+
+// The AMX path, for a kernel with its own inner loop (int4.cpp): whether isa() says so; the tile config for
+// `rows` (<= 32) rows (tiles 0, 1 rows 0-15 and 16-31, 2, 3 two blocks' weights, 4-7 the sums); accumulator
+// tile 4-7 of output block `block`, rows [row, row + rows), stored with the bias (scratch: 16 x 16 floats).
+bool amx();
+void configure_tiles(int rows);
+void store_tile(const Problem& p, int tile, int64_t row, int rows, int64_t block, float* scratch);
+
+}  // namespace mtplm::fewrow
