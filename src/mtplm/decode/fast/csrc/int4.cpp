@@ -41,6 +41,10 @@ inline __m512 bf16_to_float(const uint16_t* from) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
+// GCC's _tile_loadd names its address as a plain input, not the memory behind it: without this barrier the
+// stores that fill a buffer just before a tile load from it may be moved past the load, or dropped.
+inline void before_tile_loads() { asm volatile("" : : : "memory"); }
+
 struct Lanes {  // output (lane / 2) and (8 + lane / 2): a group's scales spread over the lanes of its codes
   __m512i first = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   __m512i last = _mm512_add_epi32(first, _mm512_set1_epi32(8));
@@ -102,6 +106,7 @@ void amx_int4_pair(const Problem& p, const Quantized& w, int64_t row, int rows, 
       prefetch_group(codes[b] + (g + kAhead) * 256, scales[b] + (g + kAhead) * 32);
       dequantize_group(codes[b] + g * 256, scales[b] + g * 32, lanes, tiles[b]);
     }
+    before_tile_loads();
     _tile_loadd(0, x + g * 32, stride);
     _tile_loadd(2, tiles[0], 64);
     if (Wide) _tile_loadd(1, x + 16 * p.xs + g * 32, stride);
