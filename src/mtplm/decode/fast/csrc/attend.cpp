@@ -28,6 +28,7 @@
 #include <torch/library.h>
 
 #include "attend.h"
+#include "fewrow.h"
 
 #include <immintrin.h>
 
@@ -159,7 +160,8 @@ void attend_rows(const at::Tensor& query, const at::Tensor& key_store, const at:
   auto* os = reinterpret_cast<T*>(out.data_ptr());
   const float* ms = mask.data_ptr<float>();
   const int64_t* ss = slots.data_ptr<int64_t>();
-  const bool tiles = std::is_same<T, uint16_t>::value && d == 64 && amx_in_use();
+  // the few-row products' ISA choice (MTPLM_FEWROW_ISA) serves attention too
+  const bool tiles = std::is_same<T, uint16_t>::value && d == 64 && mtplm::fewrow::amx();
   at::parallel_for(0, b * kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(tiles ? 16 * (t + 32) : span * t);
     for (int64_t task = begin; task < end; ++task) {

@@ -66,9 +66,6 @@ inline int64_t readable(const float* mask, int64_t t) {
   return t;
 }
 
-// "amx" is fewrow's isa() (the few-row products' choice, MTPLM_FEWROW_ISA): the tiles serve attention too
-bool amx_in_use();
-
 // One task's rows (<= kRowsPerTask of one KV head, bf16, d = 64) through AMX tiles; scratch holds at least
 // 16 * (t + 32) floats.
 void amx_task(const Head<uint16_t>& h, const uint16_t* const* q, const float* const* mask, uint16_t* const* o,

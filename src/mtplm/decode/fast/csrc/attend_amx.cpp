@@ -10,26 +10,17 @@
 //            tree's branch) runs again over its own keys packed together, as plain decoding holds them.
 
 #include "attend.h"
-
-#include <ATen/core/dispatch/Dispatcher.h>
+#include "fewrow.h"
 
 #include <algorithm>
 #include <cstring>
-#include <string>
 #include <vector>
 
 namespace mtplm::attend {
 namespace {
 
-// GCC's _tile_loadd names its address as a plain input, not the memory behind it: without this barrier the
-// stores that fill a buffer just before a tile load from it may be moved past the load, or dropped.
-inline void before_tile_loads() { asm volatile("" : : : "memory"); }
-
-struct TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
+using mtplm::fewrow::before_tile_loads;
+using mtplm::fewrow::TileConfig;
 
 // s[k][r] (16 floats a key) = q_r . k_j for the first `reach` keys (a last partial block's keys past reach
 // read as zeros); rows <= 16, d = 64. Tiles: 0, 1 a block's keys (d halves), 2, 3 the rows' query pairs,
@@ -235,12 +226,6 @@ TileConfig all_tiles() {
 }
 
 }  // namespace
-
-bool amx_in_use() {
-  static const auto op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mtplm_fewrow::isa", "").typed<std::string()>();
-  return op.call() == "amx";
-}
 
 __attribute__((target("amx-tile,amx-bf16")))
 void amx_task(const Head<uint16_t>& h, const uint16_t* const* q, const float* const* mask, uint16_t* const* o,

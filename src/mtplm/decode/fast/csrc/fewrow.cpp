@@ -38,6 +38,7 @@ namespace {
 
 using mtplm::fewrow::kBlock;  // outputs per vdpbf16ps
 using mtplm::fewrow::Problem;
+using mtplm::fewrow::TileConfig;
 constexpr int kGroup = 4;     // output blocks streamed together
 constexpr int kTileRows = 6;  // rows whose accumulators share the registers
 constexpr int64_t kMaxRows = 32;      // AVX-512: more rows go to at::linear
@@ -122,12 +123,6 @@ void run_blocks(const Problem& p, int64_t begin, int64_t end) {
 // ---- AMX tiles (where the CPU has them): the same packed layout is already AMX's B-tile layout (16 input
 // pairs x 16 outputs x 2 = one 1 KB tile per 32 inputs of a block). Tiles: 0, 1 the inputs (rows 0-15,
 // 16-31), 2, 3 two output blocks' weights, 4-7 the accumulators (row tile x output block).
-
-struct TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
 
 bool amx_usable() {
   unsigned a, b, c, d;

@@ -1,4 +1,5 @@
-// What fewrow.cpp (the bf16 few-row products) lends to int4.cpp: the problem it solves and its block loop.
+// What fewrow.cpp (the bf16 few-row products) lends the other kernels: the problem it solves, its block loop,
+// its ISA choice and the AMX tile config and load barrier.
 #pragma once
 
 #include <cstdint>
@@ -6,6 +7,17 @@
 namespace mtplm::fewrow {
 
 constexpr int kBlock = 16;  // outputs per vdpbf16ps, and per AMX tile column
+
+// AMX's tile config (ldtilecfg's 64-byte operand, palette 1)
+struct TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// GCC's _tile_loadd names its address as a plain input, not the memory behind it: without this barrier the
+// stores that fill a buffer just before a tile load from it may be moved past the load, or dropped.
+inline void before_tile_loads() { asm volatile("" : : : "memory"); }
 
 struct Problem {
   const uint16_t* x;  // [N, xs] bf16 bits, of which the first Kp are read

@@ -21,6 +21,8 @@
 // inputs of a 16-token block, which is AMX's int8 B-tile layout. Without AMX, the row is one int16 level and
 // each 64-byte group is widened and added by vpdpwssd, two pairs at a time.
 
+#include "fewrow.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -40,6 +42,8 @@
 #include <vector>
 
 namespace {
+
+using mtplm::fewrow::TileConfig;
 
 constexpr int kBlock = 16;
 constexpr int kMaxRows = 16;  // rows one call takes (greedy.py gives more to the full head)
@@ -122,12 +126,6 @@ void bound_block(const Rows& x, const Head& hd, int64_t block, const int32_t* do
     higher[r] = _mm512_max_ps(higher[r], high);
   }
 }
-
-struct TileConfig {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
 
 // AMX: tiles 0, 1 the row's two levels, 2 a block's codes, 4, 5 the dots by level. Codes two blocks on are
 // prefetched (the tile loads stall on memory otherwise; two blocks a step measured slower).
@@ -216,11 +214,6 @@ void avx512_bounds(const Rows& x, const Head& hd, int64_t begin, int64_t end, fl
   }
 }
 
-bool amx_in_use() {
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mtplm_fewrow::isa", "").typed<std::string()>();
-  return op.call() == "amx";
-}
-
 at::Tensor fewrow_linear(const at::Tensor& x, const at::Tensor& packed) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("mtplm_fewrow::linear", "")
@@ -289,7 +282,7 @@ at::Tensor head_argmax(const at::Tensor& hidden, const at::Tensor& codes, const 
               "head_argmax: packed [V, 1, Kp] bf16");
   const at::Tensor h = hidden.contiguous();
   const int64_t n = h.size(0), vp = codes.size(0), dp = codes.size(2);
-  const bool amx = amx_in_use();
+  const bool amx = mtplm::fewrow::amx();
   const Rows x = quantize(h, dp, amx);
   const float* s = stats.data_ptr<float>();
   const Head hd{reinterpret_cast<const int8_t*>(codes.data_ptr()), s, s + vp, s + 2 * vp, s + 3 * vp, vp, dp, v,

@@ -30,6 +30,7 @@
 namespace {
 
 using mtplm::fewrow::kBlock;
+using mtplm::fewrow::before_tile_loads;
 using mtplm::fewrow::Problem;
 
 constexpr int64_t kGroup = 32;        // inputs per scale and zero: one AMX k-step
@@ -40,10 +41,6 @@ inline __m512 bf16_to_float(const uint16_t* from) {
   const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
-
-// GCC's _tile_loadd names its address as a plain input, not the memory behind it: without this barrier the
-// stores that fill a buffer just before a tile load from it may be moved past the load, or dropped.
-inline void before_tile_loads() { asm volatile("" : : : "memory"); }
 
 struct Lanes {  // output (lane / 2) and (8 + lane / 2): a group's scales spread over the lanes of its codes
   __m512i first = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
