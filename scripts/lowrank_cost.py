@@ -26,34 +26,36 @@ from mtplm.decode.fast import fewrow
 HIDDEN, INTERMEDIATE, KV, RANK, LAYERS = 576, 1536, 192, 32, 30
 
 
-def products() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(packed [W | B], A, packed A) of qkv, o, gate/up and down: one layer's gated projections."""
-    shapes = [  # (in, out, adapter rank summed over the fused projections)
-        (HIDDEN, HIDDEN + 2 * KV, 3 * RANK),
-        (HIDDEN, HIDDEN, RANK),
-        (HIDDEN, 2 * INTERMEDIATE, 2 * RANK),
-        (INTERMEDIATE, HIDDEN, RANK),
+def products() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]]:
+    """(packed widened weight, A, packed A, parts) of qkv, o, gate/up and down: one layer's gated
+    projections."""
+    shapes = [  # (in, each fused part's out features)
+        (HIDDEN, [HIDDEN, KV, KV]),
+        (HIDDEN, [HIDDEN]),
+        (HIDDEN, [INTERMEDIATE, INTERMEDIATE]),
+        (INTERMEDIATE, [HIDDEN]),
     ]
     made = []
-    for k, m, r in shapes:
-        widened = torch.randn(m, k + r, dtype=torch.bfloat16) / 10
-        down = torch.randn(r, k, dtype=torch.bfloat16) / 10
-        made.append((fewrow.pack(widened), down, fewrow.pack(down)))
+    for k, parts in shapes:
+        weight = torch.randn(sum(parts), k, dtype=torch.bfloat16) / 10
+        widened, sizes = fewrow.widened_weight(weight, [torch.randn(m, RANK) / 10 for m in parts])
+        down = torch.randn(RANK * len(parts), k, dtype=torch.bfloat16) / 10
+        made.append((fewrow.pack(widened), down, fewrow.pack(down), sizes))
     return made
 
 
 def low_rank_ms(rows: int, repeats: int) -> float:
     """Median ms per pass of (gated - closed) lora_linear calls at `rows` rows."""
     layer = products()
-    inputs = [torch.randn(rows, down.shape[1], dtype=torch.bfloat16) for _, down, _ in layer]
+    inputs = [torch.randn(rows, down.shape[1], dtype=torch.bfloat16) for _, down, _, _ in layer]
     gated, closed = torch.full((rows,), 2.0), torch.zeros(rows)
     gated[0] = 0.0
 
     def one_pass(gate: torch.Tensor) -> float:
         began = time.perf_counter()
         for _ in range(LAYERS):
-            for (packed, down, down_packed), x in zip(layer, inputs, strict=True):
-                fewrow.lora_linear(x, packed, down, gate, None, down_packed)
+            for (packed, down, down_packed, parts), x in zip(layer, inputs, strict=True):
+                fewrow.lora_linear(x, packed, down, gate, None, down_packed, parts)
         return time.perf_counter() - began
 
     for _ in range(5):

@@ -35,7 +35,7 @@ def test_lora_linear_is_the_widened_product(m, k, r, biased, isa):
     down = torch.randn(r, k, generator=generator).to(torch.bfloat16) / 4
     weight, up = weight.to(torch.bfloat16), up.to(torch.bfloat16)
     bias = torch.randn(m, generator=generator).to(torch.bfloat16) if biased else None
-    packed, plain = fewrow.pack(torch.cat([weight, up], 1)), fewrow.pack(weight)
+    packed, plain = fewrow.pack(fewrow.widened_weight(weight, [up])[0]), fewrow.pack(weight)
     for n, down_packed in itertools.product((*range(1, 34), 40), (None, fewrow.pack(down))):
         x = torch.randn(n, k, generator=generator).to(torch.bfloat16)
         gate = (torch.rand(n, generator=generator) < 0.6).float() * 2.0
@@ -54,10 +54,43 @@ def test_lora_linear_is_the_widened_product(m, k, r, biased, isa):
 
 
 @needs_kernel
+@pytest.mark.parametrize("k, rank, parts", [(64, 32, (32, 16, 16)), (70, 5, (48, 16, 37)), (96, 8, (32, 64))])
+def test_lora_linear_over_parts_is_the_block_diagonal_widened_product(k, rank, parts, isa):
+    """A fused projection (q, k, v; gate, up): each part's outputs read only their own adapter's columns, and
+    give what [W | block_diag(B_p)] gives, bitwise where K is a multiple of 32 (the skipped columns only
+    ever added zeros)."""
+    generator = torch.Generator().manual_seed(k + rank)
+    m = sum(parts)
+    weight = (torch.randn(m, k, generator=generator) / 4).to(torch.bfloat16)
+    ups = [(torch.randn(rows, rank, generator=generator) / 4).to(torch.bfloat16) for rows in parts]
+    down = (torch.randn(rank * len(parts), k, generator=generator) / 4).to(torch.bfloat16)
+    compact, sizes = fewrow.widened_weight(weight, ups)
+    packed, dense = fewrow.pack(compact), fewrow.pack(torch.cat([weight, torch.block_diag(*ups)], 1))
+    assert sizes == list(parts) and compact.shape == (m, -(-k // 32) * 32 + rank)
+    for n in (1, 3, 8, 17, 32, 40):
+        x = torch.randn(n, k, generator=generator).to(torch.bfloat16)
+        gate = (torch.rand(n, generator=generator) < 0.6).float() * 2.0
+        gate[0] = 0.0
+        got = fewrow.lora_linear(x, packed, down, gate, None, fewrow.pack(down), sizes)
+        expected = widened_reference(x, weight, torch.block_diag(*ups), down, gate, None)
+        torch.testing.assert_close(got.float(), expected, atol=0.03, rtol=0.02, msg=f"{n} rows")
+        if k % 32 == 0 and n <= 32:  # [W | block_diag(B_p)] as one part: the zeros it adds change nothing
+            assert torch.equal(got, fewrow.lora_linear(x, dense, down, gate, None, fewrow.pack(down)))
+        alone = fewrow.lora_linear(x[-1:], packed, down, gate[-1:], None, None, sizes)
+        assert torch.equal(got[-1:], alone), f"{n} rows"
+
+
+def test_widened_weight_refuses_parts_off_16_row_blocks():
+    weight = torch.zeros(40, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        fewrow.widened_weight(weight, [torch.zeros(20, 4), torch.zeros(20, 4)])
+
+
+@needs_kernel
 def test_lora_linear_with_every_gate_closed_is_the_plain_product(isa):
     weight, up = torch.randn(40, 64, dtype=torch.bfloat16), torch.randn(40, 8, dtype=torch.bfloat16)
     down = torch.randn(8, 64, dtype=torch.bfloat16)
-    packed, plain = fewrow.pack(torch.cat([weight, up], 1)), fewrow.pack(weight)
+    packed, plain = fewrow.pack(fewrow.widened_weight(weight, [up])[0]), fewrow.pack(weight)
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     got = fewrow.lora_linear(x, packed, down, torch.zeros(5), None, fewrow.pack(down))
     assert torch.equal(got, fewrow.linear(x, plain, None))

@@ -1,8 +1,8 @@
 """mtplm's own few-row bf16 kernel (csrc/fewrow.cpp: AMX tiles where the CPU has them, else AVX-512
 vdpbf16ps; one packed layout serves both): built once into `$MTPLM_HOME/kernels/<hash>` (or
 `$MTPLM_KERNELS_DIR`) with torch.utils.cpp_extension and loaded as the ops `mtplm_fewrow::pack`,
-`mtplm_fewrow::linear`, `mtplm_fewrow::lora_linear` (a widened product with the gated adapters' low-rank
-activations computed inside), `mtplm_fewrow::int4_linear` (csrc/int4.cpp: group-wise int4 weights
+`mtplm_fewrow::linear`, `mtplm_fewrow::lora_linear` (csrc/lora.cpp: a widened product with the gated adapters'
+low-rank activations computed inside), `mtplm_fewrow::int4_linear` (csrc/int4.cpp: group-wise int4 weights
 dequantized in cache and run through the same products), `mtplm_fewrow::attend` (csrc/attend.cpp, and
 csrc/attend_amx.cpp where the products run on AMX: decode attention over the bf16 or float32 KV store whose
 sums do not depend on the pass's shape) and `mtplm_fewrow::head_argmax` (csrc/head.cpp: greedy tokens from an
@@ -28,7 +28,9 @@ import torch
 from mtplm.files import home
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("fewrow.cpp", "int4.cpp", "attend.cpp", "attend_amx.cpp", "head.cpp")]
+SOURCES = [
+    CSRC / name for name in ("fewrow.cpp", "lora.cpp", "int4.cpp", "attend.cpp", "attend_amx.cpp", "head.cpp")
+]
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
 
 
@@ -135,6 +137,7 @@ def _lora_linear_shape(
     gate: torch.Tensor,
     bias: torch.Tensor | None,
     down_packed: torch.Tensor | None = None,
+    parts: list[int] | None = None,
 ) -> torch.Tensor:
     return inputs.new_empty(inputs.shape[0], packed.shape[0])
 
@@ -177,13 +180,28 @@ def lora_linear(
     gate: torch.Tensor,
     bias: torch.Tensor | None,
     down_packed: torch.Tensor | None = None,
+    parts: list[int] | None = None,
 ) -> torch.Tensor:
-    """[inputs, gate * inputs @ down^T] @ [W | B]^T (+ bias) -> [N, M] over packed = pack([W | B]), one call:
-    inputs [N, K] bf16, down (the adapters' A) [R, K] bf16, gate [N] float32; the low-rank activations are
-    rounded to bf16 before the product, as forward._project_widened's graph rounds them. With down_packed =
-    pack(down) on a CPU with AMX, passes of up to 32 rows compute inputs @ down^T in AMX tiles (else AVX-512
-    dot products over down)."""
-    return torch.ops.mtplm_fewrow.lora_linear(inputs, packed, down, gate, bias, down_packed)
+    """inputs @ W^T + bf16(gate * inputs @ A_p^T) @ B_p^T (+ bias) -> [N, M] for the outputs of each part p,
+    one call over packed = pack(widened_weight(W, [B_p])) (an output reads its own part's adapter columns
+    only): inputs [N, K] bf16, down (the adapters' A, the parts'
+    stacked) [R, K] bf16, gate [N] float32, parts: each part's out features (None: one part). The low-rank
+    activations are rounded to bf16 before the product, as forward._project_widened's graph rounds them.
+    With down_packed = pack(down) on a CPU with AMX, passes of up to 32 rows compute inputs @ down^T in AMX
+    tiles (else AVX-512 dot products over down); any number of rows."""
+    return torch.ops.mtplm_fewrow.lora_linear(inputs, packed, down, gate, bias, down_packed, parts or [])
+
+
+def widened_weight(weight: torch.Tensor, ups: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """([W | 0 | B_c] [M, Kp + r], each part's out features) for lora_linear, from the fused weight W [M, K]
+    and the parts' B [out_p, r] (sum out_p = M): zeros to Kp = K rounded up to 32, then B_c, the parts' B
+    stacked by rows. Every part but the last needs out features a multiple of 16 (else an output block
+    would read two parts' columns), and every part the same rank."""
+    parts = [up.shape[0] for up in ups]
+    if any(rows % 16 for rows in parts[:-1]) or len({up.shape[1] for up in ups}) > 1:
+        raise ValueError(f"lora_linear's parts need out features a multiple of 16 and one rank: {parts}")
+    padding = weight.new_zeros(weight.shape[0], -weight.shape[1] % 32)
+    return torch.cat([weight, padding, torch.cat(ups).to(weight.dtype)], dim=1), parts
 
 
 def attend(

@@ -30,9 +30,6 @@ import torch.nn.functional as F
 from mtplm.decode.fast import fewrow, kernels
 from mtplm.decode.fast.weights import FastWeights, Shape
 
-# decode passes of up to this many rows take the few-row kernel's fused adapter entry (wider passes, prompts,
-# keep the graph's own path and the kernel's wide blocking)
-FUSED_ADAPTER_ROWS = 32
 # Attention's two float32 products: BLAS picks its kernel by the product's row count, and on some CPUs (MKL
 # on a 2-vCPU AMD EPYC, measured) the kernel for 3 rows sums otherwise than the one for 6, so a row would
 # round by how many rows share its pass. Over multiples of 8 rows it sums alike there. Where the row count
@@ -201,17 +198,18 @@ def linear(block, key: str, inputs: torch.Tensor) -> torch.Tensor:
 
 
 def _project_widened(block, name: str, inputs: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """A fused projection whose weight carries the adapters' B columns too ([W | B], weights.py): the gated
-    low-rank activations join the GEMM's input, so one GEMM gives W x + B (gate * A x). Rows without <mtp>
-    feed zeros there and get W x exactly. Measured against [W; A] with B as a fused reduction: see
-    docs/backends-kernels.md. Over mtplm's few-row kernel (decode passes of up to FUSED_ADAPTER_ROWS rows),
-    one call of its lora_linear computes A x, the gate and the product: no reduction or concatenation in the
-    graph."""
+    """A fused projection whose weight carries the adapters' B columns too (weights.py): the gated low-rank
+    activations join the GEMM's input, so one GEMM gives W x + B (gate * A x). Rows without <mtp> feed zeros
+    there and get W x exactly. Measured against [W; A] with B as a fused reduction: see
+    docs/backends-kernels.md. Over mtplm's few-row kernel, one call of its lora_linear computes A x, the gate
+    and the product, each output over its own part's adapter columns only: no reduction or concatenation in
+    the graph."""
     down, widened = getattr(block, f"{name}_a"), getattr(block, f"{name}_wb_w")
     flat = inputs.reshape(-1, inputs.shape[-1])  # [N, in]
-    if widened.dim() == 3 and down.dtype == torch.bfloat16 and flat.shape[0] <= FUSED_ADAPTER_ROWS:
-        bias, down_packed = getattr(block, f"{name}_wb_bias"), getattr(block, f"{name}_ap", None)
-        out = fewrow.lora_linear(flat, widened, down, gate.reshape(-1), bias, down_packed)
+    parts = block.adapter_parts.get(name)
+    if parts is not None:  # widened for fewrow.lora_linear (weights.py)
+        bias, down_packed = getattr(block, f"{name}_wb_bias"), getattr(block, f"{name}_ap")
+        out = fewrow.lora_linear(flat, widened, down, gate.reshape(-1), bias, down_packed, parts)
         return out.view(*inputs.shape[:-1], widened.shape[0])
     low = _low_rank(inputs, down, gate)  # [b, Q, n r]
     return linear(block, f"{name}_wb", torch.cat([inputs, low.to(inputs.dtype)], dim=-1))

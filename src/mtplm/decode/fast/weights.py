@@ -100,6 +100,7 @@ class _Block(nn.Module):
         super().__init__()
         self.prepacked, self.quantized = prepack, quantize
         self.out_features: dict[str, int] = {}  # int4 weights are padded to 16 rows: the real output width
+        self.adapter_parts: dict[str, list[int]] = {}  # widened weights laid out for fewrow.lora_linear
         attn, mlp = layer.self_attn, layer.mlp
         self.register_buffer("attn_norm", layer.input_layernorm.weight, persistent=False)  # [D]
         self.register_buffer("mlp_norm", layer.post_attention_layernorm.weight, persistent=False)  # [D]
@@ -127,8 +128,9 @@ class _Block(nn.Module):
                 self.register_buffer(f"{name}_a", a, persistent=False)
                 self.register_buffer(f"{name}_b", b, persistent=False)
             if self.parts[name] == 1:
+                ups = [adapter.lora_b.detach() for adapter in adapters]
                 self._add_fused(
-                    name, _cat([b_.weight for b_ in bases]).detach(), _cat_bias(bases), b, prepack
+                    name, _cat([b_.weight for b_ in bases]).detach(), _cat_bias(bases), ups, prepack
                 )
             else:
                 for i, base in enumerate(bases):
@@ -139,21 +141,32 @@ class _Block(nn.Module):
         name: str,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
-        b: torch.Tensor | None,
+        ups: list[torch.Tensor],
         prepack: bool,
     ) -> None:
-        """The fused weight; with adapters (not int8) also the widened [W | B] that passes with <mtp> rows
-        read, so the projection's one GEMM also gives the adapters' B product (a copy of W)."""
+        """The fused weight; with adapters (not int8) also the widened one that passes with <mtp> rows
+        read, so the projection's one GEMM also gives the adapters' B product (a copy of W): for mtplm's
+        few-row kernel each output row with its own part's adapter columns only (fewrow.widened_weight),
+        else [W | block_diag(B_p)]."""
         self._add(name, weight, bias, prepack)
-        if b is not None and not self.quantized:
-            self._add(
-                f"{name}_wb", torch.cat([weight, b.to(weight.dtype)], dim=1), bias, prepack
-            )  # [out, in + n r]
-            down = getattr(self, f"{name}_a")
-            if getattr(self, f"{name}_wb_w").dim() == 3 and down.dtype == torch.bfloat16:
-                # A in the few-row kernel's layout too (a second copy, ~10 MB for SmolLM2 at rank 32): its
-                # lora_linear computes x A^T in AMX tiles from it (docs/backends-kernels.md)
+        if not ups or self.quantized:
+            return
+        down = getattr(self, f"{name}_a")
+        if _fewrow_packs(weight, prepack) and down.dtype == torch.bfloat16:
+            try:
+                widened, self.adapter_parts[name] = fewrow.widened_weight(weight, ups)
+            except ValueError:
+                widened = None  # parts off 16-row blocks: the block-diagonal layout below
+            if widened is not None:
+                self._add(f"{name}_wb", widened, bias, prepack)  # [out, in (to 32) + r]
+                # A in the kernel's layout too (a second copy, ~10 MB for SmolLM2 at rank 32): lora_linear
+                # computes x A^T in AMX tiles from it (docs/backends-kernels.md)
                 self.register_buffer(f"{name}_ap", fewrow.pack(down), persistent=False)
+                return
+        b = getattr(self, f"{name}_b")
+        self._add(
+            f"{name}_wb", torch.cat([weight, b.to(weight.dtype)], dim=1), bias, prepack
+        )  # [out, in + n r]
 
     def _add(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool = False) -> None:
         """Buffers `{name}_w` [out, in] (prepacked, int8 with `{name}_scale` [out], int4 packed with
@@ -175,6 +188,11 @@ class _Block(nn.Module):
             weight = kernels.pack(weight)
         self.register_buffer(f"{name}_w", weight, persistent=False)  # [out, in]
         self.register_buffer(f"{name}_bias", None if bias is None else bias.detach(), persistent=False)
+
+
+def _fewrow_packs(weight: torch.Tensor, prepack: bool) -> bool:
+    """Whether _add packs this weight for mtplm's few-row kernel (kernels.pack's choice)."""
+    return prepack and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and fewrow.load()
 
 
 def prepack_default(dtype: torch.dtype) -> bool:

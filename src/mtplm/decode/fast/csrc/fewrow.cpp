@@ -32,7 +32,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
-#include <vector>
 
 namespace {
 
@@ -57,6 +56,24 @@ inline void store_row(uint16_t* y, int64_t col, int64_t m, __m512 value) {
   _mm256_mask_storeu_epi16(y + col, mask, half);
 }
 
+// acc += rows [0, R) of x (row stride xs) over input pairs [k0, k1) of output blocks [0, B) of w (`pairs`
+// pairs a block); x's column 0 is input pair k0.
+template <int R, int B>
+inline void accumulate(__m512 (&acc)[R][B], const uint16_t* w, int64_t pairs, int64_t k0, int64_t k1,
+                       const uint16_t* x, int64_t xs) {
+  for (int64_t k = k0; k < k1; ++k) {
+    __m512bh wv[B];
+    for (int b = 0; b < B; ++b)
+      wv[b] = (__m512bh)_mm512_loadu_si512(w + (b * pairs + k) * 2 * kBlock);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * xs + 2 * (k - k0), sizeof(pair));
+      __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
+    }
+  }
+}
+
 // Rows [row, row + R) x output blocks [block, block + B): the whole K loop with R * B accumulators.
 template <int R, int B>
 void tile(const Problem& p, int64_t row, int64_t block) {
@@ -64,19 +81,9 @@ void tile(const Problem& p, int64_t row, int64_t block) {
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
   const uint16_t* w = p.w + (block - p.first) * p.kp * kBlock;
-  const uint16_t* x = p.x + row * p.xs;
-  const int64_t pairs = p.kp / 2;
-  for (int64_t k = 0; k < pairs; ++k) {
-    __m512bh wv[B];
-    for (int b = 0; b < B; ++b)
-      wv[b] = (__m512bh)_mm512_loadu_si512(w + (b * pairs + k) * 2 * kBlock);
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, x + r * p.xs + 2 * k, sizeof(pair));
-      __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
-    }
-  }
+  const int64_t pairs = p.kp / 2, main = p.tail != nullptr ? p.ktail / 2 : pairs;
+  accumulate<R, B>(acc, w, pairs, 0, main, p.x + row * p.xs, p.xs);
+  if (p.tail != nullptr) accumulate<R, B>(acc, w, pairs, main, pairs, p.tail + row * p.ts, p.ts);
   for (int b = 0; b < B; ++b) {
     const int64_t col = (block + b) * kBlock;
     if (p.f32 != nullptr) {
@@ -168,6 +175,24 @@ void amx_store(const Problem& p, int tile, int64_t row, int rows, int64_t block,
     store_row(p.y + (row + r) * p.m, col, p.m, _mm512_add_ps(_mm512_load_ps(scratch + r * kBlock), bias));
 }
 
+// The tile products of one 32-input chunk: x rows 0-15 (and 16-31: Wide) at x, `stride` bytes apart, against
+// the chunk of output block w0 (and w1: Two).
+template <bool Wide, bool Two>
+__attribute__((target("amx-tile,amx-bf16"), always_inline)) inline void amx_chunk(const uint16_t* x, int64_t stride,
+                                                                                const uint16_t* w0,
+                                                                                const uint16_t* w1) {
+  _tile_loadd(0, x, stride);
+  _tile_loadd(2, w0, 64);
+  if (Wide) _tile_loadd(1, x + 8 * stride, stride);  // 16 rows on: 16 * stride bytes
+  _tile_dpbf16ps(4, 0, 2);
+  if (Wide) _tile_dpbf16ps(6, 1, 2);
+  if (Two) {
+    _tile_loadd(3, w1, 64);
+    _tile_dpbf16ps(5, 0, 3);
+    if (Wide) _tile_dpbf16ps(7, 1, 3);
+  }
+}
+
 // Rows [row, row + rows) (rows <= 32, as the tile config says) x output blocks block (and block + 1: Two).
 template <bool Wide, bool Two>
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -176,21 +201,13 @@ void amx_pair(const Problem& p, int64_t row, int rows, int64_t block, float* scr
   if (Two) _tile_zero(5);
   if (Wide) _tile_zero(6);
   if (Wide && Two) _tile_zero(7);
-  const int64_t stride = p.xs * 2, per_block = p.kp * kBlock;
+  const int64_t per_block = p.kp * kBlock, main = p.tail != nullptr ? p.ktail : p.kp;
   const uint16_t* w0 = p.w + (block - p.first) * per_block;
   const uint16_t* x = p.x + row * p.xs;
-  for (int64_t k = 0; k < p.kp; k += 32) {
-    _tile_loadd(0, x + k, stride);
-    _tile_loadd(2, w0 + k * kBlock, 64);
-    if (Wide) _tile_loadd(1, x + 16 * p.xs + k, stride);
-    _tile_dpbf16ps(4, 0, 2);
-    if (Wide) _tile_dpbf16ps(6, 1, 2);
-    if (Two) {
-      _tile_loadd(3, w0 + per_block + k * kBlock, 64);
-      _tile_dpbf16ps(5, 0, 3);
-      if (Wide) _tile_dpbf16ps(7, 1, 3);
-    }
-  }
+  for (int64_t k = 0; k < main; k += 32)
+    amx_chunk<Wide, Two>(x + k, p.xs * 2, w0 + k * kBlock, w0 + per_block + k * kBlock);
+  for (int64_t k = main; k < p.kp; k += 32)  // the tail's columns (none without one)
+    amx_chunk<Wide, Two>(p.tail + row * p.ts + (k - main), p.ts * 2, w0 + k * kBlock, w0 + per_block + k * kBlock);
   const int top = std::min(rows, 16), bottom = rows - top;
   amx_store(p, 4, row, top, block, scratch);
   if (Two) amx_store(p, 5, row, top, block + 1, scratch);
@@ -288,130 +305,6 @@ at::Tensor fewrow_pack(const at::Tensor& weight) {
 }
 
 
-// ---- gated adapters fused into the widened product (forward._project_widened): y = [x, gate * x A^T] @ [W | B]^T
-// (+ bias) in one call, without [x, gate * x A^T] built by the graph. x A^T is a few-row product over A packed
-// in the W layout (pack(A), held by the caller from load): AMX tiles for up to 32 rows where the CPU has them,
-// else the AVX-512 register tiles above with float32 outputs; either way no horizontal sums, and a row's sums
-// do not depend on the rows beside it. Rows whose gate is 0 keep zero activations (the product gives W x
-// exactly); the others are rounded to bf16 (round to nearest even) as the graph's own path rounds them.
-
-// ---- the low-rank activations through AMX tiles over A packed once at load (pack(A): [R, 1, Ka], the W
-// layout): x A^T of up to 32 rows in float32, one 16-output block of A per tile product, the blocks split over
-// the threads. x is read from the joined input (row stride kp), whose columns past K are zero at that point.
-
-template <bool Wide>
-__attribute__((target("amx-tile,amx-bf16")))
-void amx_low_block(const uint16_t* x, int64_t kp, const uint16_t* a, int64_t ka, float* out, int64_t stride) {
-  _tile_zero(4);
-  if (Wide) _tile_zero(6);
-  for (int64_t k = 0; k < ka; k += 32) {
-    _tile_loadd(0, x + k, kp * 2);
-    _tile_loadd(2, a + k * kBlock, 64);
-    _tile_dpbf16ps(4, 0, 2);
-    if (Wide) {
-      _tile_loadd(1, x + 16 * kp + k, kp * 2);
-      _tile_dpbf16ps(6, 1, 2);
-    }
-  }
-  _tile_stored(4, out, stride * 4);
-  if (Wide) _tile_stored(6, out + 16 * stride, stride * 4);
-}
-
-// A's output blocks [begin, end) of low[N, stride] (AMX, N <= 32).
-__attribute__((target("amx-tile,amx-bf16")))
-void amx_low_blocks(const uint16_t* x, int64_t kp, int64_t n, const uint16_t* a, int64_t ka, float* low,
-                    int64_t stride, int64_t begin, int64_t end) {
-  amx_configure(static_cast<int>(n));
-  for (int64_t block = begin; block < end; ++block) {
-    const uint16_t* w = a + block * ka * kBlock;
-    if (n > 16) amx_low_block<true>(x, kp, w, ka, low + block * kBlock, stride);
-    else amx_low_block<false>(x, kp, w, ka, low + block * kBlock, stride);
-  }
-  _tile_release();
-}
-
-// low[N, Rp] (Rp: R rounded up to 16) = x[N, :Ka] A^T (x's rows kp apart): AMX tiles for up to 32 rows, else
-// the AVX-512 tiles. A small product runs on the calling thread: waking the others costs more than it saves.
-constexpr int64_t kParallelLowRank = 1 << 19;  // multiply-adds
-
-void low_rank(const uint16_t* x, int64_t kp, int64_t n, const at::Tensor& a_packed, float* low) {
-  const int64_t r = a_packed.size(0), ka = a_packed.size(2), blocks = (r + kBlock - 1) / kBlock;
-  const uint16_t* a = reinterpret_cast<const uint16_t*>(a_packed.data_ptr());
-  const bool tiles = isa() == 1 && n <= 32;
-  const Problem p{x, a, nullptr, nullptr, n, blocks * kBlock, ka, kp, low};
-  const int64_t grain = n * ka * blocks * kBlock < kParallelLowRank ? blocks : 1;
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    tiles ? amx_low_blocks(x, kp, n, a, ka, low, blocks * kBlock, begin, end) : run_blocks(p, begin, end);
-  });
-}
-
-// The joined input's low-rank columns [K, K + R): bf16(gate * x A^T), zeros where the gate is 0 (rounded as
-// the graph's own path rounds them).
-void joined_low_rank(uint16_t* joined, int64_t kp, int64_t k, int64_t n, const at::Tensor& a_packed,
-                     const float* gate) {
-  const int64_t r = a_packed.size(0), stride = (r + kBlock - 1) / kBlock * kBlock;
-  bool any = false;
-  for (int64_t row = 0; row < n; ++row) any = any || gate[row] != 0.f;
-  if (!any) return;  // the columns are zero already
-  alignas(64) float low[32 * 96];
-  std::vector<float> wide;
-  float* out = low;
-  if (n * stride > 32 * 96) {
-    wide.resize(n * stride);
-    out = wide.data();
-  }
-  low_rank(joined, kp, n, a_packed, out);
-  for (int64_t row = 0; row < n; ++row) {
-    if (gate[row] == 0.f) continue;
-    const __m512 scale = _mm512_set1_ps(gate[row]);
-    for (int64_t j = 0; j < r; j += kBlock)  // round to nearest even, as c10::BFloat16 rounds
-      store_row(joined + row * kp + k, j, r, _mm512_mul_ps(_mm512_loadu_ps(out + row * stride + j), scale));
-  }
-}
-
-// inputs [N, K], packed = pack([W | B]) ([M, 1, Kp], Kp >= K + R), down = A [R, K] bf16, gate [N] float32;
-// down_packed = pack(A) where the caller holds one (else A is packed per call).
-at::Tensor fewrow_lora_linear(const at::Tensor& inputs, const at::Tensor& packed, const at::Tensor& down,
-                              const at::Tensor& gate, const c10::optional<at::Tensor>& bias,
-                              const c10::optional<at::Tensor>& down_packed) {
-  TORCH_CHECK(inputs.dim() == 2 && packed.dim() == 3 && down.dim() == 2 && gate.dim() == 1,
-              "fewrow lora_linear: inputs [N, K], packed [M, 1, Kp], down [R, K], gate [N]");
-  TORCH_CHECK(inputs.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
-                  down.scalar_type() == at::kBFloat16 && gate.scalar_type() == at::kFloat,
-              "fewrow lora_linear: bf16 inputs, weights and down, float32 gate");
-  const int64_t n = inputs.size(0), k = inputs.size(1), m = packed.size(0), kp = packed.size(2);
-  const int64_t r = down.size(0), wide = k + r;
-  TORCH_CHECK(down.size(1) == k && gate.size(0) == n, "fewrow lora_linear: down [R, ", k, "], gate [", n, "]");
-  TORCH_CHECK(wide <= kp && kp % 32 == 0 && kp - wide < 32, "fewrow lora_linear: ", k, " + ", r,
-              " features, the packed weight ", kp);
-  const at::Tensor b = bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor();
-  TORCH_CHECK(!b.defined() || (b.numel() == m && b.scalar_type() == at::kBFloat16), "fewrow lora_linear: bias");
-  const at::Tensor x = inputs.contiguous(), g = gate.contiguous();
-  at::Tensor joined = at::empty({n, kp}, inputs.options());  // [x, gate * x A^T, zero padding]
-  uint16_t* dst = reinterpret_cast<uint16_t*>(joined.data_ptr());
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const bool amx = isa() == 1;
-  const bool held = down_packed.has_value() && down_packed->defined();
-  TORCH_CHECK(!held || (down_packed->dim() == 3 && down_packed->size(0) == r &&
-                        down_packed->size(2) == (k + 31) / 32 * 32 && down_packed->scalar_type() == at::kBFloat16),
-              "fewrow lora_linear: down_packed is not pack(down)");
-  for (int64_t row = 0; row < n; ++row) {  // x A^T reads zeros past K, then writes the adapter's columns
-    std::memcpy(dst + row * kp, src + row * k, k * sizeof(uint16_t));
-    std::memset(dst + row * kp + k, 0, (kp - k) * sizeof(uint16_t));
-  }
-  joined_low_rank(dst, kp, k, n, held ? *down_packed : fewrow_pack(down.contiguous()), g.data_ptr<float>());
-  if (n > kMaxRows && !amx) return at::linear(joined.narrow(1, 0, wide), unpacked(packed, wide), b);
-  at::Tensor y = at::empty({n, m}, inputs.options());
-  if (n == 0 || m == 0) return y;
-  const Problem p{dst, reinterpret_cast<const uint16_t*>(packed.data_ptr()),
-                  b.defined() ? reinterpret_cast<const uint16_t*>(b.data_ptr()) : nullptr,
-                  reinterpret_cast<uint16_t*>(y.data_ptr()), n, m, kp, kp};
-  at::parallel_for(0, (m + kBlock - 1) / kBlock, 1, [&](int64_t begin, int64_t end) {
-    amx ? amx_blocks(p, begin, end) : run_blocks(p, begin, end);
-  });
-  return y;
-}
-
 }  // namespace
 
 void mtplm::fewrow::products(const Problem& p, int64_t begin, int64_t end) {
@@ -422,6 +315,12 @@ bool mtplm::fewrow::amx() { return isa() == 1; }
 
 void mtplm::fewrow::configure_tiles(int rows) { amx_configure(rows); }
 
+void mtplm::fewrow::register_blocks(const Problem& p, int64_t begin, int64_t end) { run_blocks(p, begin, end); }
+
+at::Tensor mtplm::fewrow::pack(const at::Tensor& weight) { return fewrow_pack(weight); }
+
+at::Tensor mtplm::fewrow::unpack(const at::Tensor& packed, int64_t k) { return unpacked(packed, k); }
+
 void mtplm::fewrow::store_tile(const Problem& p, int tile, int64_t row, int rows, int64_t block, float* scratch) {
   amx_store(p, tile, row, rows, block, scratch);
 }
@@ -429,9 +328,6 @@ void mtplm::fewrow::store_tile(const Problem& p, int tile, int64_t row, int rows
 TORCH_LIBRARY(mtplm_fewrow, m) {
   m.def("linear(Tensor inputs, Tensor packed, Tensor? bias) -> Tensor");
   m.def("pack(Tensor weight) -> Tensor");
-  m.def(
-      "lora_linear(Tensor inputs, Tensor packed, Tensor down, Tensor gate, Tensor? bias, Tensor? down_packed=None) "
-      "-> Tensor");
   m.def("isa() -> str");  // which kernel linear runs: "amx" or "avx512"
   m.def("use_isa(str isa) -> str");
 }
@@ -444,5 +340,4 @@ TORCH_LIBRARY_IMPL(mtplm_fewrow, CompositeExplicitAutograd, m) {
 TORCH_LIBRARY_IMPL(mtplm_fewrow, CPU, m) {
   m.impl("linear", fewrow_linear);
   m.impl("pack", fewrow_pack);
-  m.impl("lora_linear", fewrow_lora_linear);
 }

@@ -2,6 +2,8 @@
 // its ISA choice and the AMX tile config and load barrier.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
 
 namespace mtplm::fewrow {
@@ -27,10 +29,20 @@ struct Problem {
   int64_t n, m, kp, xs;
   float* f32 = nullptr;  // [N, M] float32 outputs instead of y (no bias; M a multiple of 16)
   int64_t first = 0;  // the output block w starts at
+  // Inputs [ktail, Kp) read from `tail` instead ([N, ts] bf16 bits, its column 0 being input ktail; ktail a
+  // multiple of 32): a widened product's extra columns (lora.cpp) without a joined copy of x.
+  const uint16_t* tail = nullptr;
+  int64_t ktail = 0, ts = 0;
 };
 
 // Output blocks [begin, end) of p on the calling thread: AMX tiles where isa() says so, else AVX-512.
 void products(const Problem& p, int64_t begin, int64_t end);
+
+// Output blocks [begin, end) of p through the AVX-512 register tiles whatever the CPU (they also take f32
+// outputs); W [M, K] back from pack()'s layout (a copy), for at::linear; W packed.
+void register_blocks(const Problem& p, int64_t begin, int64_t end);
+at::Tensor unpack(const at::Tensor& packed, int64_t k);
+at::Tensor pack(const at::Tensor& weight);  // W [M, K] -> pack()'s layout
 
 // The AMX path, for a kernel with its own inner loop (int4.cpp): whether isa() says so; the tile config for
 // `rows` (<= 32) rows (tiles 0, 1 rows 0-15 and 16-31, 2, 3 two blocks' weights, 4-7 the sums); accumulator

@@ -1,0 +1,262 @@
+// Gated adapters fused into their projection (forward._project_widened), one call:
+//   y = x W^T + bf16(gate * x A_p^T) B_p^T (+ bias)   for the outputs of each fused part p (q, k, v; gate, up)
+// for any number of rows, bf16 in and out, float32 sums.
+//
+// The weight is pack([W | 0 | B_c]) ([M, 1, Kp + rp]: Kp = K and rp = r rounded up to 32, fewrow.widened_weight),
+// where B_c [M, r] stacks the parts' B by output rows: each output row carries its own part's r adapter columns
+// only. A fused projection's [W | block_diag(B_p)] would carry the other parts' zeros too: for q, k, v at rank
+// 32 that is two zero blocks of 32 inputs in every 21, read from memory for nothing. The products read x in
+// place (a zero-padded copy where K is not a multiple of 32) and part p's adapter columns from its own
+// columns of one small buffer, bf16(gate * x A^T) laid out [N, parts x rp] (fewrow.h's Problem::tail), so
+// the sums are those of the widened product over [W | block_diag(B_p)] bitwise (the skipped columns only
+// ever added zeros), and a row's sums do not depend on the rows beside it. Rows whose gate is 0 read zeros
+// there and get W x exactly.
+//
+// x A^T (R = parts x r columns, 16 a block) runs inside the same parallel region as the product: each thread
+// claims low-rank blocks until none are left, waits until every claimed block is written (claimed blocks
+// are being computed by running threads, so the wait ends whatever the number of threads), then runs its
+// share of the product's output blocks. A region of its own, or the calling thread alone while the other
+// waits, cost about as much as the product they saved (docs/backends-kernels.md).
+
+#include "fewrow.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using mtplm::fewrow::kBlock;
+using mtplm::fewrow::Problem;
+
+constexpr int64_t kMaxRegisterRows = 32;  // without AMX, more rows go to at::linear
+
+inline int64_t round_up(int64_t value, int64_t to) { return (value + to - 1) / to * to; }
+
+__attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
+
+// One call's shapes and buffers. Output blocks [ends[p - 1], ends[p]) belong to part p.
+struct Call {
+  int64_t n, k, kp, m, rank, rp, total;  // kp: K rounded up to 32; rank: r a part; rp: r rounded up to 32
+  std::vector<int64_t> ends;
+  const uint16_t* x;      // [n, kp]: the inputs, zero-padded
+  const uint16_t* a;      // pack(A): [R rounded up to 16] x kp, the W layout
+  const float* gate;      // [n]
+  uint16_t* tail;         // [n, parts x rp]: bf16(gate * x A_p^T) at part p's columns p rp .., zeros
+  float* low;             // [n, Rs]: float32 x A^T (Rs: R rounded up to 16)
+  int64_t parts() const { return static_cast<int64_t>(ends.size()); }
+  int64_t low_stride() const { return round_up(total, kBlock); }
+};
+
+template <bool Wide>
+__attribute__((target("amx-tile,amx-bf16")))
+void amx_low_block(const uint16_t* x, int64_t kp, const uint16_t* a, float* out, int64_t stride) {
+  _tile_zero(4);
+  if (Wide) _tile_zero(6);
+  for (int64_t k = 0; k < kp; k += 32) {
+    _tile_loadd(0, x + k, kp * 2);
+    _tile_loadd(2, a + k * kBlock, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    if (Wide) {
+      _tile_loadd(1, x + 16 * kp + k, kp * 2);
+      _tile_dpbf16ps(6, 1, 2);
+    }
+  }
+  _tile_stored(4, out, stride * 4);
+  if (Wide) _tile_stored(6, out + 16 * stride, stride * 4);
+}
+
+// Block j of x A^T (A's outputs 16j .. 16j + 15) into call.low: AMX tiles for up to 32 rows (the tiles
+// configured by the caller), else the register tiles.
+void low_product(const Call& call, int64_t j, bool tiles) {
+  const int64_t stride = call.low_stride();
+  if (tiles) {
+    const uint16_t* a = call.a + j * call.kp * kBlock;
+    call.n > 16 ? amx_low_block<true>(call.x, call.kp, a, call.low + j * kBlock, stride)
+                : amx_low_block<false>(call.x, call.kp, a, call.low + j * kBlock, stride);
+    return;
+  }
+  const Problem p{call.x, call.a, nullptr, nullptr, call.n, stride, call.kp, call.kp, call.low};
+  mtplm::fewrow::register_blocks(p, j, j + 1);
+}
+
+// Block j of x A^T, scaled by each row's gate and rounded to bf16 (to nearest even, as the graph's own path
+// rounds) into its part's tail columns; rows whose gate is 0 keep their zeros.
+void low_block(const Call& call, int64_t j, bool tiles) {
+  low_product(call, j, tiles);
+  const int64_t stride = call.low_stride(), width = call.parts() * call.rp;
+  const int64_t first = j * kBlock, last = std::min(call.total, first + kBlock);
+  const bool whole = call.rank % kBlock == 0;  // the block lies in one part: a vector a row
+  for (int64_t row = 0; row < call.n; ++row) {
+    const float gate = call.gate[row];
+    if (gate == 0.f) continue;
+    const float* from = call.low + row * stride;
+    uint16_t* to = call.tail + row * width;
+    if (whole) {
+      const __m512 scaled = _mm512_mul_ps(_mm512_loadu_ps(from + first), _mm512_set1_ps(gate));
+      const int64_t part = first / call.rank;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + part * call.rp + first - part * call.rank),
+                          (__m256i)_mm512_cvtneps_pbh(scaled));
+      continue;
+    }
+    for (int64_t c = first; c < last; ++c) {
+      const c10::BFloat16 value(gate * from[c]);
+      std::memcpy(to + (c / call.rank) * call.rp + c % call.rank, &value, 2);
+    }
+  }
+}
+
+// Output blocks [begin, end) of y, part by part: x, then the part's tail columns.
+void products(const Call& call, const uint16_t* w, int64_t kw, const uint16_t* bias, uint16_t* y,
+              int64_t begin, int64_t end) {
+  int64_t first = 0;
+  for (int64_t part = 0; part < call.parts(); first = call.ends[part++]) {
+    const int64_t lo = std::max(begin, first), hi = std::min(end, call.ends[part]);
+    if (lo >= hi) continue;
+    Problem p{call.x, w + first * kw * kBlock, bias, y, call.n, call.m, kw, call.kp};
+    p.first = first;
+    p.tail = call.tail + part * call.rp, p.ktail = call.kp, p.ts = call.parts() * call.rp;
+    mtplm::fewrow::products(p, lo, hi);
+  }
+}
+
+// Many rows without AMX: at::linear over [x, low_0, low_1, ...] and [W | block_diag(B_p)] rebuilt from the
+// packed weight (a copy a call, as fewrow linear's own fallback).
+at::Tensor dense(const Call& call, const at::Tensor& packed, const at::Tensor& bias, const at::Tensor& x) {
+  const at::Tensor compact = mtplm::fewrow::unpack(packed, packed.size(2));  // [M, Kp + rp]
+  const int64_t parts = call.parts(), width = call.k + parts * call.rank;
+  at::Tensor widened = at::zeros({call.m, width}, packed.options());
+  widened.narrow(1, 0, call.k).copy_(compact.narrow(1, 0, call.k));
+  const at::Tensor tail = at::from_blob(call.tail, {call.n, parts * call.rp}, x.options());
+  std::vector<at::Tensor> inputs{x};
+  int64_t first = 0;
+  for (int64_t part = 0; part < parts; first = call.ends[part++]) {
+    const int64_t row = first * kBlock, rows = std::min(call.m, call.ends[part] * kBlock) - row;
+    widened.narrow(0, row, rows).narrow(1, call.k + part * call.rank, call.rank)
+        .copy_(compact.narrow(0, row, rows).narrow(1, call.kp, call.rank));
+    inputs.push_back(tail.narrow(1, part * call.rp, call.rank));
+  }
+  return at::linear(at::cat(inputs, 1), widened, bias);
+}
+
+// The parts' output blocks: `parts` lists each part's out features (every one but the last a multiple of 16);
+// none: one part of all M.
+std::vector<int64_t> part_ends(c10::IntArrayRef parts, int64_t m) {
+  std::vector<int64_t> ends;
+  int64_t rows = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    rows += parts[i];
+    TORCH_CHECK(i + 1 == parts.size() || parts[i] % kBlock == 0,
+                "fewrow lora_linear: every part but the last needs out features a multiple of 16");
+    ends.push_back(round_up(rows, kBlock) / kBlock);
+  }
+  TORCH_CHECK(parts.empty() || rows == m, "fewrow lora_linear: parts sum to ", rows, ", the weight has ", m);
+  if (ends.empty()) ends.push_back(round_up(m, kBlock) / kBlock);
+  return ends;
+}
+
+void check(const at::Tensor& inputs, const at::Tensor& packed, const at::Tensor& down, const at::Tensor& gate,
+           const at::Tensor& bias, const at::Tensor& a) {
+  TORCH_CHECK(inputs.dim() == 2 && packed.dim() == 3 && down.dim() == 2 && gate.dim() == 1,
+              "fewrow lora_linear: inputs [N, K], packed [M, 1, Kw], down [R, K], gate [N]");
+  TORCH_CHECK(inputs.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
+                  down.scalar_type() == at::kBFloat16 && gate.scalar_type() == at::kFloat,
+              "fewrow lora_linear: bf16 inputs, weights and down, float32 gate");
+  TORCH_CHECK(down.size(1) == inputs.size(1) && gate.size(0) == inputs.size(0), "fewrow lora_linear: down [R, ",
+              inputs.size(1), "], gate [", inputs.size(0), "]");
+  TORCH_CHECK(!bias.defined() || (bias.numel() == packed.size(0) && bias.scalar_type() == at::kBFloat16),
+              "fewrow lora_linear: bias");
+  TORCH_CHECK(a.dim() == 3 && a.size(0) == down.size(0) && a.size(2) == round_up(down.size(1), 32) &&
+                  a.scalar_type() == at::kBFloat16,
+              "fewrow lora_linear: down_packed is not pack(down)");
+}
+
+// The call's shapes over its buffers: x (inputs, or a zero-padded copy in `padded`), tail and low (zeroed).
+Call prepare(const at::Tensor& inputs, const at::Tensor& packed, const at::Tensor& a, const float* gate,
+             c10::IntArrayRef parts, at::Tensor& padded, std::vector<uint16_t>& tail, std::vector<float>& low) {
+  const int64_t n = inputs.size(0), k = inputs.size(1), kp = round_up(k, 32), m = packed.size(0);
+  std::vector<int64_t> ends = part_ends(parts, m);
+  const int64_t count = static_cast<int64_t>(ends.size()), total = a.size(0), rank = total / count;
+  TORCH_CHECK(rank * count == total, "fewrow lora_linear: ", total, " adapter rows over ", count, " parts");
+  const int64_t rp = round_up(rank, 32);
+  TORCH_CHECK(packed.size(2) == kp + rp, "fewrow lora_linear: ", k, " + ", rank,
+              " features, the packed weight ", packed.size(2), " (widened_weight's layout)");
+  padded = inputs.contiguous();
+  if (k != kp) padded = at::constant_pad_nd(padded, {0, kp - k});
+  tail.assign(n * count * rp, 0);
+  low.assign(n * round_up(total, kBlock), 0.f);
+  return Call{n, k, kp, m, rank, rp, total, std::move(ends),
+              reinterpret_cast<const uint16_t*>(padded.data_ptr()),
+              reinterpret_cast<const uint16_t*>(a.data_ptr()), gate, tail.data(), low.data()};
+}
+
+// inputs [N, K], packed = pack(widened_weight(W, [B_p])), down = A [R, K] bf16 (R = parts x r), gate [N]
+// float32, parts: the out features of each part (none: one part); down_packed = pack(A) where the caller
+// holds one (else A is packed per call).
+at::Tensor lora_linear(const at::Tensor& inputs, const at::Tensor& packed, const at::Tensor& down,
+                       const at::Tensor& gate, const c10::optional<at::Tensor>& bias,
+                       const c10::optional<at::Tensor>& down_packed, c10::IntArrayRef parts) {
+  const at::Tensor b = bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor();
+  const bool held = down_packed.has_value() && down_packed->defined();
+  const at::Tensor a = held ? *down_packed : mtplm::fewrow::pack(down.contiguous());
+  check(inputs, packed, down, gate, b, a);
+  const at::Tensor g = gate.contiguous();
+  at::Tensor x;
+  std::vector<uint16_t> tail_bits;
+  std::vector<float> low;
+  const Call call = prepare(inputs, packed, a, g.data_ptr<float>(), parts, x, tail_bits, low);
+  bool open = false;
+  for (int64_t row = 0; row < call.n; ++row) open = open || call.gate[row] != 0.f;
+  const int64_t low_blocks = open ? call.low_stride() / kBlock : 0;  // closed: the tail stays zero
+  const bool amx = mtplm::fewrow::amx(), tiles = amx && call.n <= 32;
+  if (call.n > kMaxRegisterRows && !amx) {
+    for (int64_t j = 0; j < low_blocks; ++j) low_block(call, j, false);
+    return dense(call, packed, b, x.narrow(1, 0, call.k));
+  }
+  at::Tensor y = at::empty({call.n, call.m}, inputs.options());
+  if (call.n == 0 || call.m == 0) return y;
+  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  const auto* bias_bits = b.defined() ? reinterpret_cast<const uint16_t*>(b.data_ptr()) : nullptr;
+  auto* out = reinterpret_cast<uint16_t*>(y.data_ptr());
+  std::atomic<int64_t> next{0}, done{0};
+  const int64_t blocks = call.ends.back();
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    int64_t j = next.fetch_add(1);
+    const bool configured = j < low_blocks && tiles;
+    if (configured) mtplm::fewrow::configure_tiles(static_cast<int>(call.n));
+    for (; j < low_blocks; j = next.fetch_add(1)) {
+      low_block(call, j, tiles);
+      done.fetch_add(1, std::memory_order_release);
+    }
+    if (configured) release_tiles();
+    while (done.load(std::memory_order_acquire) < low_blocks) _mm_pause();
+    mtplm::fewrow::before_tile_loads();  // the tail columns other threads just wrote
+    products(call, w, packed.size(2), bias_bits, out, begin, end);
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(mtplm_fewrow, m) {
+  m.def(
+      "lora_linear(Tensor inputs, Tensor packed, Tensor down, Tensor gate, Tensor? bias, Tensor? down_packed=None, "
+      "int[] parts=[]) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mtplm_fewrow, CPU, m) { m.impl("lora_linear", lora_linear); }
