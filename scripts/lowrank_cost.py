@@ -54,8 +54,8 @@ def low_rank_ms(rows: int, repeats: int) -> float:
     def one_pass(gate: torch.Tensor) -> float:
         began = time.perf_counter()
         for _ in range(LAYERS):
-            for (packed, down, down_packed, parts), x in zip(layer, inputs, strict=True):
-                fewrow.lora_linear(x, packed, down, gate, None, down_packed, parts)
+            for (packed, _, down_packed, parts), x in zip(layer, inputs, strict=True):
+                fewrow.lora_linear(x, packed, down_packed, gate, None, parts)
         return time.perf_counter() - began
 
     for _ in range(5):

@@ -4,8 +4,6 @@ the grouped-layer graphs (fast/graphs.py) against the uncompiled pass."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 from conftest import tiny_llama, tiny_tokenizer
@@ -36,11 +34,12 @@ def test_lora_linear_is_the_widened_product(m, k, r, biased, isa):
     weight, up = weight.to(torch.bfloat16), up.to(torch.bfloat16)
     bias = torch.randn(m, generator=generator).to(torch.bfloat16) if biased else None
     packed, plain = fewrow.pack(fewrow.widened_weight(weight, [up])[0]), fewrow.pack(weight)
-    for n, down_packed in itertools.product((*range(1, 34), 40), (None, fewrow.pack(down))):
+    down_packed = fewrow.pack(down)
+    for n in (*range(1, 34), 40):
         x = torch.randn(n, k, generator=generator).to(torch.bfloat16)
         gate = (torch.rand(n, generator=generator) < 0.6).float() * 2.0
         gate[0] = 0.0  # a plain row
-        got = fewrow.lora_linear(x, packed, down, gate, bias, down_packed)  # None: A packed per call
+        got = fewrow.lora_linear(x, packed, down_packed, gate, bias)
         expected = widened_reference(x, weight, up, down, gate, bias)
         assert got.shape == (n, m) and got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), expected, atol=0.03, rtol=0.02, msg=f"{n} rows")
@@ -49,7 +48,7 @@ def test_lora_linear_is_the_widened_product(m, k, r, biased, isa):
         if k % 32 == 0 and n <= 32:  # the same blocks of K and the same few-row path: the same sums
             assert torch.equal(got[closed], fewrow.linear(x[closed], plain, bias))
         if n > 1:  # a row's result does not depend on the rows beside it
-            alone = fewrow.lora_linear(x[-1:], packed, down, gate[-1:], bias, down_packed)
+            alone = fewrow.lora_linear(x[-1:], packed, down_packed, gate[-1:], bias)
             assert torch.equal(got[-1:], alone), f"{n} rows"
 
 
@@ -71,12 +70,12 @@ def test_lora_linear_over_parts_is_the_block_diagonal_widened_product(k, rank, p
         x = torch.randn(n, k, generator=generator).to(torch.bfloat16)
         gate = (torch.rand(n, generator=generator) < 0.6).float() * 2.0
         gate[0] = 0.0
-        got = fewrow.lora_linear(x, packed, down, gate, None, fewrow.pack(down), sizes)
+        got = fewrow.lora_linear(x, packed, fewrow.pack(down), gate, None, sizes)
         expected = widened_reference(x, weight, torch.block_diag(*ups), down, gate, None)
         torch.testing.assert_close(got.float(), expected, atol=0.03, rtol=0.02, msg=f"{n} rows")
         if k % 32 == 0 and n <= 32:  # [W | block_diag(B_p)] as one part: the zeros it adds change nothing
-            assert torch.equal(got, fewrow.lora_linear(x, dense, down, gate, None, fewrow.pack(down)))
-        alone = fewrow.lora_linear(x[-1:], packed, down, gate[-1:], None, None, sizes)
+            assert torch.equal(got, fewrow.lora_linear(x, dense, fewrow.pack(down), gate, None))
+        alone = fewrow.lora_linear(x[-1:], packed, fewrow.pack(down), gate[-1:], None, sizes)
         assert torch.equal(got[-1:], alone), f"{n} rows"
 
 
@@ -92,23 +91,25 @@ def test_lora_linear_with_every_gate_closed_is_the_plain_product(isa):
     down = torch.randn(8, 64, dtype=torch.bfloat16)
     packed, plain = fewrow.pack(fewrow.widened_weight(weight, [up])[0]), fewrow.pack(weight)
     x = torch.randn(5, 64, dtype=torch.bfloat16)
-    got = fewrow.lora_linear(x, packed, down, torch.zeros(5), None, fewrow.pack(down))
+    got = fewrow.lora_linear(x, packed, fewrow.pack(down), torch.zeros(5), None)
     assert torch.equal(got, fewrow.linear(x, plain, None))
 
 
 @needs_kernel
 def test_lora_linear_refuses_mismatched_shapes():
-    packed = fewrow.pack(torch.randn(16, 40, dtype=torch.bfloat16))  # K + R = 40
+    packed = fewrow.pack(torch.randn(16, 64, dtype=torch.bfloat16))  # K 32 + rank 32
     x, gate = torch.randn(3, 32, dtype=torch.bfloat16), torch.ones(3)
-    with pytest.raises(RuntimeError, match="down"):
-        fewrow.lora_linear(x, packed, torch.randn(8, 31, dtype=torch.bfloat16), gate, None)
-    with pytest.raises(RuntimeError, match="features"):
-        fewrow.lora_linear(x, packed, torch.randn(40, 32, dtype=torch.bfloat16), gate, None)
-    with pytest.raises(RuntimeError, match="down_packed"):
-        down, other = torch.randn(8, 32, dtype=torch.bfloat16), torch.randn(16, 32, dtype=torch.bfloat16)
-        fewrow.lora_linear(x, packed, down, gate, None, fewrow.pack(other))
+    with pytest.raises(RuntimeError, match="down_packed"):  # an A over 64 inputs
+        fewrow.lora_linear(x, packed, fewrow.pack(torch.randn(8, 64, dtype=torch.bfloat16)), gate, None)
+    with pytest.raises(RuntimeError, match="features"):  # rank 40: 32 + 64 columns
+        fewrow.lora_linear(x, packed, fewrow.pack(torch.randn(40, 32, dtype=torch.bfloat16)), gate, None)
     with pytest.raises(RuntimeError, match="float32 gate"):
-        fewrow.lora_linear(x, packed, torch.randn(8, 32, dtype=torch.bfloat16), gate.double(), None)
+        down = fewrow.pack(torch.randn(8, 32, dtype=torch.bfloat16))
+        fewrow.lora_linear(x, packed, down, gate.double(), None)
+    with pytest.raises(RuntimeError, match="parts sum"):
+        fewrow.lora_linear(
+            x, packed, fewrow.pack(torch.randn(32, 32, dtype=torch.bfloat16)), gate, None, [32]
+        )
 
 
 def five_layers(dtype: torch.dtype) -> MTPModel:

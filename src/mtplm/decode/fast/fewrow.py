@@ -133,10 +133,9 @@ def _int4_linear_shape(
 def _lora_linear_shape(
     inputs: torch.Tensor,
     packed: torch.Tensor,
-    down: torch.Tensor,
+    down_packed: torch.Tensor,
     gate: torch.Tensor,
     bias: torch.Tensor | None,
-    down_packed: torch.Tensor | None = None,
     parts: list[int] | None = None,
 ) -> torch.Tensor:
     return inputs.new_empty(inputs.shape[0], packed.shape[0])
@@ -176,20 +175,18 @@ def linear(inputs: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 def lora_linear(
     inputs: torch.Tensor,
     packed: torch.Tensor,
-    down: torch.Tensor,
+    down_packed: torch.Tensor,
     gate: torch.Tensor,
     bias: torch.Tensor | None,
-    down_packed: torch.Tensor | None = None,
     parts: list[int] | None = None,
 ) -> torch.Tensor:
     """inputs @ W^T + bf16(gate * inputs @ A_p^T) @ B_p^T (+ bias) -> [N, M] for the outputs of each part p,
     one call over packed = pack(widened_weight(W, [B_p])) (an output reads its own part's adapter columns
-    only): inputs [N, K] bf16, down (the adapters' A, the parts'
-    stacked) [R, K] bf16, gate [N] float32, parts: each part's out features (None: one part). The low-rank
-    activations are rounded to bf16 before the product, as forward._project_widened's graph rounds them.
-    With down_packed = pack(down) on a CPU with AMX, passes of up to 32 rows compute inputs @ down^T in AMX
-    tiles (else AVX-512 dot products over down); any number of rows."""
-    return torch.ops.mtplm_fewrow.lora_linear(inputs, packed, down, gate, bias, down_packed, parts or [])
+    only): inputs [N, K] bf16, down_packed = pack(A) of the parts' stacked A [R, K] bf16, gate [N] float32,
+    parts: each part's out features (None: one part). The low-rank activations are rounded to bf16 before
+    the product, as forward._project_widened's graph rounds them. Any number of rows: inputs @ A^T in AMX
+    tiles for up to 32 rows on a CPU with AMX, else AVX-512 dot products."""
+    return torch.ops.mtplm_fewrow.lora_linear(inputs, packed, down_packed, gate, bias, parts or [])
 
 
 def widened_weight(weight: torch.Tensor, ups: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:

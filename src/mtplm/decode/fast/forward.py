@@ -204,14 +204,13 @@ def _project_widened(block, name: str, inputs: torch.Tensor, gate: torch.Tensor)
     docs/backends-kernels.md. Over mtplm's few-row kernel, one call of its lora_linear computes A x, the gate
     and the product, each output over its own part's adapter columns only: no reduction or concatenation in
     the graph."""
-    down, widened = getattr(block, f"{name}_a"), getattr(block, f"{name}_wb_w")
-    flat = inputs.reshape(-1, inputs.shape[-1])  # [N, in]
-    parts = block.adapter_parts.get(name)
+    widened, parts = getattr(block, f"{name}_wb_w"), block.adapter_parts.get(name)
     if parts is not None:  # widened for fewrow.lora_linear (weights.py)
         bias, down_packed = getattr(block, f"{name}_wb_bias"), getattr(block, f"{name}_ap")
-        out = fewrow.lora_linear(flat, widened, down, gate.reshape(-1), bias, down_packed, parts)
+        flat = inputs.reshape(-1, inputs.shape[-1])  # [N, in]
+        out = fewrow.lora_linear(flat, widened, down_packed, gate.reshape(-1), bias, parts)
         return out.view(*inputs.shape[:-1], widened.shape[0])
-    low = _low_rank(inputs, down, gate)  # [b, Q, n r]
+    low = _low_rank(inputs, getattr(block, f"{name}_a"), gate)  # [b, Q, n r]
     return linear(block, f"{name}_wb", torch.cat([inputs, low.to(inputs.dtype)], dim=-1))
 
 

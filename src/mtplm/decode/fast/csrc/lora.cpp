@@ -170,20 +170,18 @@ std::vector<int64_t> part_ends(c10::IntArrayRef parts, int64_t m) {
   return ends;
 }
 
-void check(const at::Tensor& inputs, const at::Tensor& packed, const at::Tensor& down, const at::Tensor& gate,
-           const at::Tensor& bias, const at::Tensor& a) {
-  TORCH_CHECK(inputs.dim() == 2 && packed.dim() == 3 && down.dim() == 2 && gate.dim() == 1,
-              "fewrow lora_linear: inputs [N, K], packed [M, 1, Kw], down [R, K], gate [N]");
+void check(const at::Tensor& inputs, const at::Tensor& packed, const at::Tensor& a, const at::Tensor& gate,
+           const at::Tensor& bias) {
+  TORCH_CHECK(inputs.dim() == 2 && packed.dim() == 3 && a.dim() == 3 && gate.dim() == 1,
+              "fewrow lora_linear: inputs [N, K], packed [M, 1, Kw], down_packed [R, 1, Kp], gate [N]");
   TORCH_CHECK(inputs.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
-                  down.scalar_type() == at::kBFloat16 && gate.scalar_type() == at::kFloat,
-              "fewrow lora_linear: bf16 inputs, weights and down, float32 gate");
-  TORCH_CHECK(down.size(1) == inputs.size(1) && gate.size(0) == inputs.size(0), "fewrow lora_linear: down [R, ",
-              inputs.size(1), "], gate [", inputs.size(0), "]");
+                  a.scalar_type() == at::kBFloat16 && gate.scalar_type() == at::kFloat,
+              "fewrow lora_linear: bf16 inputs, weights and down_packed, float32 gate");
+  TORCH_CHECK(a.size(2) == round_up(inputs.size(1), 32) && gate.size(0) == inputs.size(0),
+              "fewrow lora_linear: down_packed is not pack(A) of an A [R, ", inputs.size(1), "], or gate not [",
+              inputs.size(0), "]");
   TORCH_CHECK(!bias.defined() || (bias.numel() == packed.size(0) && bias.scalar_type() == at::kBFloat16),
               "fewrow lora_linear: bias");
-  TORCH_CHECK(a.dim() == 3 && a.size(0) == down.size(0) && a.size(2) == round_up(down.size(1), 32) &&
-                  a.scalar_type() == at::kBFloat16,
-              "fewrow lora_linear: down_packed is not pack(down)");
 }
 
 // The call's shapes over its buffers: x (inputs, or a zero-padded copy in `padded`), tail and low (zeroed).
@@ -205,16 +203,13 @@ Call prepare(const at::Tensor& inputs, const at::Tensor& packed, const at::Tenso
               reinterpret_cast<const uint16_t*>(a.data_ptr()), gate, tail.data(), low.data()};
 }
 
-// inputs [N, K], packed = pack(widened_weight(W, [B_p])), down = A [R, K] bf16 (R = parts x r), gate [N]
-// float32, parts: the out features of each part (none: one part); down_packed = pack(A) where the caller
-// holds one (else A is packed per call).
-at::Tensor lora_linear(const at::Tensor& inputs, const at::Tensor& packed, const at::Tensor& down,
-                       const at::Tensor& gate, const c10::optional<at::Tensor>& bias,
-                       const c10::optional<at::Tensor>& down_packed, c10::IntArrayRef parts) {
+// inputs [N, K], packed = pack(widened_weight(W, [B_p])), down_packed = pack(A) of the adapters' A [R, K]
+// (R = parts x r), gate [N] float32, parts: the out features of each part (none: one part).
+at::Tensor lora_linear(const at::Tensor& inputs, const at::Tensor& packed, const at::Tensor& down_packed,
+                       const at::Tensor& gate, const c10::optional<at::Tensor>& bias, c10::IntArrayRef parts) {
   const at::Tensor b = bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor();
-  const bool held = down_packed.has_value() && down_packed->defined();
-  const at::Tensor a = held ? *down_packed : mtplm::fewrow::pack(down.contiguous());
-  check(inputs, packed, down, gate, b, a);
+  const at::Tensor& a = down_packed;
+  check(inputs, packed, a, gate, b);
   const at::Tensor g = gate.contiguous();
   at::Tensor x;
   std::vector<uint16_t> tail_bits;
@@ -255,8 +250,8 @@ at::Tensor lora_linear(const at::Tensor& inputs, const at::Tensor& packed, const
 
 TORCH_LIBRARY_FRAGMENT(mtplm_fewrow, m) {
   m.def(
-      "lora_linear(Tensor inputs, Tensor packed, Tensor down, Tensor gate, Tensor? bias, Tensor? down_packed=None, "
-      "int[] parts=[]) -> Tensor");
+      "lora_linear(Tensor inputs, Tensor packed, Tensor down_packed, Tensor gate, Tensor? bias, int[] parts=[]) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mtplm_fewrow, CPU, m) { m.impl("lora_linear", lora_linear); }
