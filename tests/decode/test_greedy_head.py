@@ -69,7 +69,9 @@ def test_the_mask_token_is_never_chosen_and_a_nan_row_goes_to_the_full_head(isa)
 
 
 @needs_kernel
-@pytest.mark.parametrize("mode", ["ntp", "verified:lookup", "verified@3"])
+@pytest.mark.parametrize(
+    "mode", ["ntp", "verified:lookup", "verified@3", "verified:quadratic+lookup@3", "confadapt@3"]
+)
 def test_greedy_decoding_reads_the_int8_copy_and_emits_the_same_tokens(mode, isa, monkeypatch):
     torch._dynamo.reset()
     model = tiny_mtp(gated=True)
@@ -87,8 +89,8 @@ def test_greedy_decoding_reads_the_int8_copy_and_emits_the_same_tokens(mode, isa
     prompt = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
     got = generate(model, prompt, cfg, backend=with_copy)
     assert got.tokens == generate(model, prompt, cfg, backend=without).tokens
-    # plain and lookup passes need only greedy tokens; mask blocks (verified@3) need the logits
-    assert (heads_read == []) == (mode != "verified@3")
+    # greedy verification drafts from its mask blocks' greedy tokens; ConfAdapt reads their confidences
+    assert (heads_read == []) == (not mode.startswith("confadapt"))
 
 
 @needs_kernel

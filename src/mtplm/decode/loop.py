@@ -206,11 +206,11 @@ class Decoding:
         outcome = self.strategy.choose(plan, rows, self.generator)
         if plan.slots and not plan.emits_block:  # it drafts the next pass from the block after the kept path
             path = outcome.path
-            block = (
-                rows.block(path[-1] if path else -1)
-                if self.drafter is None
-                else self._heads(hidden, path, outcome.new[0], plan.slots)
-            )
+            anchor = path[-1] if path else -1
+            if self.drafter is not None:
+                block = self._heads(hidden, path, outcome.new[0], plan.slots)
+            else:  # given greedy tokens (greedy_only), the block as its tokens: no LM head over its rows
+                block = rows.block_tokens(anchor) if tokens is not None else rows.block(anchor)
             if self.constraint is not None and block is not None:  # drafts the grammar rejects are not fed
                 chain = [plan.drafts[i] for i in path] + [outcome.new[0]]
                 block = self.constraint.mask_chain(block, chain)
@@ -222,8 +222,9 @@ class Decoding:
 
     def greedy_only(self) -> bool:
         """Whether this pass's choice reads only its rows' greedy tokens, which the backend computes without
-        the logits (DecodeModel.argmax): greedy, no mask rows, logprobs, grammar or head drafter. Otherwise
-        the caller computes the logits up front, one head call for all the rows."""
+        the logits (DecodeModel.argmax): greedy, no logprobs, grammar or head drafter, and mask rows only for
+        a strategy that drafts their greedy tokens (greedy_blocks). Otherwise the caller computes the logits
+        up front, one head call for all the rows."""
         feed = self.fed
         assert feed is not None, "greedy_only() follows feed()"
         sampling = getattr(self.strategy, "cfg", None)  # a strategy without one: not known to be greedy
@@ -231,11 +232,15 @@ class Decoding:
             self.model.argmax is not None
             and sampling is not None
             and sampling.temperature == 0
-            and feed.slots == 0
+            and (feed.slots == 0 or self._greedy_blocks())
             and self.logprobs is None
             and self.constraint is None
             and self.drafter is None
         )
+
+    def _greedy_blocks(self) -> bool:
+        """The strategy drafts from its mask block's greedy tokens alone (Verified.greedy_blocks)."""
+        return bool(getattr(self.strategy, "greedy_blocks", False))
 
     def _heads(self, hidden: torch.Tensor, path: list[int], token: int, n: int) -> torch.Tensor:
         """The head drafter's block [n, V] after the pending tokens, drafts `path`, then `token`."""

@@ -188,6 +188,17 @@ class PassLogits:
         start = self.feed.block_start(anchor)
         return None if start is None else self._rows(start, start + self.feed.slots)
 
+    def block_tokens(self, anchor: int) -> torch.Tensor | None:
+        """[slots]: block(anchor)'s greedy tokens, from the given `tokens` where they cover it (else from its
+        logits); None without one."""
+        start = self.feed.block_start(anchor)
+        if start is None:
+            return None
+        stop = start + self.feed.slots
+        if self._tokens is not None and stop <= len(self._tokens):
+            return self._tokens[start:stop]
+        return greedy(self._rows(start, stop))
+
     def candidates(self) -> torch.Tensor:
         """[1 + slots, V]: next token and block of a draft-free pass (the lossy strategies' block)."""
         block = self._block if self._block is not None else self.block(self.feed.drafts - 1)

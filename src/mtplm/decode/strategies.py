@@ -126,6 +126,7 @@ class ConfidentVerified(Verified):
     def __init__(self, cfg: DecodeConfig, taus: list[float] | None = None) -> None:
         super().__init__(cfg)
         self.taus, self.confidence = block_taus(cfg, taus), CONFIDENCE.get(cfg.confidence)
+        self.greedy_blocks = False  # its block's confidences need the logits
 
     def draft(
         self, outcome: Outcome, block: torch.Tensor | None, room: int, generator: torch.Generator

@@ -50,6 +50,9 @@ class Verified:
         self.quadratic = cfg.drafting == "quadratic"
         self.masks = cfg.drafting != "lookup"  # mask slots (or heads) draft; lookup alone: none
         self.lookup = NgramLookup() if cfg.lookup_tokens() else None
+        # greedy: choose and draft read each row's greedy token only, so the loop may hand over the block's
+        # greedy tokens (DecodeModel.argmax) instead of its logits (ConfidentVerified reads confidences)
+        self.greedy_blocks = cfg.temperature == 0
 
     def plan(self, text: Sequence[int], budget: int, last: Outcome | None) -> Plan:
         """The previous pass's drafts (as many as fit this pass's window), with lookup beside or instead;
@@ -112,11 +115,12 @@ class Verified:
         self, outcome: Outcome, block: torch.Tensor | None, room: int, generator: torch.Generator
     ) -> Outcome:
         """The next pass's drafts: the block conditioned on exactly the committed text (if any), unless
-        choose carried drafts over from a copied branch (_choose_tree)."""
+        choose carried drafts over from a copied branch (_choose_tree). `block`: logits [slots, V], or its
+        greedy tokens [slots] where greedy_blocks let the loop compute only those."""
         if block is None or not len(block) or outcome.drafts:
             return outcome
         if self.cfg.temperature == 0:
-            return outcome.replace(drafts=tuple(greedy(block).tolist()))
+            return outcome.replace(drafts=tuple((block if block.dim() == 1 else greedy(block)).tolist()))
         proposal = self._warp(block)
         return outcome.replace(drafts=tuple(sample(proposal, generator).tolist()), proposal=proposal)
 
