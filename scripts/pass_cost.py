@@ -13,6 +13,7 @@ measured 1-row pass over that floor.
 
     python scripts/pass_cost.py --backends eager,compiled --batches 1,8 --rows 1,2,4,8,16
     python scripts/pass_cost.py --backends compiled --batches 1 --kinds mask --json runs/compiled-cost.json
+    python scripts/pass_cost.py --backends compiled --batches 1 --rows 1,8 --head argmax   # greedy's head
     # (gpu_check.sh):
     python scripts/pass_cost.py --random-like scripts/gpu/smollm2-135m-config.json --device cuda
 
@@ -91,10 +92,16 @@ def feeds_for(model, kind: str, rows: int, batch: int) -> list[Feed]:
     return [Feed(tokens, pending, 0, slots, False, None)] * batch
 
 
-def one_pass(backend, feeds: list[Feed], lengths: list[int]):
+def one_pass(backend, feeds: list[Feed], lengths: list[int], head: str = "full"):
+    """A pass and its LM head over every fed row: the logits (`full`), or the greedy tokens alone from the
+    backend's int8 copy of the head where it has one (`argmax`: what greedy decoding reads, mask rows
+    included)."""
+    chooser = getattr(backend, "greedy_head", None) if head == "argmax" else None
+    apply = chooser if chooser is not None else backend.head
+
     def run() -> None:
         hidden = backend.run(0, feeds, lengths)
-        backend.head(hidden.reshape(-1, hidden.shape[-1]))
+        apply(hidden.reshape(-1, hidden.shape[-1]))
 
     return run
 
@@ -111,7 +118,7 @@ def measure(model, args, batch: int) -> dict[tuple[str, str], list[float]]:
         for kind in args.kinds.split(","):
             for rows in rows_list:
                 feeds = feeds_for(model, kind, rows, batch)
-                runs = {name: one_pass(b, feeds, lengths) for name, b in backends.items()}
+                runs = {name: one_pass(b, feeds, lengths, args.head) for name, b in backends.items()}
                 for run in runs.values():
                     run()  # the compiled backend compiles a new bucket here
                 for name, seconds in best_of(runs, args.repeats).items():
@@ -144,6 +151,12 @@ def main() -> None:
         help="time random weights of this config.json's shape instead of --model",
     )
     p.add_argument("--device", default="cpu", help="cpu | cuda")
+    p.add_argument(
+        "--head",
+        choices=("full", "argmax"),
+        default="full",
+        help="the LM head as logits (default) or greedy tokens from its int8 copy (greedy decoding's)",
+    )
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -156,7 +169,7 @@ def main() -> None:
     print(
         f"{args.random_like or args.model} {args.dtype} on {args.device}, context {args.context}, "
         f"{torch.get_num_threads()} threads, best of "
-        f"{args.repeats}; ms per pass incl. the LM head (ratio to the same backend's 1-row pass)"
+        f"{args.repeats}; ms per pass incl. the LM head ({args.head}; ratio to the same backend's 1-row pass)"
     )
     one_row: dict[str, float] = {}
     first: dict[str, tuple[float, ...]] = {}  # batch 1, first backend: kind -> the curve's times
@@ -181,7 +194,9 @@ def main() -> None:
     rate = bandwidth(args.device)
     print(
         f"roofline: copy bandwidth {rate / 1e9:.1f} GB/s; "
-        + ", ".join(roofline(name, t, read_bytes(model, name), rate) for name, t in one_row.items())
+        + ", ".join(
+            roofline(name, t, read_bytes(model, name, args.head), rate) for name, t in one_row.items()
+        )
     )
 
 
@@ -193,11 +208,13 @@ def roofline(name: str, seconds: float, weight_bytes: int, rate: float) -> str:
     )
 
 
-def read_bytes(model, backend: str) -> int:
+def read_bytes(model, backend: str, head: str = "full") -> int:
     """Weight bytes a 1-row plain pass reads: the model's (the LM head once; not the adapters, which plain
     rows skip), with int8 projections at one byte a weight under the int8 backend and int4 ones at 5/8 of a
-    byte (half a byte, and a 2-byte scale and zero per 32 weights)."""
-    total = 0.0
+    byte (half a byte, and a 2-byte scale and zero per 32 weights); with head `argmax` the head at one byte
+    a weight (its int8 copy)."""
+    lm_head = model.hf.get_output_embeddings().weight
+    total = 0.0 if head == "full" else lm_head.numel() * (1.0 - lm_head.element_size())
     for name, p in model.hf.named_parameters():
         if "lora_" in name:
             continue
