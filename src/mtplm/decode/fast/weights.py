@@ -121,37 +121,38 @@ class _Block(nn.Module):
                     f"the compiled backend fuses {name}'s adapters: it needs gated LoRA on all of "
                     f"them or none; use --backend eager"
                 )
-            b = None
-            if adapters:
-                a = torch.cat([adapter.lora_a for adapter in adapters]).detach()  # [n r, in]
-                b = torch.block_diag(*[adapter.lora_b for adapter in adapters]).detach()  # [sum out, n r]
-                self.register_buffer(f"{name}_a", a, persistent=False)
-                self.register_buffer(f"{name}_b", b, persistent=False)
+            downs = [adapter.lora_a.detach() for adapter in adapters]  # each [r, in]
+            ups = [adapter.lora_b.detach() for adapter in adapters]  # each [out, r]
             if self.parts[name] == 1:
-                ups = [adapter.lora_b.detach() for adapter in adapters]
-                self._add_fused(
-                    name, _cat([b_.weight for b_ in bases]).detach(), _cat_bias(bases), ups, prepack
-                )
+                weight, bias = _cat([b_.weight for b_ in bases]).detach(), _cat_bias(bases)
+                self._add(name, weight, bias, prepack)
+                if adapters:
+                    self._add_adapters(name, weight, bias, downs, ups, prepack)
             else:
                 for i, base in enumerate(bases):
                     self._add(f"{name}{i}", base.weight, base.bias)
+                if adapters:
+                    self._add_low_rank(name, downs, ups)
 
-    def _add_fused(
+    def _add_adapters(
         self,
         name: str,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
+        downs: list[torch.Tensor],
         ups: list[torch.Tensor],
         prepack: bool,
     ) -> None:
-        """The fused weight; with adapters (not int8) also the widened one that passes with <mtp> rows
-        read, so the projection's one GEMM also gives the adapters' B product (a copy of W): for mtplm's
-        few-row kernel each output row with its own part's adapter columns only (fewrow.widened_weight),
-        else [W | block_diag(B_p)]."""
-        self._add(name, weight, bias, prepack)
-        if not ups or self.quantized:
+        """A fused projection's gated adapters, in the one layout its passes with <mtp> rows read: for
+        mtplm's few-row kernel, the widened weight whose output rows carry their own part's adapter columns
+        only (fewrow.widened_weight, `{name}_wb`) and A packed (`{name}_ap`); else [W | block_diag(B_p)]
+        (`{name}_wb`) and A (`{name}_a`), the projection's GEMM giving the B product too; int8 and int4
+        weights the low-rank delta beside the product (`{name}_a`, `{name}_b`). Either widened weight is a
+        copy of W (`weight`, the fused one, and its `bias`)."""
+        if self.quantized:
+            self._add_low_rank(name, downs, ups)
             return
-        down = getattr(self, f"{name}_a")
+        down = torch.cat(downs)  # [n r, in]
         if _fewrow_packs(weight, prepack) and down.dtype == torch.bfloat16:
             try:
                 widened, self.adapter_parts[name] = fewrow.widened_weight(weight, ups)
@@ -159,14 +160,18 @@ class _Block(nn.Module):
                 widened = None  # parts off 16-row blocks: the block-diagonal layout below
             if widened is not None:
                 self._add(f"{name}_wb", widened, bias, prepack)  # [out, in (to 32) + r]
-                # A in the kernel's layout too (a second copy, ~10 MB for SmolLM2 at rank 32): lora_linear
-                # computes x A^T in AMX tiles from it (docs/backends-kernels.md)
+                # lora_linear computes x A^T in AMX tiles from A in the kernel's layout
                 self.register_buffer(f"{name}_ap", fewrow.pack(down), persistent=False)
                 return
-        b = getattr(self, f"{name}_b")
-        self._add(
-            f"{name}_wb", torch.cat([weight, b.to(weight.dtype)], dim=1), bias, prepack
-        )  # [out, in + n r]
+        block_diagonal = torch.block_diag(*ups).to(weight.dtype)  # [out, n r]
+        self._add(f"{name}_wb", torch.cat([weight, block_diagonal], dim=1), bias, prepack)  # [out, in + n r]
+        self.register_buffer(f"{name}_a", down, persistent=False)
+
+    def _add_low_rank(self, name: str, downs: list[torch.Tensor], ups: list[torch.Tensor]) -> None:
+        """The adapters as forward.project's low-rank delta reads them: A [n r, in] and block_diag(B_p)
+        [out, n r]."""
+        self.register_buffer(f"{name}_a", torch.cat(downs), persistent=False)
+        self.register_buffer(f"{name}_b", torch.block_diag(*ups), persistent=False)
 
     def _add(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool = False) -> None:
         """Buffers `{name}_w` [out, in] (prepacked, int8 with `{name}_scale` [out], int4 packed with

@@ -170,6 +170,10 @@ void amx_store(const Problem& p, int tile, int64_t row, int rows, int64_t block,
   else if (tile == 6) _tile_stored(6, scratch, 64);
   else _tile_stored(7, scratch, 64);
   const int64_t col = block * kBlock;
+  if (p.f32 != nullptr) {  // float32 sums, as the register tiles store them
+    for (int r = 0; r < rows; ++r) _mm512_storeu_ps(p.f32 + (row + r) * p.m + col, _mm512_load_ps(scratch + r * kBlock));
+    return;
+  }
   const __m512 bias = load_bias(p.bias, col, p.m);
   for (int r = 0; r < rows; ++r)
     store_row(p.y + (row + r) * p.m, col, p.m, _mm512_add_ps(_mm512_load_ps(scratch + r * kBlock), bias));
@@ -314,8 +318,6 @@ void mtplm::fewrow::products(const Problem& p, int64_t begin, int64_t end) {
 bool mtplm::fewrow::amx() { return isa() == 1; }
 
 void mtplm::fewrow::configure_tiles(int rows) { amx_configure(rows); }
-
-void mtplm::fewrow::register_blocks(const Problem& p, int64_t begin, int64_t end) { run_blocks(p, begin, end); }
 
 at::Tensor mtplm::fewrow::pack(const at::Tensor& weight) { return fewrow_pack(weight); }
 

@@ -27,7 +27,7 @@ struct Problem {
   const uint16_t* bias;  // [M] bf16 bits or null
   uint16_t* y;  // [N, M] bf16, or null where f32 takes the outputs
   int64_t n, m, kp, xs;
-  float* f32 = nullptr;  // [N, M] float32 outputs instead of y (no bias; M a multiple of 16)
+  float* f32 = nullptr;  // [N, M] float32 outputs instead of y (no bias; M a multiple of 16), either ISA
   int64_t first = 0;  // the output block w starts at
   // Inputs [ktail, Kp) read from `tail` instead ([N, ts] bf16 bits, its column 0 being input ktail; ktail a
   // multiple of 32): a widened product's extra columns (lora.cpp) without a joined copy of x.
@@ -38,9 +38,7 @@ struct Problem {
 // Output blocks [begin, end) of p on the calling thread: AMX tiles where isa() says so, else AVX-512.
 void products(const Problem& p, int64_t begin, int64_t end);
 
-// Output blocks [begin, end) of p through the AVX-512 register tiles whatever the CPU (they also take f32
-// outputs); W [M, K] back from pack()'s layout (a copy), for at::linear; W packed.
-void register_blocks(const Problem& p, int64_t begin, int64_t end);
+// W [M, K] back from pack()'s layout (a copy), for at::linear; W packed.
 at::Tensor unpack(const at::Tensor& packed, int64_t k);
 at::Tensor pack(const at::Tensor& weight);  // W [M, K] -> pack()'s layout
 

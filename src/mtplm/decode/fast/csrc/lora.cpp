@@ -49,65 +49,33 @@ constexpr int64_t kMaxRegisterRows = 32;  // without AMX, more rows go to at::li
 
 inline int64_t round_up(int64_t value, int64_t to) { return (value + to - 1) / to * to; }
 
-__attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
-
 // One call's shapes and buffers. Output blocks [ends[p - 1], ends[p]) belong to part p.
 struct Call {
   int64_t n, k, kp, m, rank, rp, total;  // kp: K rounded up to 32; rank: r a part; rp: r rounded up to 32
   std::vector<int64_t> ends;
-  const uint16_t* x;      // [n, kp]: the inputs, zero-padded
-  const uint16_t* a;      // pack(A): [R rounded up to 16] x kp, the W layout
-  const float* gate;      // [n]
-  uint16_t* tail;         // [n, parts x rp]: bf16(gate * x A_p^T) at part p's columns p rp .., zeros
-  float* low;             // [n, Rs]: float32 x A^T (Rs: R rounded up to 16)
+  at::Tensor x;                // [n, kp]: the inputs, zero-padded where K is not a multiple of 32
+  const uint16_t* a;           // pack(A): [R rounded up to 16] x kp, the W layout
+  const float* gate;           // [n]
+  std::vector<uint16_t> tail;  // [n, parts x rp]: bf16(gate * x A_p^T) at part p's columns p rp .., zeros
+  std::vector<float> low;      // [n, Rs]: float32 x A^T (Rs: R rounded up to 16)
   int64_t parts() const { return static_cast<int64_t>(ends.size()); }
   int64_t low_stride() const { return round_up(total, kBlock); }
+  const uint16_t* inputs() const { return reinterpret_cast<const uint16_t*>(x.data_ptr()); }
 };
 
-template <bool Wide>
-__attribute__((target("amx-tile,amx-bf16")))
-void amx_low_block(const uint16_t* x, int64_t kp, const uint16_t* a, float* out, int64_t stride) {
-  _tile_zero(4);
-  if (Wide) _tile_zero(6);
-  for (int64_t k = 0; k < kp; k += 32) {
-    _tile_loadd(0, x + k, kp * 2);
-    _tile_loadd(2, a + k * kBlock, 64);
-    _tile_dpbf16ps(4, 0, 2);
-    if (Wide) {
-      _tile_loadd(1, x + 16 * kp + k, kp * 2);
-      _tile_dpbf16ps(6, 1, 2);
-    }
-  }
-  _tile_stored(4, out, stride * 4);
-  if (Wide) _tile_stored(6, out + 16 * stride, stride * 4);
-}
-
-// Block j of x A^T (A's outputs 16j .. 16j + 15) into call.low: AMX tiles for up to 32 rows (the tiles
-// configured by the caller), else the register tiles.
-void low_product(const Call& call, int64_t j, bool tiles) {
-  const int64_t stride = call.low_stride();
-  if (tiles) {
-    const uint16_t* a = call.a + j * call.kp * kBlock;
-    call.n > 16 ? amx_low_block<true>(call.x, call.kp, a, call.low + j * kBlock, stride)
-                : amx_low_block<false>(call.x, call.kp, a, call.low + j * kBlock, stride);
-    return;
-  }
-  const Problem p{call.x, call.a, nullptr, nullptr, call.n, stride, call.kp, call.kp, call.low};
-  mtplm::fewrow::register_blocks(p, j, j + 1);
-}
-
-// Block j of x A^T, scaled by each row's gate and rounded to bf16 (to nearest even, as the graph's own path
-// rounds) into its part's tail columns; rows whose gate is 0 keep their zeros.
-void low_block(const Call& call, int64_t j, bool tiles) {
-  low_product(call, j, tiles);
+// Block j of x A^T (A's outputs 16j .. 16j + 15), scaled by each row's gate and rounded to bf16 (to nearest
+// even, as the graph's own path rounds) into its part's tail columns; rows whose gate is 0 keep their zeros.
+void low_block(Call& call, int64_t j) {
   const int64_t stride = call.low_stride(), width = call.parts() * call.rp;
+  const Problem p{call.inputs(), call.a, nullptr, nullptr, call.n, stride, call.kp, call.kp, call.low.data()};
+  mtplm::fewrow::products(p, j, j + 1);  // float32 sums into call.low
   const int64_t first = j * kBlock, last = std::min(call.total, first + kBlock);
   const bool whole = call.rank % kBlock == 0;  // the block lies in one part: a vector a row
   for (int64_t row = 0; row < call.n; ++row) {
     const float gate = call.gate[row];
     if (gate == 0.f) continue;
-    const float* from = call.low + row * stride;
-    uint16_t* to = call.tail + row * width;
+    const float* from = call.low.data() + row * stride;
+    uint16_t* to = call.tail.data() + row * width;
     if (whole) {
       const __m512 scaled = _mm512_mul_ps(_mm512_loadu_ps(from + first), _mm512_set1_ps(gate));
       const int64_t part = first / call.rank;
@@ -129,22 +97,22 @@ void products(const Call& call, const uint16_t* w, int64_t kw, const uint16_t* b
   for (int64_t part = 0; part < call.parts(); first = call.ends[part++]) {
     const int64_t lo = std::max(begin, first), hi = std::min(end, call.ends[part]);
     if (lo >= hi) continue;
-    Problem p{call.x, w + first * kw * kBlock, bias, y, call.n, call.m, kw, call.kp};
+    Problem p{call.inputs(), w + first * kw * kBlock, bias, y, call.n, call.m, kw, call.kp};
     p.first = first;
-    p.tail = call.tail + part * call.rp, p.ktail = call.kp, p.ts = call.parts() * call.rp;
+    p.tail = call.tail.data() + part * call.rp, p.ktail = call.kp, p.ts = call.parts() * call.rp;
     mtplm::fewrow::products(p, lo, hi);
   }
 }
 
 // Many rows without AMX: at::linear over [x, low_0, low_1, ...] and [W | block_diag(B_p)] rebuilt from the
 // packed weight (a copy a call, as fewrow linear's own fallback).
-at::Tensor dense(const Call& call, const at::Tensor& packed, const at::Tensor& bias, const at::Tensor& x) {
+at::Tensor dense(Call& call, const at::Tensor& packed, const at::Tensor& bias) {
   const at::Tensor compact = mtplm::fewrow::unpack(packed, packed.size(2));  // [M, Kp + rp]
   const int64_t parts = call.parts(), width = call.k + parts * call.rank;
   at::Tensor widened = at::zeros({call.m, width}, packed.options());
   widened.narrow(1, 0, call.k).copy_(compact.narrow(1, 0, call.k));
-  const at::Tensor tail = at::from_blob(call.tail, {call.n, parts * call.rp}, x.options());
-  std::vector<at::Tensor> inputs{x};
+  const at::Tensor tail = at::from_blob(call.tail.data(), {call.n, parts * call.rp}, call.x.options());
+  std::vector<at::Tensor> inputs{call.x.narrow(1, 0, call.k)};
   int64_t first = 0;
   for (int64_t part = 0; part < parts; first = call.ends[part++]) {
     const int64_t row = first * kBlock, rows = std::min(call.m, call.ends[part] * kBlock) - row;
@@ -185,9 +153,9 @@ void check(const at::Tensor& inputs, const at::Tensor& packed, const at::Tensor&
               "fewrow lora_linear: bias");
 }
 
-// The call's shapes over its buffers: x (inputs, or a zero-padded copy in `padded`), tail and low (zeroed).
+// The call's shapes and buffers: x (the inputs, zero-padded to kp), tail and low zeroed.
 Call prepare(const at::Tensor& inputs, const at::Tensor& packed, const at::Tensor& a, const float* gate,
-             c10::IntArrayRef parts, at::Tensor& padded, std::vector<uint16_t>& tail, std::vector<float>& low) {
+             c10::IntArrayRef parts) {
   const int64_t n = inputs.size(0), k = inputs.size(1), kp = round_up(k, 32), m = packed.size(0);
   std::vector<int64_t> ends = part_ends(parts, m);
   const int64_t count = static_cast<int64_t>(ends.size()), total = a.size(0), rank = total / count;
@@ -195,13 +163,10 @@ Call prepare(const at::Tensor& inputs, const at::Tensor& packed, const at::Tenso
   const int64_t rp = round_up(rank, 32);
   TORCH_CHECK(packed.size(2) == kp + rp, "fewrow lora_linear: ", k, " + ", rank,
               " features, the packed weight ", packed.size(2), " (widened_weight's layout)");
-  padded = inputs.contiguous();
-  if (k != kp) padded = at::constant_pad_nd(padded, {0, kp - k});
-  tail.assign(n * count * rp, 0);
-  low.assign(n * round_up(total, kBlock), 0.f);
-  return Call{n, k, kp, m, rank, rp, total, std::move(ends),
-              reinterpret_cast<const uint16_t*>(padded.data_ptr()),
-              reinterpret_cast<const uint16_t*>(a.data_ptr()), gate, tail.data(), low.data()};
+  at::Tensor x = inputs.contiguous();
+  if (k != kp) x = at::constant_pad_nd(x, {0, kp - k});
+  return Call{n, k, kp, m, rank, rp, total, std::move(ends), x, reinterpret_cast<const uint16_t*>(a.data_ptr()),
+              gate, std::vector<uint16_t>(n * count * rp, 0), std::vector<float>(n * round_up(total, kBlock), 0.f)};
 }
 
 // inputs [N, K], packed = pack(widened_weight(W, [B_p])), down_packed = pack(A) of the adapters' A [R, K]
@@ -212,17 +177,13 @@ at::Tensor lora_linear(const at::Tensor& inputs, const at::Tensor& packed, const
   const at::Tensor& a = down_packed;
   check(inputs, packed, a, gate, b);
   const at::Tensor g = gate.contiguous();
-  at::Tensor x;
-  std::vector<uint16_t> tail_bits;
-  std::vector<float> low;
-  const Call call = prepare(inputs, packed, a, g.data_ptr<float>(), parts, x, tail_bits, low);
+  Call call = prepare(inputs, packed, a, g.data_ptr<float>(), parts);
   bool open = false;
   for (int64_t row = 0; row < call.n; ++row) open = open || call.gate[row] != 0.f;
   const int64_t low_blocks = open ? call.low_stride() / kBlock : 0;  // closed: the tail stays zero
-  const bool amx = mtplm::fewrow::amx(), tiles = amx && call.n <= 32;
-  if (call.n > kMaxRegisterRows && !amx) {
-    for (int64_t j = 0; j < low_blocks; ++j) low_block(call, j, false);
-    return dense(call, packed, b, x.narrow(1, 0, call.k));
+  if (call.n > kMaxRegisterRows && !mtplm::fewrow::amx()) {
+    for (int64_t j = 0; j < low_blocks; ++j) low_block(call, j);
+    return dense(call, packed, b);
   }
   at::Tensor y = at::empty({call.n, call.m}, inputs.options());
   if (call.n == 0 || call.m == 0) return y;
@@ -232,14 +193,10 @@ at::Tensor lora_linear(const at::Tensor& inputs, const at::Tensor& packed, const
   std::atomic<int64_t> next{0}, done{0};
   const int64_t blocks = call.ends.back();
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    int64_t j = next.fetch_add(1);
-    const bool configured = j < low_blocks && tiles;
-    if (configured) mtplm::fewrow::configure_tiles(static_cast<int>(call.n));
-    for (; j < low_blocks; j = next.fetch_add(1)) {
-      low_block(call, j, tiles);
+    for (int64_t j = next.fetch_add(1); j < low_blocks; j = next.fetch_add(1)) {
+      low_block(call, j);
       done.fetch_add(1, std::memory_order_release);
     }
-    if (configured) release_tiles();
     while (done.load(std::memory_order_acquire) < low_blocks) _mm_pause();
     mtplm::fewrow::before_tile_loads();  // the tail columns other threads just wrote
     products(call, w, packed.size(2), bias_bits, out, begin, end);
