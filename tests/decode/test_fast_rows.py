@@ -157,6 +157,34 @@ def test_grouped_layer_graphs_are_the_uncompiled_pass(dtype):
     assert {(1, 4, True), (1, 8, True), (1, 2, False)} <= set(fast.compiled_buckets)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_plain_buckets_take_the_grouped_graphs(dtype):
+    """Batched buckets without <mtp> rows of up to group_batch_rows rows a sequence run the grouped graphs,
+    batched <mtp> buckets a graph per layer: each sequence's rows are the uncompiled pass's."""
+    if dtype == torch.bfloat16 and fewrow.unavailable() is not None:
+        pytest.skip(f"the few-row kernel cannot run here: {fewrow.unavailable()}")
+    torch._dynamo.reset()
+    model = five_layers(dtype)
+    fast = StaticBackend(model, 2, capacity=64, compile=True, group_batch_rows=2, group=2)
+    eager = StaticBackend(model, 2, capacity=64, compile=False)
+    assert fast._step_for((2, 2, 128, False)) is fast._grouped
+    assert (
+        fast._step_for((2, 4, 128, False)) is fast._step and fast._step_for((2, 2, 128, True)) is fast._step
+    )
+    tolerance = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
+    mask, lengths = model.mask_id, [0, 0]
+    rounds = [[([3, 4, 5], 0), ([6, 7, 8, 9, 10], 0)], [([11], 0), ([12, 13], 0)], [([14], 1), ([15], 0)]]
+    with torch.inference_mode():
+        for i, pair in enumerate(rounds):
+            feeds = [feed(tokens, slots, mask) for tokens, slots in pair]
+            got, expected = fast.run(0, feeds, lengths), eager.run(0, feeds, lengths)
+            for s, f in enumerate(feeds):
+                rows = len(f.tokens)
+                torch.testing.assert_close(got[s, :rows], expected[s, :rows], **tolerance, msg=f"pass {i}")
+            lengths = [n + len(f.tokens) for n, f in zip(lengths, feeds, strict=True)]
+    assert {(2, 2, False), (2, 2, True)} <= set(fast.compiled_buckets)
+
+
 @needs_kernel
 def test_a_fused_projection_keeps_its_adapters_in_one_layout():
     """Where the kernel packs the weights, a fused projection's adapters are the widened weight with each

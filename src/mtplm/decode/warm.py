@@ -4,10 +4,10 @@ compiled inside a timed region.
 A compiled backend (decode/fast/backend.py) compiles one graph per pass bucket (sequences b, fed rows Q,
 <mtp> rows or not; one graph serves every key length T, fast/graphs.py) the first time a pass needs it, for
 the store's size (a store that grows compiles again, so warm-up first grows it to what the workload needs).
-(one-sequence one-row plain buckets compile
-the whole pass as one graph, other one-sequence buckets of up to 16 rows six layers a graph, the rest one
-graph per layer: fast/graphs.py; warming goes through the same
-dispatch, so it compiles exactly the graphs the passes will use.) `warm_up` compiles every bucket a
+(one-sequence one-row plain buckets compile the whole pass as one graph, other one-sequence buckets of up to
+32 rows and batched plain ones of up to 8 rows a sequence 15 layers a graph, the rest one graph per layer:
+fast/graphs.py; warming goes through the same dispatch, so it compiles exactly the graphs the passes will
+use.) `warm_up` compiles every bucket a
 workload can meet, given its decoding modes, the range of its prompt lengths, its new tokens and its
 batch size, and says on stderr how many and how long (and how far along, every PROGRESS_S seconds of a
 long warm-up): one-sequence passes take every row

@@ -37,6 +37,7 @@ import torch
 from mtplm.decode.backends import SlotKV, require_compiler
 from mtplm.decode.chunked import PREFILL_CHUNK, run_chunked
 from mtplm.decode.fast import forward, graphs, greedy, kernels
+from mtplm.decode.fast.graphs import GROUP_BATCH_ROWS, GROUP_LAYERS, GROUP_ROWS, WHOLE_PASS_ROWS
 from mtplm.decode.fast.prefill import wide_pass
 from mtplm.decode.fast.weights import FastWeights, check_supported, sliding_window
 from mtplm.errors import UserError
@@ -48,14 +49,6 @@ MIN_KEYS = 128
 # inductor's C++ reductions over more than this many keys take another accumulator (a guard on T): a graph
 # serves key lengths up to it, a second one of the same bucket the longer ones
 LONG_KEYS = 4096
-# one-sequence buckets of up to this many rows and no <mtp> row compile the whole pass as one graph (plain
-# decoding's bucket): measured 18.6 against 24.2 ms a 1-row pass, but ~83 s a cold compile with its C++
-# wrapper against 3-5 s a layer graph (docs/backends-kernels.md)
-WHOLE_PASS_ROWS = 1
-# other one-sequence buckets of up to this many rows (verified and mask-slot modes: quadratic drafting feeds
-# 16-32) run GROUP_LAYERS layers a graph (fast/graphs.py; measured in docs/backends-kernels.md)
-GROUP_ROWS = 32
-GROUP_LAYERS = 6
 
 
 class StaticBackend:
@@ -72,6 +65,7 @@ class StaticBackend:
         regional: bool = True,
         whole_rows: int = WHOLE_PASS_ROWS,
         group_rows: int = GROUP_ROWS,
+        group_batch_rows: int = GROUP_BATCH_ROWS,
         group: int = GROUP_LAYERS,
         group_cpp: bool = True,
         prepack: bool | None = None,
@@ -103,12 +97,13 @@ class StaticBackend:
         self.whole_rows = 0  # one-sequence buckets of up to this many plain rows: the whole-pass graph
         self._grouped: Callable[..., torch.Tensor] | None = None  # layers `group` at a time as one graph
         self.group_rows = 0  # other one-sequence buckets of up to this many rows: the grouped graphs
+        self.group_batch_rows = 0  # batched plain buckets of up to this many rows a sequence: the same
         if compile:
             self._step, self._whole = graphs.compile_steps(self.weights, regional, whole_rows)
             self.whole_rows = whole_rows if self._whole is not None else 0
             if regional and group_rows and not self.weights.embed.is_cuda and not self.weights.quantized:
                 self._grouped = graphs.compile_grouped(self.weights, group, group_cpp)
-                self.group_rows = group_rows
+                self.group_rows, self.group_batch_rows = group_rows, group_batch_rows
 
     # ---- a pass -----------------------------------------------------------------------------------
     def run(self, start: int, feeds: list, lengths: list[int]) -> torch.Tensor:
@@ -236,13 +231,13 @@ class StaticBackend:
 
     def _step_for(self, bucket: tuple[int, int, int, bool]) -> Callable[..., torch.Tensor]:
         """The whole-pass graph for hot one-sequence plain buckets, grouped layers for the other
-        one-sequence buckets of up to group_rows rows, else a graph per layer."""
-        one, rows = bucket[0] == 1, bucket[1]
-        if one and rows <= self.whole_rows and not bucket[3] and self._whole is not None:
+        one-sequence buckets of up to group_rows rows and batched plain ones of up to group_batch_rows rows a
+        sequence, else a graph per layer."""
+        one, rows, masks = bucket[0] == 1, bucket[1], bucket[3]
+        if one and rows <= self.whole_rows and not masks and self._whole is not None:
             return self._whole
-        if one and rows <= self.group_rows and self._grouped is not None:
-            return self._grouped
-        return self._step
+        widest = self.group_rows if one else 0 if masks else self.group_batch_rows
+        return self._grouped if rows <= widest and self._grouped is not None else self._step
 
     def _inputs(
         self, start: int, feeds: list, lengths: list[int], batch: int, rows: int

@@ -7,9 +7,11 @@ Measured choices (docs/backends-kernels.md, SmolLM2-135M bf16 on a 2-vCPU Xeon w
   - the whole pass as one graph: 18.6 against 24.2 ms a 1-row pass, but 37-61 s a cold compile a bucket
     (3-5 s per layer graph), so only the hot one-sequence decode buckets take it (WHOLE_PASS_ROWS in
     backend.py); it loads in ~3.5 s from a warm cache;
-  - other one-sequence buckets of up to GROUP_ROWS rows, with or without <mtp> rows: 6 layers a graph
-    (`compile_grouped`, 5 calls a pass): 8 plain rows 17.1 against 18.6-19.1 ms, 1 + 7 <mtp> rows 20.8
-    against 22.1-22.5, the whole pass measured the same (17.1 / 20.7) at ~40 s a cold compile against 11-20;
+  - other one-sequence buckets of up to GROUP_ROWS rows, with or without <mtp> rows: GROUP_LAYERS (15)
+    layers a graph (`compile_grouped`, 2 calls a pass). A graph call costs ~0.2-0.4 ms of dynamo and wrapper
+    time whatever its size, so with today's kernels (stop 43, paired): 6 layers a graph 17.1 / 18.1 ms for 8
+    plain / 1 + 7 <mtp> rows, 15 layers 16.4 / 17.3, the whole pass ~0.5 ms under that again but 60-105 s a
+    cold compile a bucket against 20-34 s (6 layers: 8-22 s); a graph per layer is slower still;
   - on a CPU, inductor's C++ wrapper (`cpp_wrapper`) calls the kernels with no Python between them, in the
     layer graphs and the whole-pass graph alike: the whole 1-row pass 12.1 -> 10.7 ms (the Python wrapper's
     ~360 kernel and op calls a pass), its cold compile ~36 -> ~83 s (paid once per bucket, then cached);
@@ -46,6 +48,22 @@ from mtplm.decode.fast.weights import FastWeights
 
 # every graph rounds bf16 where eager does: a row's logits are then the same bitwise in every bucket
 ROUNDED: dict[str, Any] = {"emulate_precision_casts": True}
+
+# one-sequence buckets of up to this many rows and no <mtp> row compile the whole pass as one graph (plain
+# decoding's bucket): measured 18.6 against 24.2 ms a 1-row pass, but ~83 s a cold compile with its C++
+# wrapper against 3-5 s a layer graph (docs/backends-kernels.md)
+WHOLE_PASS_ROWS = 1
+# other one-sequence buckets of up to this many rows (verified and mask-slot modes: quadratic drafting feeds
+# 16-32) run GROUP_LAYERS layers a graph (compile_grouped): each graph call costs ~0.2-0.4 ms of dynamo and
+# wrapper time, so 15 layers (2 calls a pass) beat 6 (5 calls) by 0.7-1.0 ms a pass at 8-16 rows, for a
+# cold compile of 20-34 s a bucket against 8-22 s (docs/backends-kernels.md)
+GROUP_ROWS = 32
+GROUP_LAYERS = 15
+# batched buckets without <mtp> rows of up to this many rows a sequence (the server's plain and
+# verified:lookup passes) take the grouped graphs too: 8 x 1 rows 20.0 against 24.2 ms a graph per layer,
+# 2 x 8 18.4 against 22.0, for ~19 s a cold compile against 3-5; wider and <mtp> batched buckets keep a
+# graph per layer
+GROUP_BATCH_ROWS = 8
 
 
 def compile_steps(
