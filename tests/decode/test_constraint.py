@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from grammar_model import json_mtp
 from mtplm.config import DecodeConfig, Thresholds
 from mtplm.decode import constraint as C
+from mtplm.decode.constraint_spec import ascii_classes
 from mtplm.decode.loop import Generation, generate, stop_ids
 from mtplm.decode.strategies import make_strategy
 from mtplm.errors import UserError
@@ -212,6 +213,29 @@ def test_compiled_grammars_are_cached_per_schema(model):
         stop_ids(model),
     )
     assert first is again and first.start() is not again.start()
+
+
+@pytest.mark.parametrize(
+    ("pattern", "ascii_text", "other"),
+    [
+        (r"\d{2}", "12", "٤٢"),
+        (r"[a\d]+", "a1", "a٤"),
+        (r"[^\D]", "7", "７"),
+        (r"\w+", "a_1", "ł"),
+        (r"\W", "!", "_"),
+    ],
+)
+def test_a_regexs_digit_and_word_classes_are_ascii(model, pattern, ascii_text, other):
+    """\\d and \\w mean [0-9] and [0-9A-Za-z_] as in JSON Schema and JavaScript, not Unicode's classes."""
+    grammar = C.compile(C.Spec("regex", pattern), model.tokenizer, stop_ids(model))
+
+    def matches(text: str) -> bool:
+        ids = model.tokenizer.encode(text, add_special_tokens=False)
+        constraint = grammar.start()
+        return constraint.advance(ids) == len(ids) and constraint.accepting
+
+    assert matches(ascii_text) and not matches(other)
+    assert ascii_classes(r"\\d\s\p{L}") == r"\\d\s\p{L}"  # an escaped backslash, other escapes: as given
 
 
 def test_accepts_and_masks_along_do_not_move_the_state(model):

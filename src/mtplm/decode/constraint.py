@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from mtplm.decode.constraint_drafts import literal_drafts, spelling
-from mtplm.decode.constraint_spec import KINDS, Spec, any_json_object, json_schema
+from mtplm.decode.constraint_spec import KINDS, Spec, any_json_object, ascii_classes, json_schema
 from mtplm.decode.protocol import Outcome, PassLogits
 from mtplm.errors import UserError
 
@@ -52,7 +52,7 @@ def _grammar_text(spec: Spec) -> str:
     if spec.kind == "json_schema":
         return llguidance.LLMatcher.grammar_from_json_schema(spec.source, defaults=JSON_OPTIONS)
     if spec.kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(spec.source)
+        return llguidance.LLMatcher.grammar_from_regex(ascii_classes(spec.source))
     return llguidance.grammar_from("grammar", spec.source)
 
 

@@ -8,6 +8,10 @@ model cannot finish (docs/structured.md, "Bounds the schema leaves open"):
   +-(2^53 - 1) (at most 16 digits), numbers within the same range written in plain decimal with at most
   FRACTION_DIGITS digits after the point (no exponent); a bound or `multipleOf` the schema gives is kept.
 Every output the rewritten schema admits is valid under the schema as given.
+
+`ascii_classes(pattern)` gives a regex's `\\d`, `\\w` (and `\\D`, `\\W`) the ASCII meaning they have in JSON
+Schema, JavaScript and vLLM's default grammar engine: the engine's regexes take Unicode's, so a date asked
+for as `\\d{4}-\\d{2}-\\d{2}` could come back in Arabic-Indic or mathematical digits.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ SAFE_INTEGER = 2**53 - 1  # RFC 8259 section 6: integers in [-(2^53)+1, 2^53-1] 
 FRACTION_DIGITS = 10  # digits after the decimal point (llguidance's multipleOf takes at most 10)
 _LITERAL_KEYS = ("enum", "const", "default", "examples")  # values, not schemas: never rewritten
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# a class the engine's regexes nest anywhere, inside brackets too ([a\\d] -> [a[0-9]])
+_ASCII_CLASSES = {"d": "[0-9]", "D": "[^0-9]", "w": "[0-9A-Za-z_]", "W": "[^0-9A-Za-z_]"}
 
 
 @dataclass(frozen=True)
@@ -119,3 +125,18 @@ def any_json_object() -> dict:
             }
         },
     }
+
+
+def ascii_classes(pattern: str) -> str:
+    """`pattern` with each escape \\d, \\D, \\w, \\W written as its ASCII class; other escapes (\\s, \\\\d,
+    \\p{..}) as they are."""
+    out, i = [], 0
+    while i < len(pattern):
+        if pattern[i] == "\\" and i + 1 < len(pattern):
+            escape = pattern[i + 1]
+            out.append(_ASCII_CLASSES.get(escape, "\\" + escape))
+            i += 2
+        else:
+            out.append(pattern[i])
+            i += 1
+    return "".join(out)
