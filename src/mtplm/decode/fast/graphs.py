@@ -5,8 +5,8 @@ Measured choices (docs/backends-kernels.md, SmolLM2-135M bf16 on a 2-vCPU Xeon w
   - one graph per bucket for a layer, shared by all layers (`regional`): ~2 s cold compile a bucket, but 30
     graph calls a pass (~3-5 ms of a ~23 ms 1-row pass in guards, wrappers and per-call Python);
   - the whole pass as one graph: 18.6 against 24.2 ms a 1-row pass, but 37-61 s a cold compile a bucket
-    (3-5 s per layer graph), so only the hot one-sequence decode buckets take it (WHOLE_PASS_ROWS in
-    backend.py); it loads in ~3.5 s from a warm cache;
+    (3-5 s per layer graph), so only the hot one-sequence decode buckets take it (WHOLE_PASS_ROWS
+    below); it loads in ~3.5 s from a warm cache;
   - other one-sequence buckets of up to GROUP_ROWS rows, with or without <mtp> rows: GROUP_LAYERS (15)
     layers a graph (`compile_grouped`, 2 calls a pass). A graph call costs ~0.2-0.4 ms of dynamo and wrapper
     time whatever its size, so with today's kernels (stop 43, paired): 6 layers a graph 17.1 / 18.1 ms for 8
