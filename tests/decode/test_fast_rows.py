@@ -130,19 +130,26 @@ def feed(tokens: list[int], slots: int = 0, mask_id: int = -1) -> Feed:
     return Feed(tokens + [mask_id] * slots, len(tokens), 0, slots, False, None)
 
 
+def compiled_and_eager(dtype: torch.dtype, slots: int, **options) -> tuple:
+    """(model, a compiled backend with `options`, the uncompiled one, the tolerance between them) over
+    five_layers; skips bf16 where the few-row kernel cannot run."""
+    if dtype == torch.bfloat16 and fewrow.unavailable() is not None:
+        pytest.skip(f"the few-row kernel cannot run here: {fewrow.unavailable()}")
+    torch._dynamo.reset()
+    model = five_layers(dtype)
+    fast = StaticBackend(model, slots, capacity=64, compile=True, **options)
+    eager = StaticBackend(model, slots, capacity=64, compile=False)
+    tolerance = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
+    return model, fast, eager, tolerance
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_layer_graphs_are_the_uncompiled_pass(dtype):
     """One-sequence buckets of up to group_rows rows, with and without <mtp> rows, run their layers two at a
     time; wider ones a graph per layer; 1-row plain ones the whole pass. All give the uncompiled pass's rows,
     and a grouped bucket's passes reuse its graphs (no compile after its first call)."""
-    if dtype == torch.bfloat16 and fewrow.unavailable() is not None:
-        pytest.skip(f"the few-row kernel cannot run here: {fewrow.unavailable()}")
-    torch._dynamo.reset()
-    model = five_layers(dtype)
-    fast = StaticBackend(model, 1, capacity=64, compile=True, group_rows=4, group=2)
-    eager = StaticBackend(model, 1, capacity=64, compile=False)
+    model, fast, eager, tolerance = compiled_and_eager(dtype, 1, group_rows=4, group=2)
     assert fast.group_rows == 4
-    tolerance = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
     length, mask = 0, model.mask_id
     feeds = [([3, 4, 5, 6, 7, 8], 0), ([9], 0), ([10], 3), ([11, 12], 0), ([13], 1), ([14], 6), ([15], 3)]
     with torch.inference_mode():
@@ -161,17 +168,11 @@ def test_grouped_layer_graphs_are_the_uncompiled_pass(dtype):
 def test_batched_plain_buckets_take_the_grouped_graphs(dtype):
     """Batched buckets without <mtp> rows of up to group_batch_rows rows a sequence run the grouped graphs,
     batched <mtp> buckets a graph per layer: each sequence's rows are the uncompiled pass's."""
-    if dtype == torch.bfloat16 and fewrow.unavailable() is not None:
-        pytest.skip(f"the few-row kernel cannot run here: {fewrow.unavailable()}")
-    torch._dynamo.reset()
-    model = five_layers(dtype)
-    fast = StaticBackend(model, 2, capacity=64, compile=True, group_batch_rows=2, group=2)
-    eager = StaticBackend(model, 2, capacity=64, compile=False)
+    model, fast, eager, tolerance = compiled_and_eager(dtype, 2, group_batch_rows=2, group=2)
     assert fast._step_for((2, 2, 128, False)) is fast._grouped
     assert (
         fast._step_for((2, 4, 128, False)) is fast._step and fast._step_for((2, 2, 128, True)) is fast._step
     )
-    tolerance = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
     mask, lengths = model.mask_id, [0, 0]
     rounds = [[([3, 4, 5], 0), ([6, 7, 8, 9, 10], 0)], [([11], 0), ([12, 13], 0)], [([14], 1), ([15], 0)]]
     with torch.inference_mode():
