@@ -236,8 +236,9 @@ class StaticBackend:
         one, rows, masks = bucket[0] == 1, bucket[1], bucket[3]
         if one and rows <= self.whole_rows and not masks and self._whole is not None:
             return self._whole
-        widest = self.group_rows if one else 0 if masks else self.group_batch_rows
-        return self._grouped if rows <= widest and self._grouped is not None else self._step
+        if self._grouped is None or (masks and not one):
+            return self._step
+        return self._grouped if rows <= (self.group_rows if one else self.group_batch_rows) else self._step
 
     def _inputs(
         self, start: int, feeds: list, lengths: list[int], batch: int, rows: int
