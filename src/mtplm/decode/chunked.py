@@ -22,22 +22,47 @@ PREFILL_CHUNK = (
 )
 
 
-def split_feed(feed: Feed, chunk: int) -> tuple[list[list[int]], Feed]:
-    """A feed -> its leading pending tokens in runs of at most `chunk`, and the rest as one shorter feed
-    (at least one pending token, then every draft and mask block)."""
-    keep = (feed.pending - 1) % chunk + 1
+def split_feed(feed: Feed, chunk: int, keep: int | None = None) -> tuple[list[list[int]], Feed]:
+    """A feed -> its leading pending tokens in runs of at most `chunk`, and the rest as one shorter feed:
+    `keep` pending tokens (default: what the whole runs leave, at least one), then every draft and mask
+    block."""
+    keep = (feed.pending - 1) % chunk + 1 if keep is None else keep
     head = feed.tokens[: feed.pending - keep]
     runs = [head[i : i + chunk] for i in range(0, len(head), chunk)]
     return runs, replace(feed, tokens=feed.tokens[feed.pending - keep :], pending=keep)
 
 
-def run_chunked(feed: Feed, past: int, chunk: int, run: Callable[[Feed, int], torch.Tensor]) -> torch.Tensor:
-    """One feed behind `past` cached positions, chunk by chunk through `run(feed, past) -> [Q, D]`;
-    the hidden states of every fed row [len(feed.tokens), D], as one pass would give them."""
-    runs, rest = split_feed(feed, chunk)
+def run_chunked(
+    feed: Feed, past: int, chunk: int, run: Callable[[Feed, int], torch.Tensor], keep: int | None = None
+) -> torch.Tensor:
+    """One feed behind `past` cached positions, chunk by chunk through `run(feed, past) -> [Q, D]` (the last
+    chunk `keep` pending tokens and the rest: split_feed); the hidden states of every fed row
+    [len(feed.tokens), D], as one pass would give them."""
+    runs, rest = split_feed(feed, chunk, keep)
     outs = []
     for tokens in runs:
         outs.append(run(Feed(tokens, len(tokens), 0, 0, False, None), past))
         past += len(tokens)
     outs.append(run(rest, past))
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def run_split(
+    feed: Feed, past: int, chunk: int, narrow: int, run: Callable[[Feed, int], torch.Tensor]
+) -> torch.Tensor:
+    """A wide feed for a backend whose wide passes round otherwise than its passes of up to `narrow` rows:
+    the prompt rows before the last (Feed.prompt) in runs of at most `chunk`, then every other row (the last
+    prompt token, tokens a grammar forced, drafts, mask blocks) in runs of at most `narrow` rows, so those
+    rows come out as a decode pass computes them whichever mode fed them. (A draft riding a prompt's wide
+    pass would otherwise round otherwise than in the narrow pass plain decoding gives its token, and a
+    lossless mode could part from plain decoding at a near-tie.) A feed without Feed.prompt: run_chunked."""
+    if feed.prompt is None:
+        return run_chunked(feed, past, chunk, run)
+    wide = max(0, min(feed.prompt, feed.pending) - 1)
+    outs = []
+    if wide:
+        outs.append(run_chunked(Feed(feed.tokens[:wide], wide, 0, 0, False, None), past, chunk, run))
+        feed = replace(feed, tokens=feed.tokens[wide:], pending=feed.pending - wide, prompt=0)
+    extras = len(feed.tokens) - feed.pending  # drafts and mask blocks: they stay in the last run
+    outs.append(run_chunked(feed, past + wide, narrow, run, max(1, min(feed.pending, narrow - extras))))
     return torch.cat(outs) if len(outs) > 1 else outs[0]

@@ -63,6 +63,7 @@ class Decoding:
         self.generator = torch.Generator().manual_seed(seed)
         self.past = 0  # positions in the cache
         self.pending = list(prompt_ids)  # committed tokens not yet in the cache
+        self.prompt_len = len(prompt_ids)
         self.text = list(prompt_ids)  # every committed token: the prompt, then what was emitted
         self.produced = 0
         self.done = False
@@ -119,7 +120,10 @@ class Decoding:
             plan = self._constrained(plan)
         self.plan = plan
         slots = 0 if self.drafter is not None else plan.slots  # heads read the block from real rows
-        self.fed = Feed.of(plan, self.pending, slots, self._mask_id)
+        prompt = (
+            0 if self.started else self.prompt_len - self.past
+        )  # pending prompt tokens (then forced ones)
+        self.fed = Feed.of(plan, self.pending, slots, self._mask_id, prompt)
         return self.fed
 
     def _constrained(self, plan: Plan) -> Plan:

@@ -102,19 +102,26 @@ class Feed:
     quadratic: bool
     parents: tuple[int, ...] | None  # a draft tree's parent pointers
     anchors: tuple[int, ...] | None = None  # the drafts the blocks follow; None: masks.block_anchors' default
+    # leading pending rows that are prompt tokens (None: all of them may be). A backend whose wide passes
+    # round otherwise than its decode passes runs only the prompt rows before the last one wide, so that every
+    # other row is computed alike whichever mode fed it (fast/backend.py)
+    prompt: int | None = None
 
     def __post_init__(self) -> None:
         anchors = _anchors(self.drafts, self.quadratic, self.parents, self.anchors)
         object.__setattr__(self, "anchors", anchors if self.slots else ())
 
     @classmethod
-    def of(cls, plan: Plan, pending: list[int], slots: int, mask_id: Callable[[], int]) -> Feed:
-        """The rows of `plan` behind the `pending` tokens, with `slots` mask slots per block (0: none fed)."""
+    def of(
+        cls, plan: Plan, pending: list[int], slots: int, mask_id: Callable[[], int], prompt: int | None = None
+    ) -> Feed:
+        """The rows of `plan` behind the `pending` tokens (the first `prompt` of them prompt tokens), with
+        `slots` mask slots per block (0: none fed)."""
         drafts = len(plan.drafts)
         anchors = _anchors(drafts, plan.quadratic, plan.parents, plan.anchors)
         blocks = len(anchors) if slots else 0
         tokens = [*pending, *plan.drafts, *([mask_id()] * (blocks * slots) if blocks else ())]
-        return cls(tokens, len(pending), drafts, slots, plan.quadratic, plan.parents, anchors)
+        return cls(tokens, len(pending), drafts, slots, plan.quadratic, plan.parents, anchors, prompt)
 
     def block_start(self, anchor: int) -> int | None:
         """The first row of the block after draft `anchor`, counted from the last pending token (PassLogits'
