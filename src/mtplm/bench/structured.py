@@ -124,6 +124,15 @@ def run_structured(
             answers[(name, c)].append(
                 {"case": case.name, "valid": ok, "text": text, **counts, "seconds": round(out.elapsed_s, 4)}
             )
+    for (
+        name,
+        c,
+    ), written in answers.items():  # lossless modes write plain's answer under the same constraint
+        reference = answers.get(("ntp", c))
+        if reference is not None:
+            totals[(name, c)]["identical"] = sum(
+                a["text"] == b["text"] for a, b in zip(written, reference, strict=True)
+            )
     plain = totals.get(("ntp", True)), totals.get(("ntp", False))
     table = [_row(name, c, totals[(name, c)], *plain) for name, _, c in rows]
     return {
@@ -190,6 +199,7 @@ def _row(name: str, constrained: bool, t: dict, plain: dict | None, free: dict |
         "constrained": constrained,
         "valid": f"{t['valid']}/{t['cases']}",
         "valid_share": round(t["valid"] / max(1, t["cases"]), 3),
+        "identical": f"{t['identical']}/{t['cases']}" if "identical" in t else None,
         "tokens_per_pass": round(t["tokens"] / passes, 2),
         "forced_per_pass": round(t["forced"] / passes, 2),
         "model_per_pass": round((t["tokens"] - t["forced"]) / passes, 2),
@@ -205,13 +215,15 @@ def _row(name: str, constrained: bool, t: dict, plain: dict | None, free: dict |
 
 def markdown(rows: list[dict]) -> str:
     head = (
-        "| mode | constraint | valid | tokens/pass (forced + model) | tokens/s | ms/pass | host ms/pass "
-        "| grammar ms/pass | vs constrained plain | vs free plain |"
+        "| mode | constraint | valid | identical to plain | tokens/pass (forced + model) | tokens/s "
+        "| ms/pass | host ms/pass | grammar ms/pass | vs constrained plain | vs free plain |"
     )
-    lines = [head, "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [head, "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        same = r.get("identical") or "–"
         lines.append(
-            f"| {r['mode']} | {'on' if r['constrained'] else 'off'} | {r['valid']} | {r['tokens_per_pass']} "
+            f"| {r['mode']} | {'on' if r['constrained'] else 'off'} | {r['valid']} | {same} "
+            f"| {r['tokens_per_pass']} "
             f"({r['forced_per_pass']} + {r['model_per_pass']}) | {r['tokens_per_s']} | {r['ms_per_pass']} "
             f"| {r['host_ms_per_pass']} | {r['grammar_ms_per_pass']} | {r['vs_constrained_plain']}x "
             f"| {r.get('vs_free_plain')}x |"
