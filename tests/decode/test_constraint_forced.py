@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from grammar_model import json_mtp
-from mtplm.config import DecodeConfig, Thresholds
+from mtplm.config import DecodeConfig, Thresholds, parse_mode
 from mtplm.decode import constraint as C
 from mtplm.decode.backends import EagerBackend, describe
 from mtplm.decode.loop import Decoding, generate, stop_ids
@@ -108,10 +108,33 @@ def _spelled_passes(model, ids: list[int]) -> tuple[list[int], int]:
 
 
 def test_spelled_forced_bytes_are_fed_and_tokens_stay_constrained_plain():
-    model = _model()
+    model = json_mtp(seed=4)  # a model whose answer meets bytes forced without a token after its first pass
     ids = model.tokenizer("SELECT name FROM users;", add_special_tokens=False)["input_ids"]
     tokens, spelled = _spelled_passes(model, ids)
     assert spelled >= 1  # before the count's value at least (a space is forced there, no token)
     grammar = C.compile(C.json_schema(SCHEMA), model.tokenizer, stop_ids(model))
     plain = generate(model, ids, DecodeConfig(mode="ntp", max_new_tokens=60), constraint=grammar.start())
     assert tokens == plain.tokens
+
+
+def test_the_first_pass_is_the_prompt_and_its_forced_tokens_alone():
+    """No draft rides a sequence's first pass, not even the spelling of bytes the grammar forces there
+    (forced_plan): the first pass is then the same rows in every lossless mode, so a long prompt's wide pass
+    rounds alike (stop 44: such a draft made verified:lookup part from constrained plain in bf16)."""
+    model = _model()
+    ids = model.tokenizer("SELECT name FROM users WHERE age >= 21;" * 3, add_special_tokens=False)[
+        "input_ids"
+    ]
+    grammar = C.compile(C.json_schema(SCHEMA), model.tokenizer, stop_ids(model))
+    backend = EagerBackend(model, slots=1)
+    for mode in ("ntp", "verified:lookup"):
+        cfg = parse_mode(mode)
+        strategy = make_strategy(cfg, Thresholds())
+        sequence = Decoding(
+            describe(model, backend), ids, strategy, 60, stop_ids(model), 0, constraint=grammar.start()
+        )
+        feed = sequence.feed()
+        forced = feed.tokens[len(ids) :]
+        assert feed.tokens[: len(ids)] == ids and feed.pending == len(feed.tokens) and forced
+        assert (feed.drafts, feed.slots, feed.prompt) == (0, 0, len(ids))
+        assert model.tokenizer.decode(forced).startswith("{")

@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from mtplm.config import DecodeConfig, parse_mode
+from mtplm.config import DecodeConfig, Thresholds, parse_mode
 from mtplm.decode.backends import stop_ids
 from mtplm.decode.fast import StaticBackend, fewrow, forward
 from mtplm.decode.loop import generate, stream
@@ -87,33 +87,21 @@ def test_a_rows_result_is_the_same_bitwise_whatever_rows_share_its_pass(gated, h
     assert any(bucket[1] == 1 for bucket in backend.compiled_buckets) and backend.whole_rows >= 1
 
 
-@pytest.mark.parametrize(
-    "prompt, pending, drafts",
-    [
-        (40, 40, 3),  # a prompt with drafts behind it (a grammar's forced bytes spelled as drafts)
-        (40, 43, 2),  # ... and tokens a grammar forced after the prompt, then drafts
-        (0, 45, 3),  # a decode pass wider than the row buckets (a long forced run)
-    ],
-)
-def test_rows_past_a_wide_feeds_prompt_come_out_as_one_row_passes_give_them(prompt, pending, drafts):
-    """A feed wider than the row buckets runs its prompt rows but the last on the wide path (flash
-    attention, which rounds by the rows fed); every other row comes out bitwise as 1-row passes give it, so
-    a draft riding a prompt's pass cannot part a lossless mode from plain decoding (stop 44: a grammar's
-    forced-byte draft did, on 2 of 11 structured prompts)."""
+@pytest.mark.parametrize("drafts", [0, 3])
+def test_a_decode_feed_wider_than_the_buckets_comes_out_as_one_row_passes_give_it(drafts):
+    """A decode feed of 45 pending rows (a long forced run), drafts behind it, runs in row buckets
+    (chunked.run_split), not on the wide path (flash attention, which rounds by the rows fed): every row is
+    bitwise what 1-row passes give it, as in a mode that held some of those tokens as drafts."""
     model = odd_bf16_model(seed=7, head_dim=64)
+    pending, past = 45, 4
     tokens = [(5 * i + 3) % (VOCAB - 2) for i in range(pending + drafts)]
     wide = StaticBackend(model, 1, capacity=128, compile=True)
     alone = StaticBackend(model, 1, capacity=128, compile=True)
-    past = 4  # a cached prefix first
     with torch.inference_mode():
         for backend in (wide, alone):
-            backend.run(0, [feed(tokens[-past:])], [0])
-        fed = Feed(tokens, pending, drafts, 0, False, None, prompt=prompt)
-        got = wide.run(0, [fed], [past])[0]
-        first = max(0, prompt - 1)  # the prompt rows a wide pass may take
-        if first:
-            alone.run(0, [feed(tokens[:first])], [past])  # a prompt chunk: its rows all wide
-        for row in range(first, pending + drafts):  # pending tokens and a chain of drafts: causal alike
+            backend.run(0, [feed(tokens[-past:])], [0])  # a cached prefix first
+        got = wide.run(0, [Feed(tokens, pending, drafts, 0, False, None, prompt=0)], [past])[0]
+        for row in range(pending + drafts):  # pending tokens and a chain of drafts: causal alike
             one = alone.run(0, [feed(tokens[row : row + 1])], [past + row])[0, 0]
             assert torch.equal(got[row], one), f"row {row}"
     for mine, theirs in zip(wide.keys + wide.values, alone.keys + alone.values, strict=True):
@@ -140,24 +128,26 @@ def test_verified_lookup_greedy_is_plain_greedy_in_bf16():
     assert drafted > 0  # lookup did draft, so k-row passes were verified
 
 
+def test_verified_knows_the_widest_decode_pass():
+    """verified.py keeps drafts off a prompt pass wider than this (a wide pass rounds by its rows)."""
+    from mtplm.decode.fast.backend import ROW_BUCKETS
+    from mtplm.decode.verified import DECODE_ROWS
+
+    assert DECODE_ROWS == ROW_BUCKETS[-1]
+
+
 @pytest.mark.parametrize("mode", ["verified:tree", "verified:quadratic@4", "verified:quadratic+lookup@4"])
-def test_a_long_prompt_with_a_block_behind_it_keeps_plain_greedy_in_bf16(mode):
-    """A prompt wider than the row buckets, with the mode's drafts and <mtp> block in its first pass: the
-    prompt rows but the last run wide, the rest in row buckets (run_split), so the tokens are plain's
-    (verified:tree parted on 6 of 10 prompts in stop 39 when its block rode the wide pass; strategies then
-    kept the first pass to the prompt alone, which stop 44's backend rule made unnecessary)."""
-    model = odd_bf16_model(seed=5, gated=True, head_scale=0.05)
-    backend = StaticBackend(model, 1, capacity=256, compile=True)
-    cfg = DecodeConfig(**{**parse_mode(mode).__dict__, "max_new_tokens": 24})
-    blocks = 0
-    for seed in range(3):
-        prompt = torch.randint(0, VOCAB - 3, (45,), generator=torch.Generator().manual_seed(seed)).tolist()
-        plain = generate(model, prompt, DecodeConfig(mode="ntp", max_new_tokens=24), backend=backend)
-        strategy = make_strategy(cfg, model.meta.decode_thresholds())
-        blocks += strategy.plan(prompt, 24, None).slots > 0
-        steps = list(stream(model, prompt, strategy, 24, stop_ids(model), 0, backend))
-        assert [t for step in steps for t in step.tokens] == plain.tokens, f"prompt {seed}"
-    assert blocks == 3  # the first pass did carry a block
+def test_a_wide_prompt_pass_feeds_the_prompt_alone(mode):
+    """The first pass of a long prompt carries no drafts and no <mtp> block in any verified strategy: they
+    would widen the compiled backend's wide (prompt) pass, whose rounding depends on its rows, and part the
+    prompt's bf16 KV from plain decoding's (verified:tree did, stop 39: 6 of 10 prompts parted, the first at
+    its first token). A short prompt's first pass, a decode pass, keeps its block."""
+    from mtplm.decode.verified import DECODE_ROWS
+
+    strategy = make_strategy(parse_mode(mode), Thresholds(k_max=4))
+    long = strategy.plan(list(range(DECODE_ROWS + 5)), 64, None)
+    assert (long.drafts, long.slots) == ((), 0)
+    assert strategy.plan([1, 2, 3], 64, None).slots > 0
 
 
 def test_a_path_off_the_chain_is_kept_only_where_its_rows_sit_in_place():

@@ -50,19 +50,12 @@ def run_chunked(
 def run_split(
     feed: Feed, past: int, chunk: int, narrow: int, run: Callable[[Feed, int], torch.Tensor]
 ) -> torch.Tensor:
-    """A wide feed for a backend whose wide passes round otherwise than its passes of up to `narrow` rows:
-    the prompt rows before the last (Feed.prompt) in runs of at most `chunk`, then every other row (the last
-    prompt token, tokens a grammar forced, drafts, mask blocks) in runs of at most `narrow` rows, so those
-    rows come out as a decode pass computes them whichever mode fed them. (A draft riding a prompt's wide
-    pass would otherwise round otherwise than in the narrow pass plain decoding gives its token, and a
-    lossless mode could part from plain decoding at a near-tie.) A feed without Feed.prompt: run_chunked."""
-    if feed.prompt is None:
+    """A feed wider than `narrow` rows, for a backend whose wide passes round otherwise than its passes of up
+    to `narrow` rows: a decode feed (Feed.prompt 0: a long run of tokens a grammar forced, with drafts behind
+    it) in runs of at most `narrow` rows, drafts and blocks in the last, as decode passes compute them,
+    whichever mode fed the tokens (a lossless mode may hold as drafts what plain decoding feeds as forced
+    tokens); a prompt's feed in chunks of `chunk` (run_chunked)."""
+    if feed.prompt != 0:
         return run_chunked(feed, past, chunk, run)
-    wide = max(0, min(feed.prompt, feed.pending) - 1)
-    outs = []
-    if wide:
-        outs.append(run_chunked(Feed(feed.tokens[:wide], wide, 0, 0, False, None), past, chunk, run))
-        feed = replace(feed, tokens=feed.tokens[wide:], pending=feed.pending - wide, prompt=0)
     extras = len(feed.tokens) - feed.pending  # drafts and mask blocks: they stay in the last run
-    outs.append(run_chunked(feed, past + wide, narrow, run, max(1, min(feed.pending, narrow - extras))))
-    return torch.cat(outs) if len(outs) > 1 else outs[0]
+    return run_chunked(feed, past, narrow, run, max(1, min(feed.pending, narrow - extras)))

@@ -102,9 +102,9 @@ class Feed:
     quadratic: bool
     parents: tuple[int, ...] | None  # a draft tree's parent pointers
     anchors: tuple[int, ...] | None = None  # the drafts the blocks follow; None: masks.block_anchors' default
-    # leading pending rows that are prompt tokens (None: all of them may be). A backend whose wide passes
-    # round otherwise than its decode passes runs only the prompt rows before the last one wide, so that every
-    # other row is computed alike whichever mode fed it (fast/backend.py)
+    # leading pending rows that are prompt tokens (None: not known). A backend whose wide passes round
+    # otherwise than its decode passes runs a wide feed with none (a decode pass) in row buckets
+    # (chunked.run_split), as a decode pass computes every row whichever mode fed it
     prompt: int | None = None
 
     def __post_init__(self) -> None:

@@ -127,6 +127,7 @@ class ConfidentVerified(Verified):
         super().__init__(cfg)
         self.taus, self.confidence = block_taus(cfg, taus), CONFIDENCE.get(cfg.confidence)
         self.greedy_blocks = False  # its block's confidences need the logits
+        self.lossless = False  # lossy: its first pass may carry its block
 
     def draft(
         self, outcome: Outcome, block: torch.Tensor | None, room: int, generator: torch.Generator

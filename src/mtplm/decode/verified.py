@@ -25,10 +25,12 @@ import torch
 
 from mtplm.config import DRAFTING, LOOKUP_TOKENS, DecodeConfig, ModeDefaults
 from mtplm.decode.lookup import NgramLookup, merge_chain
-from mtplm.decode.protocol import Outcome, PassLogits, Plan, Strategy
+from mtplm.decode.protocol import Feed, Outcome, PassLogits, Plan, Strategy
 from mtplm.decode.sampling import greedy, sample, speculative_accept, warp
 from mtplm.masks import block_anchors
 from mtplm.registry import WINDOWS
+
+DECODE_ROWS = 32  # the compiled backend's widest decode pass (fast/backend.py ROW_BUCKETS[-1])
 
 
 class Verified:
@@ -51,9 +53,14 @@ class Verified:
         # greedy: choose and draft read each row's greedy token only, so the loop may hand over the block's
         # greedy tokens (DecodeModel.argmax) instead of its logits (ConfidentVerified reads confidences)
         self.greedy_blocks = cfg.temperature == 0
+        self.lossless = True  # under a grammar, the loop feeds its first pass the prompt alone (loop.py)
 
     def plan(self, text: Sequence[int], budget: int, last: Outcome | None) -> Plan:
-        """The previous pass's drafts (as many as fit this pass's window), with lookup beside or instead."""
+        """The previous pass's drafts (as many as fit this pass's window), with lookup beside or instead;
+        none on a wide prompt pass (plain_prompt)."""
+        return plain_prompt(self._plan(text, budget, last), text, last)
+
+    def _plan(self, text: Sequence[int], budget: int, last: Outcome | None) -> Plan:
         drafts, proposal = (last.drafts, last.proposal) if last is not None else ((), None)
         k = max(1, min(self.window.size(len(text)), budget))
         fed = min(len(drafts), k - 1)
@@ -153,7 +160,11 @@ class TreeVerified:
 
     def plan(self, text: Sequence[int], budget: int, last: Outcome | None) -> Plan:
         """A tree of the previous pass's block (Outcome.block, the drafter's logits after the last committed
-        token): the top tree_width tokens of each position under every node of the depth before."""
+        token): the top tree_width tokens of each position under every node of the depth before; no mask
+        block on a wide prompt pass (plain_prompt)."""
+        return plain_prompt(self._plan(text, budget, last), text, last)
+
+    def _plan(self, text: Sequence[int], budget: int, last: Outcome | None) -> Plan:
         block = last.block if last is not None else None
         k = max(1, min(self.window.size(len(text)), budget))
         depth = mask_tree_depth(self.widths, k - 1) if self.mask_blocks else k - 1
@@ -186,6 +197,18 @@ class TreeVerified:
         self, outcome: Outcome, block: torch.Tensor | None, room: int, generator: torch.Generator
     ) -> Outcome:
         return outcome.replace(block=block)
+
+
+def plain_prompt(plan: Plan, text: Sequence[int], last: Outcome | None) -> Plan:
+    """The plan as it is, except on a prompt pass wider than a decode pass: there a plain one-row plan. The
+    compiled backend runs such a pass as a wide pass (flash attention, whose rounding depends on the rows
+    fed), so drafts or mask slots after the prompt would change the prompt rows' bf16 results from plain
+    decoding's, and at a near-tie its first token. Decode passes are row-invariant
+    (tests/decode/test_invariance.py): there drafts change no other row."""
+    if last is None and (plan.drafts or plan.slots):
+        rows = len(Feed.of(plan, list(text), plan.slots, lambda: 0).tokens)
+        return Plan(1) if rows > DECODE_ROWS else plan
+    return plan
 
 
 def _add(tokens: list[int], parents: list[int], token: int, parent: int) -> int:

@@ -17,10 +17,10 @@ one run a graph without the gated adapters, which would add exactly zero there. 
 store's shape: a store that grows compiles its graphs again (warm() grows it first).
 
 Attending over the whole capacity instead of T would read C / T times more KV per pass. Feeds longer
-than 32 rows (prompts) run their prompt rows but the last in chunks of `prefill_chunk` rows
-(decode/chunked.py): uncompiled wide passes with fused attention (fast/prefill.py), or the compiled 32-row
-buckets where a chunk is that small; either way a prompt's cost grows like the model's own forward, never
-with the square of its length. Their other rows run in the row buckets, as decode passes compute them.
+than 32 rows (prompts) run in chunks of `prefill_chunk` rows (decode/chunked.py): uncompiled wide passes
+with fused attention (fast/prefill.py), or the compiled 32-row buckets where a chunk is that small;
+either way a prompt's cost grows like the model's own forward, never with the square of its length. A
+decode feed that wide (a long forced run) runs in the row buckets instead, as decode passes compute it.
 
 Shapes: b sequences, Q fed rows, T key positions, D hidden, S slots, C capacity, KVH key/value heads,
 d head dim.
@@ -135,9 +135,9 @@ class StaticBackend:
         )  # host data: no sync
 
     def _wide(self, start: int, feeds: list, lengths: list[int], width: int) -> torch.Tensor:
-        """A pass with a feed wider than the row buckets (a prompt): each sequence on its own, its prompt
-        rows chunk by chunk and the rest in row buckets (decode/chunked.py run_split) -> hidden states
-        [b, width, D], padding rows zero."""
+        """A pass with a feed wider than the row buckets (a prompt): each sequence on its own, chunk by
+        chunk, a decode feed in row buckets (decode/chunked.py run_split) -> hidden states [b, width, D],
+        padding rows zero."""
         self._fit(max(lengths) + width + ROW_BUCKETS[-1])  # the store grows once, not once per chunk
         out = None
         for i, (feed, past) in enumerate(zip(feeds, lengths, strict=False)):
