@@ -124,10 +124,8 @@ def run_structured(
             answers[(name, c)].append(
                 {"case": case.name, "valid": ok, "text": text, **counts, "seconds": round(out.elapsed_s, 4)}
             )
-    for (
-        name,
-        c,
-    ), written in answers.items():  # lossless modes write plain's answer under the same constraint
+    # lossless modes write plain decoding's answer under the same constraint
+    for (name, c), written in answers.items():
         reference = answers.get(("ntp", c))
         if reference is not None:
             totals[(name, c)]["identical"] = sum(

@@ -120,9 +120,8 @@ class Decoding:
             plan = self._constrained(plan)
         self.plan = plan
         slots = 0 if self.drafter is not None else plan.slots  # heads read the block from real rows
-        prompt = (
-            0 if self.started else self.prompt_len - self.past
-        )  # pending prompt tokens (then forced ones)
+        # how many pending tokens are the prompt's (forced tokens follow them)
+        prompt = 0 if self.started else self.prompt_len - self.past
         self.fed = Feed.of(plan, self.pending, slots, self._mask_id, prompt)
         return self.fed
 
