@@ -13,6 +13,7 @@ from torch._dynamo.utils import counters
 
 from mtplm.decode import warm
 from mtplm.decode.fast import StaticBackend
+from mtplm.decode.fast import backend as fast_backend
 from mtplm.decode.warm import Compiles, Progress
 
 PROMPT = 300  # cached positions: passes behind 40, 150 and 290 of them read 128, 256 and 512 keys
@@ -72,6 +73,18 @@ def test_rows_are_bitwise_invariant_at_every_key_length():
                 assert torch.equal(shared[0], alone[0]), f"hidden, {rows} rows behind {length}"
                 assert torch.equal(shared[1], alone[1]), f"logits, {rows} rows behind {length}"
     assert len(backend.compiled_buckets) == 5  # 1, 2, 4, 8, 16 rows: one graph each, for every T
+
+
+def test_a_warm_up_counts_the_graphs_it_will_compile_before_the_store_grows(monkeypatch):
+    """`mtplm serve` announces to_compile()'s count before warm() grows the store: a store grown past
+    LONG_KEYS adds each bucket's long-key graph, and the count must include it (it said 24, then "1 of 48")."""
+    monkeypatch.setattr(fast_backend, "LONG_KEYS", 256)
+    torch._dynamo.reset()
+    fast = StaticBackend(tiny_mtp(), 1, capacity=128, compile=True)
+    announced = fast.to_compile([(1, 1, False)], 512)
+    count, _ = fast.warm([(1, 1, False)], 512)
+    assert len(announced) == count == 2
+    assert fast.to_compile([(1, 1, False)], 512) == []
 
 
 def test_a_long_warm_up_says_how_far_along_it_is(capsys, monkeypatch):

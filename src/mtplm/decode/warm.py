@@ -57,7 +57,7 @@ class Warmable(Protocol):
         self, buckets: list[Bucket], capacity: int, progress: Callable | None = None
     ) -> tuple[int, float]: ...
 
-    def to_compile(self, buckets: list[Bucket]) -> list[tuple]: ...
+    def to_compile(self, buckets: list[Bucket], capacity: int = 0) -> list[tuple]: ...
 
 
 def buckets(
@@ -107,8 +107,7 @@ def warm_up(
     if not isinstance(backend, Warmable):
         return 0.0
     todo, capacity = buckets(backend, model, cfgs, prompt_lengths, max_new_tokens, max_batch)
-    # graphs compile for the store's size: a store that grows first compiles every bucket again
-    fresh = len(todo) if capacity > backend.capacity else len(backend.to_compile(todo))
+    fresh = len(backend.to_compile(todo, capacity))  # as backend.warm() will count them
     if fresh > 8:  # long enough to wonder about
         print(
             f"mtplm: compiling {fresh} decode buckets{' for ' + what if what else ''} "

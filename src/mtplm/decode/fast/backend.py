@@ -16,11 +16,10 @@ and on whether any fed row holds `<mtp>` (known from the token lists, so no host
 one run a graph without the gated adapters, which would add exactly zero there. A graph is compiled for the
 store's shape: a store that grows compiles its graphs again (warm() grows it first).
 
-Attending over the whole capacity instead of T would read C / T times more KV per pass. Feeds longer
-than 32 rows (prompts) run in chunks of `prefill_chunk` rows (decode/chunked.py): uncompiled wide passes
-with fused attention (fast/prefill.py), or the compiled 32-row buckets where a chunk is that small;
-either way a prompt's cost grows like the model's own forward, never with the square of its length. A
-decode feed that wide (a long forced run) runs in the row buckets instead, as decode passes compute it.
+Attending over the whole capacity instead of T would read C / T times more KV per pass. Prompts longer
+than 32 rows run in chunks of `prefill_chunk` rows (decode/chunked.py): wide uncompiled passes with fused
+attention (fast/prefill.py), or the compiled buckets for a chunk that small. So their cost grows like the
+model's own forward. A decode feed that wide (a long forced run) runs in the row buckets, as decode does.
 
 Shapes: b sequences, Q fed rows, T key positions, D hidden, S slots, C capacity, KVH key/value heads,
 d head dim.
@@ -187,13 +186,12 @@ class StaticBackend:
             self._quiet = False
         return len(todo), time.perf_counter() - began
 
-    def to_compile(self, buckets: list[tuple[int, int, bool]]) -> list[tuple]:
-        """The graphs of the (b, Q, adapters) buckets of `buckets` not compiled for this store yet: (b, Q,
-        adapters), and (b, Q, adapters, "long") where the store holds more than LONG_KEYS keys."""
-        wanted: list[tuple] = [b for b in dict.fromkeys(buckets)]
-        if self.capacity > LONG_KEYS:
-            wanted += [(*b, "long") for b in wanted]
-        return [b for b in wanted if b not in self._ready] if self.compile else []
+    def to_compile(self, buckets: list[tuple[int, int, bool]], capacity: int = 0) -> list[tuple]:
+        """The graphs of `buckets` not compiled yet for the store that holds `capacity` positions (one that
+        grows compiles all again): (b, Q, adapters), and with "long" where it holds over LONG_KEYS keys."""
+        size, wanted = self._grown(capacity), list[tuple](dict.fromkeys(buckets))
+        wanted += [(*b, "long") for b in wanted] if size > LONG_KEYS else []
+        return [b for b in wanted if size > self.capacity or b not in self._ready] if self.compile else []
 
     def _compiled(self, inputs: tuple, bucket: tuple[int, int, int, bool]) -> torch.Tensor:
         """A pass of bucket (b, Q, T, adapters) through the graph of (b, Q, adapters), compiled on its
@@ -289,7 +287,10 @@ class StaticBackend:
     # ---- the store --------------------------------------------------------------------------------
     def _fit(self, needed: int) -> None:
         if needed > self.capacity:
-            self._grow(max(needed, 2 * self.capacity))
+            self._grow(self._grown(needed))
+
+    def _grown(self, needed: int) -> int:  # the capacity once the store holds `needed`: it grows 2x or more
+        return max(needed, 2 * self.capacity) if needed > self.capacity else self.capacity
 
     def _grow(self, capacity: int) -> None:
         """A larger store (compiled buckets for the old one recompile once: the store's shape changed)."""
