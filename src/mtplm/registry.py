@@ -79,7 +79,7 @@ class Registry(Generic[T]):
 STRATEGIES: Registry = Registry("decoding mode", "mtplm.decode.strategies", "mtplm.decode.verified")
 CONFIDENCE: Registry = Registry("confidence measure", "mtplm.decode.sampling")
 WINDOWS: Registry = Registry("window policy", "mtplm.decode.windows")
-BACKENDS: Registry = Registry("backend", "mtplm.decode.backends", "mtplm.decode.fast.backend")
+BACKENDS: Registry = Registry("backend", "mtplm.decode.backends", "mtplm.decode.fast.variants")
 # training
 OBJECTIVES: Registry = Registry("objective", "mtplm.train.objectives")
 TRAINABLE: Registry = Registry("trainable variant", "mtplm.train.recipes")

@@ -77,7 +77,7 @@ def test_rows_are_bitwise_invariant_at_every_key_length():
 
 def test_a_warm_up_counts_the_graphs_it_will_compile_before_the_store_grows(monkeypatch):
     """`mtplm serve` announces to_compile()'s count before warm() grows the store: a store grown past
-    LONG_KEYS adds each bucket's long-key graph, and the count must include it (it said 24, then "1 of 48")."""
+    LONG_KEYS adds each bucket's long-key graph, and the count includes it (it said 24, then "1 of 48")."""
     monkeypatch.setattr(fast_backend, "LONG_KEYS", 256)
     torch._dynamo.reset()
     fast = StaticBackend(tiny_mtp(), 1, capacity=128, compile=True)
@@ -85,6 +85,21 @@ def test_a_warm_up_counts_the_graphs_it_will_compile_before_the_store_grows(monk
     count, _ = fast.warm([(1, 1, False)], 512)
     assert len(announced) == count == 2
     assert fast.to_compile([(1, 1, False)], 512) == []
+
+
+def test_workloads_of_nearby_lengths_reuse_the_cached_graphs():
+    """Graphs compile for the store's shape, and a store grows to a multiple of STORE_STEP: a second
+    backend warmed for a nearby length (the next bench of other lengths, the next server start) loads its
+    graphs from inductor's compile cache instead of compiling them."""
+    model = tiny_mtp()
+    StaticBackend(model, 1, capacity=128, compile=True).warm([(1, 2, False)], 300)
+    torch._dynamo.reset()
+    counters.clear()
+    second = StaticBackend(model, 1, capacity=128, compile=True)
+    second.warm([(1, 2, False)], 700)
+    assert second.capacity == fast_backend.STORE_STEP
+    assert counters["inductor"]["fxgraph_cache_hit"] > 0
+    assert counters["inductor"]["fxgraph_cache_miss"] == 0
 
 
 def test_a_long_warm_up_says_how_far_along_it_is(capsys, monkeypatch):

@@ -34,7 +34,7 @@ from functools import partial
 
 import torch
 
-from mtplm.decode.backends import SlotKV, require_compiler
+from mtplm.decode.backends import SlotKV
 from mtplm.decode.chunked import PREFILL_CHUNK, run_split
 from mtplm.decode.fast import forward, graphs, greedy, kernels
 from mtplm.decode.fast.graphs import GROUP_BATCH_ROWS, GROUP_LAYERS, GROUP_ROWS, WHOLE_PASS_ROWS
@@ -42,13 +42,15 @@ from mtplm.decode.fast.prefill import wide_pass
 from mtplm.decode.fast.weights import FastWeights, check_supported, sliding_window
 from mtplm.errors import UserError
 from mtplm.model import MTPModel
-from mtplm.registry import BACKENDS
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
 MIN_KEYS = 128
 # inductor's C++ reductions over more than this many keys take another accumulator (a guard on T): a graph
 # serves key lengths up to it, a second one of the same bucket the longer ones
 LONG_KEYS = 4096
+# a store grows to a multiple of this many positions: graphs compile for the store's shape, so workloads of
+# nearby lengths (a bench of 128 or 256 tokens, the next server start) reuse the cached ones
+STORE_STEP = 1024
 
 
 class StaticBackend:
@@ -289,8 +291,13 @@ class StaticBackend:
         if needed > self.capacity:
             self._grow(self._grown(needed))
 
-    def _grown(self, needed: int) -> int:  # the capacity once the store holds `needed`: it grows 2x or more
-        return max(needed, 2 * self.capacity) if needed > self.capacity else self.capacity
+    def _grown(self, needed: int) -> int:
+        """The capacity once the store holds `needed`: it grows 2x or more, to a multiple of STORE_STEP."""
+        return (
+            -(-max(needed, 2 * self.capacity) // STORE_STEP) * STORE_STEP
+            if needed > self.capacity
+            else self.capacity
+        )
 
     def _grow(self, capacity: int) -> None:
         """A larger store (compiled buckets for the old one recompile once: the store's shape changed)."""
@@ -353,46 +360,6 @@ class StaticBackend:
     def nbytes(self) -> int:
         """Bytes of the KV store (scratch slot included); fused weight copies are not counted here."""
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
-
-
-@BACKENDS.register(
-    "compiled",
-    "our own pass for Llama, Qwen2 and Mistral over a static KV store, compiled "
-    "per row bucket (torch.compile)",
-)
-class CompiledBackend(StaticBackend):
-    def __init__(self, model: MTPModel, slots: int = 1) -> None:
-        require_compiler()
-        super().__init__(model, slots, compile=True)
-
-
-@BACKENDS.register(
-    "compiled-int8",
-    "the compiled pass over weight-only int8 projections (per-channel scales; "
-    "LM head and embeddings unquantized): a different model, measure its quality",
-)
-class CompiledInt8Backend(StaticBackend):
-    def __init__(self, model: MTPModel, slots: int = 1) -> None:
-        require_compiler()
-        super().__init__(model, slots, compile=True, quantize=True)
-
-
-@BACKENDS.register(
-    "compiled-int4",
-    "the compiled pass over group-wise int4 projections (32 weights per scale and "
-    "zero, llama.cpp's Q4_1 scheme; LM head and embeddings unquantized): a "
-    "different model, measure its quality",
-)
-class CompiledInt4Backend(StaticBackend):
-    def __init__(self, model: MTPModel, slots: int = 1) -> None:
-        require_compiler()
-        super().__init__(model, slots, compile=True, quantize="int4")
-
-
-@BACKENDS.register("static", "the same pass and store, not compiled (no compiler needed)")
-class UncompiledBackend(StaticBackend):
-    def __init__(self, model: MTPModel, slots: int = 1) -> None:
-        super().__init__(model, slots, compile=False)
 
 
 def _bucket(size: int) -> int:
