@@ -15,6 +15,7 @@ from mtplm.decode import warm
 from mtplm.decode.fast import StaticBackend
 from mtplm.decode.fast import backend as fast_backend
 from mtplm.decode.warm import Compiles, Progress
+from mtplm.errors import UserError
 
 PROMPT = 300  # cached positions: passes behind 40, 150 and 290 of them read 128, 256 and 512 keys
 
@@ -100,6 +101,18 @@ def test_workloads_of_nearby_lengths_reuse_the_cached_graphs():
     assert second.capacity == fast_backend.STORE_STEP
     assert counters["inductor"]["fxgraph_cache_hit"] > 0
     assert counters["inductor"]["fxgraph_cache_miss"] == 0
+
+
+def test_a_store_rounded_up_never_outgrows_a_sliding_window_its_sequence_fits():
+    """The store grows in STORE_STEP steps, but a sequence that fits the model's sliding window still
+    decodes on the compiled pass (its store stops at the window); one past it is refused in one line."""
+    model = tiny_mtp()
+    model.hf.config.sliding_window = 1500  # as Mistral v0.1 declares one
+    backend = StaticBackend(model, 1, capacity=256, compile=False)
+    backend._fit(1400)
+    assert backend.capacity == 1500
+    with pytest.raises(UserError, match="sliding-window"):
+        backend._fit(1600)
 
 
 def test_a_long_warm_up_says_how_far_along_it_is(capsys, monkeypatch):

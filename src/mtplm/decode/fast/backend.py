@@ -292,12 +292,12 @@ class StaticBackend:
             self._grow(self._grown(needed))
 
     def _grown(self, needed: int) -> int:
-        """The capacity once the store holds `needed`: it grows 2x or more, to a multiple of STORE_STEP."""
-        return (
-            -(-max(needed, 2 * self.capacity) // STORE_STEP) * STORE_STEP
-            if needed > self.capacity
-            else self.capacity
-        )
+        """The capacity once the store holds `needed`: it grows 2x or more, to a multiple of STORE_STEP, but
+        never past a sliding window that `needed` fits in (_grow refuses a store longer than the window)."""
+        if needed <= self.capacity:
+            return self.capacity
+        size = -(-max(needed, 2 * self.capacity) // STORE_STEP) * STORE_STEP
+        return min(size, self.window) if self.window is not None and needed <= self.window else size
 
     def _grow(self, capacity: int) -> None:
         """A larger store (compiled buckets for the old one recompile once: the store's shape changed)."""
