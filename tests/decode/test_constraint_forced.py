@@ -127,7 +127,7 @@ def test_the_first_pass_is_the_prompt_and_its_forced_tokens_alone():
     ]
     grammar = C.compile(C.json_schema(SCHEMA), model.tokenizer, stop_ids(model))
     backend = EagerBackend(model, slots=1)
-    for mode in ("ntp", "verified:lookup"):
+    for mode in ("ntp", "verified:lookup", "verified:tree"):
         cfg = parse_mode(mode)
         strategy = make_strategy(cfg, Thresholds())
         sequence = Decoding(
