@@ -48,8 +48,8 @@ MIN_KEYS = 128
 # inductor's C++ reductions over more than this many keys take another accumulator (a guard on T): a graph
 # serves key lengths up to it, a second one of the same bucket the longer ones
 LONG_KEYS = 4096
-# a store grows to a multiple of this many positions: graphs compile for the store's shape, so workloads of
-# nearby lengths (a bench of 128 or 256 tokens, the next server start) reuse the cached ones
+# a store starts at this many positions and grows to multiples of it: graphs compile for the store's shape,
+# so workloads of nearby lengths (a bench of 128 or 256 tokens, the next server start) reuse the cached ones
 STORE_STEP = 1024
 
 
@@ -60,7 +60,7 @@ class StaticBackend:
         self,
         model: MTPModel,
         slots: int,
-        capacity: int = 256,
+        capacity: int = STORE_STEP,
         compile: bool = True,
         fuse: bool = True,
         key_buckets: bool = True,
