@@ -58,7 +58,12 @@ def main() -> None:
     p.add_argument(
         "--time-limit", type=float, default=1800, help="stop starting requests after this many seconds"
     )
-    p.add_argument("--out", type=Path, default=Path("docs/results/serve-load"))
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("runs/serve-load"),
+        help="report folder (default runs/serve-load, untracked: copy a run worth keeping to docs/results)",
+    )
     p.add_argument("--engine", action="store_true", help="also run the workload on the engine alone (first)")
     args = p.parse_args()
     if not (args.url or args.start):
