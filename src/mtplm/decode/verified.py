@@ -157,6 +157,7 @@ class TreeVerified:
         self.window = WINDOWS.get(cfg.window)(cfg.k_max)
         self.widths = [int(w) for w in cfg.tree_widths.split(",")]
         self.mask_blocks = False  # the block comes from mask slots fed after every node (not from heads)
+        self.lossless = True  # under a grammar, the loop feeds its first pass the prompt alone (loop.py)
 
     def plan(self, text: Sequence[int], budget: int, last: Outcome | None) -> Plan:
         """A tree of the previous pass's block (Outcome.block, the drafter's logits after the last committed
