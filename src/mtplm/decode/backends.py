@@ -61,6 +61,8 @@ class Backend(Protocol):
     """Runs fed rows through the decoder for up to `slots` sequences and keeps their KV."""
 
     slots: int
+    # n -> its pass of n rows' cost relative to one row, on this machine, once measured (pricing.py)
+    pass_cost: Callable[[int], float] | None
 
     def run(self, start: int, feeds: Sequence[Feed], lengths: Sequence[int]) -> torch.Tensor:
         """Slots [start, start + len(feeds)) in one pass -> hidden states [b, Q, D]; sequence i's rows are
@@ -96,6 +98,7 @@ class EagerBackend:
     def __init__(self, model: MTPModel, slots: int = 1) -> None:
         self.model, self.slots = model, slots
         self.cache = RaggedCache(slots)
+        self.pass_cost: Callable[[int], float] | None = None
 
     def run(self, start: int, feeds: Sequence[Feed], lengths: Sequence[int]) -> torch.Tensor:
         width = max(len(feed.tokens) for feed in feeds)
@@ -176,7 +179,9 @@ def describe(model: MTPModel, backend: Backend) -> DecodeModel:
         dim = model.hf.get_input_embeddings().weight.shape[1]
         head = partial(_final_columns, backend.head, dim)
         argmax = partial(_final_columns, argmax, dim) if argmax is not None else None
-    return DecodeModel(head, mask_id, drafter, frozenset(stop_ids(model)), thresholds, argmax)
+    return DecodeModel(
+        head, mask_id, drafter, frozenset(stop_ids(model)), thresholds, argmax, backend.pass_cost
+    )
 
 
 def _final_columns(

@@ -27,14 +27,18 @@ class NgramLookup:
 
     def propose(self, text: Sequence[int], most: int) -> list[int]:
         """Up to `most` tokens that followed the text's last n-gram before (none: [])."""
+        return self.match(text, most)[0]
+
+    def match(self, text: Sequence[int], most: int) -> tuple[list[int], int]:
+        """(up to `most` tokens that followed the text's last n-gram before, that n); ([], 0) without one."""
         if most < 1:
-            return []
+            return [], 0
         self._index(text)
         for n in range(min(self.longest, len(text) - 1), self.shortest - 1, -1):
             start = self.starts.get(tuple(text[len(text) - n :]))
             if start is not None:
-                return list(text[start : start + most])
-        return []
+                return list(text[start : start + most]), n
+        return [], 0
 
     def _index(self, text: Sequence[int]) -> None:
         """Register, for every new position i < len(text), the n-grams that end just before it."""

@@ -25,7 +25,7 @@ from mtplm.decode.backends import stop_ids as stop_ids
 from mtplm.decode.constraint import ConstrainedLogits, Constraint, trim
 from mtplm.decode.constraint_drafts import forced_plan, literal_plan, pruned
 from mtplm.decode.logprobs import TokenLogprob, prompt_logprobs, rows_logprobs, step_logprobs
-from mtplm.decode.protocol import DecodeModel, Drafting, Feed, Outcome, PassLogits, Plan, Strategy
+from mtplm.decode.protocol import DecodeModel, Drafting, Feed, Outcome, PassLogits, Plan, Priced, Strategy
 from mtplm.decode.sampling import greedy
 from mtplm.decode.steps import Generation, Step
 from mtplm.decode.strategies import make_strategy
@@ -59,6 +59,8 @@ class Decoding:
         if not prompt_ids:
             raise UserError("the prompt is empty: give at least one token of input")
         self.model, self.strategy, self.stop_ids = model, strategy, stop_ids
+        if model.pass_cost is not None and isinstance(strategy, Priced):
+            strategy.price(model.pass_cost)  # drafts sized by what rows cost on this machine (budget.py)
         self.max_new_tokens = max_new_tokens
         self.generator = torch.Generator().manual_seed(seed)
         self.past = 0  # positions in the cache

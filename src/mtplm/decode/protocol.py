@@ -22,7 +22,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -218,6 +218,13 @@ class Strategy(Protocol):
     def choose(self, plan: Plan, logits: PassLogits, generator: torch.Generator) -> Outcome: ...
 
 
+@runtime_checkable
+class Priced(Protocol):
+    """A strategy that sizes its drafts by what a pass of n rows costs on this machine (budget.py)."""
+
+    def price(self, cost: Callable[[int], float]) -> None: ...
+
+
 class Drafting(Strategy, Protocol):
     """A strategy whose plans verify drafts (slots > 0, not emits_block): after choose, the loop hands it the
     block after the kept drafts and the chosen token, and it returns the outcome with the next drafts."""
@@ -275,6 +282,9 @@ class DecodeModel:
     # rows [N, W] -> their greedy tokens [N], exactly head's argmax, without its logits (None: the backend has
     # no cheaper way than head)
     argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # n -> the cost of a pass of n plain rows relative to one row, measured on this machine (pricing.py);
+    # None where nobody measured it (the strategies then feed every draft they offer)
+    pass_cost: Callable[[int], float] | None = None
 
 
 def _anchors(

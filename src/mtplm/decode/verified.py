@@ -19,11 +19,12 @@ How many tokens one pass may emit (its k) is a window policy (windows.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from mtplm.config import DRAFTING, LOOKUP_TOKENS, DecodeConfig, ModeDefaults
+from mtplm.decode.budget import DraftBudget
 from mtplm.decode.lookup import NgramLookup, merge_chain
 from mtplm.decode.protocol import Feed, Outcome, PassLogits, Plan, Strategy
 from mtplm.decode.sampling import greedy, sample, speculative_accept, warp
@@ -54,6 +55,13 @@ class Verified:
         # greedy tokens (DecodeModel.argmax) instead of its logits (ConfidentVerified reads confidences)
         self.greedy_blocks = cfg.temperature == 0
         self.lossless = True  # under a grammar, the loop feeds its first pass the prompt alone (loop.py)
+        # copied drafts alone: how many a pass feeds, priced by the machine (budget.py; price() sets it)
+        self.draft_budget: DraftBudget | None = None
+        self.offered = 0  # the n-gram length behind the drafts of the pass in flight (the budget's kind)
+
+    def price(self, cost: Callable[[int], float]) -> None:
+        """Feed copied drafts by what a pass of n rows costs here relative to one row (budget.py)."""
+        self.draft_budget = DraftBudget(cost) if not self.masks else None
 
     def plan(self, text: Sequence[int], budget: int, last: Outcome | None) -> Plan:
         """The previous pass's drafts (as many as fit this pass's window), with lookup beside or instead;
@@ -71,9 +79,12 @@ class Verified:
             return plain
         blocks = block_anchors(fed, self.quadratic, False) if slots else ()
         pending = len(last.new) if last is not None else 1  # committed tokens fed before the drafts
-        copied = self.lookup.propose(
+        copied, matched = self.lookup.match(
             text, copy_room(self.cfg.lookup_tokens(), budget, pending + len(chain) + len(blocks) * slots)
         )
+        if not self.masks and self.draft_budget is not None:  # as many copies as pay for their rows here
+            copied = copied[: self.draft_budget.count(matched, pending, len(copied))]
+            self.offered = matched
         tokens, parents = merge_chain(chain, copied)
         if not tokens:
             return plain
@@ -96,6 +107,8 @@ class Verified:
             kept, token = speculative_accept(probs, drafts, self._proposal(plan, drafts, probs), generator)
         if plan.drafted:
             self.window.update(plan.drafted, kept)
+        if self.draft_budget is not None:
+            self.draft_budget.observe(self.offered, len(plan.drafts), kept)
         return Outcome(kept, (token,))
 
     def _choose_tree(self, plan: Plan, logits: PassLogits) -> Outcome:

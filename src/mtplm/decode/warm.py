@@ -36,6 +36,7 @@ from mtplm.decode.backends import Backend, resolve_backend
 from mtplm.decode.chunked import PREFILL_CHUNK
 from mtplm.decode.fast.backend import ROW_BUCKETS
 from mtplm.decode.loop import generate
+from mtplm.decode.pricing import price
 from mtplm.model import MTPModel
 
 T = TypeVar("T")
@@ -103,9 +104,25 @@ def warm_up(
     max_batch: int = 1,
     what: str = "",
 ) -> float:
-    """Compile every bucket the workload can meet (`buckets`), one line on stderr; seconds it took."""
-    if not isinstance(backend, Warmable):
-        return 0.0
+    """Compile every bucket the workload can meet (`buckets`), one line on stderr, then price its passes by
+    rows where a mode sizes its drafts by them (pricing.py); seconds it took."""
+    began = time.perf_counter()
+    if isinstance(backend, Warmable):
+        _compile(backend, model, cfgs, prompt_lengths, max_new_tokens, max_batch, what)
+    if backend.pass_cost is None and any(cfg.lookup_tokens() for cfg in cfgs):
+        price(backend, model)
+    return time.perf_counter() - began
+
+
+def _compile(
+    backend: Warmable,
+    model: MTPModel,
+    cfgs: Sequence[DecodeConfig],
+    prompt_lengths: tuple[int, int],
+    max_new_tokens: int,
+    max_batch: int,
+    what: str,
+) -> None:
     todo, capacity = buckets(backend, model, cfgs, prompt_lengths, max_new_tokens, max_batch)
     fresh = len(backend.to_compile(todo, capacity))  # as backend.warm() will count them
     if fresh > 8:  # long enough to wonder about
@@ -124,7 +141,6 @@ def warm_up(
             file=sys.stderr,
             flush=True,
         )
-    return seconds
 
 
 class Progress:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mtplm.compat import tomllib
-from mtplm.config import DEFAULT_MODE, DecodeConfig
+from mtplm.config import DEFAULT_MODE, DecodeConfig, parse_mode
 from mtplm.decode.backends import Backend, make_backend
 from mtplm.decode.engine import Engine, PassStats
 from mtplm.decode.warm import warm_up
@@ -240,11 +240,11 @@ class Repository:
                 500, f"model {entry.id!r} failed to load: {exc}", "model", "model_load_failed", "server_error"
             ) from None
         backend = make_backend(self.backend, model, self.max_batch)
-        if self.context is not None:  # every mode a request may ask: plain rows and <mtp> rows
+        if self.context is not None:  # every mode a request may ask: plain rows and <mtp> rows, copied drafts
             warm_up(
                 backend,
                 model,
-                [DecodeConfig(mode="ntp"), DecodeConfig(mode="verified")],
+                [DecodeConfig(mode="ntp"), DecodeConfig(mode="verified"), parse_mode(DEFAULT_MODE)],
                 (1, self.context),
                 0,
                 self.max_batch,

@@ -36,7 +36,7 @@ import torch
 
 from mtplm.decode.backends import SlotKV
 from mtplm.decode.chunked import PREFILL_CHUNK, run_split
-from mtplm.decode.fast import forward, graphs, greedy, kernels
+from mtplm.decode.fast import fewrow, forward, graphs, greedy, kernels
 from mtplm.decode.fast.graphs import GROUP_BATCH_ROWS, GROUP_LAYERS, GROUP_ROWS, WHOLE_PASS_ROWS
 from mtplm.decode.fast.prefill import wide_pass
 from mtplm.decode.fast.weights import FastWeights, check_supported, sliding_window
@@ -75,6 +75,7 @@ class StaticBackend:
         prefill_chunk: int = PREFILL_CHUNK,
     ) -> None:
         self.model, self.slots, self.compile = model, slots, compile
+        self.pass_cost: Callable[[int], float] | None = None  # by rows, relative; pricing.py measures it
         self.prefill_chunk = prefill_chunk
         self.key_buckets = key_buckets
         self.weights = FastWeights(model, fuse, prepack, quantize)
@@ -336,6 +337,11 @@ class StaticBackend:
         if self.weights.shape.mask_id >= 0:
             logits[..., self.weights.shape.mask_id] = float("-inf")
         return logits
+
+    @property
+    def kernel_isa(self) -> str:
+        """Which products its passes run: the few-row kernel's ISA ("amx", "avx512"), or "onednn"."""
+        return fewrow.isa() if fewrow.load() else "onednn"
 
     @staticmethod
     def unsupported(model: MTPModel) -> str | None:

@@ -1,0 +1,76 @@
+"""The draft budget: how many drafts a pass feeds, priced by this machine.
+
+A draft is free only where a pass's extra rows are. On a CPU with AMX a pass of 8 rows costs about 1.1x a
+one-row pass; without AMX it can cost 1.6x, and a draft that is kept half the time then slows decoding down.
+So each pass prices its offer: with c(n) the measured cost of a pass of n rows (passcost.PassCost, measured
+once per machine and model: pricing.py) and p the chance that a draft is kept given the drafts before it
+were, feeding d drafts behind `pending` committed rows is worth
+
+    E(d) = 1 + p + p^2 + ... + p^d   tokens for   c(pending + d) seconds,
+
+and the pass feeds the d (0 to what was offered) with the most tokens per second. d = 0 is a plain pass,
+so a sequence whose drafts do not pay decodes as fast as plain decoding. Which drafts are fed changes no
+token: verification keeps exactly the model's own (greedy) or its distribution (sampling).
+
+p is learned per sequence and per kind of offer (for copied drafts, the length of the n-gram that matched:
+a 3-token match is kept far more often than a 1-token one), from the drafts each pass fed and kept, with
+older passes weighing less (DECAY) so the estimate follows the text from prose into code and back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+PRIOR_KEPT, PRIOR_SEEN = 1.0, 2.0  # a kind of offer never seen yet: p = 1/2, worth two observations
+DECAY = 0.9  # each observation scales the counts before it by this (about the last ten passes count)
+
+
+def best_count(cost: Callable[[int], float], pending: int, offered: int, keep: float) -> int:
+    """The number of drafts d in [0, offered] that maximizes (1 + keep + ... + keep^d) / cost(pending + d);
+    the fewest on a tie, so a draft is fed only if it pays for its rows."""
+    best, best_rate = 0, 1.0 / cost(pending)
+    expected, term = 1.0, 1.0
+    for d in range(1, offered + 1):
+        term *= keep
+        expected += term
+        rate = expected / cost(pending + d)
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = d, rate
+    return best
+
+
+class Acceptance:
+    """Per kind of offer, the decayed counts of drafts kept and drafts tested (a draft after a rejected one
+    is not tested)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[Hashable, tuple[float, float]] = {}
+
+    def rate(self, kind: Hashable) -> float:
+        kept, seen = self.counts.get(kind, (PRIOR_KEPT, PRIOR_SEEN))
+        return kept / seen
+
+    def observe(self, kind: Hashable, fed: int, kept: int) -> None:
+        if fed < 1:
+            return
+        was_kept, was_seen = self.counts.get(kind, (PRIOR_KEPT, PRIOR_SEEN))
+        tested = kept + (1 if kept < fed else 0)
+        self.counts[kind] = (DECAY * was_kept + kept, DECAY * was_seen + tested)
+
+
+class DraftBudget:
+    """One sequence's budget: the machine's row cost and what its offers have been worth so far."""
+
+    def __init__(self, cost: Callable[[int], float]) -> None:
+        self.cost = cost
+        self.acceptance = Acceptance()
+
+    def count(self, kind: Hashable, pending: int, offered: int) -> int:
+        """How many of `offered` drafts of this kind to feed behind `pending` committed rows."""
+        if offered < 1:
+            return 0
+        return best_count(self.cost, pending, offered, self.acceptance.rate(kind))
+
+    def observe(self, kind: Hashable, fed: int, kept: int) -> None:
+        """A pass fed `fed` drafts of this kind and kept the first `kept`."""
+        self.acceptance.observe(kind, fed, kept)

@@ -1,0 +1,134 @@
+"""The draft budget: a pass feeds only the drafts that pay for their rows on this machine's cost curve, and
+which drafts it feeds changes no token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_mtp
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mtplm.config import DecodeConfig, parse_mode
+from mtplm.decode.backends import make_backend
+from mtplm.decode.budget import Acceptance, DraftBudget, best_count
+from mtplm.decode.loop import generate
+from mtplm.decode.passcost import PassCost
+from mtplm.decode.pricing import cache_file, cache_key, price, row_cost
+from mtplm.decode.strategies import make_strategy
+
+
+def _rate(cost, pending: int, d: int, keep: float) -> float:
+    return sum(keep**i for i in range(d + 1)) / cost(pending + d)
+
+
+@given(
+    steps=st.lists(st.floats(0.0, 1.0), min_size=16, max_size=16),
+    keep=st.floats(0.0, 1.0),
+    offered=st.integers(0, 7),
+    pending=st.integers(1, 3),
+)
+def test_the_budget_feeds_the_count_with_the_most_tokens_per_second(steps, keep, offered, pending):
+    """Any non-decreasing cost curve: the chosen count has the best expected rate, and no smaller count is
+    as good (a draft is fed only if it pays)."""
+    curve = [1.0]
+    for step in steps:
+        curve.append(curve[-1] + step)
+
+    def cost(n: int) -> float:
+        return curve[n - 1]
+
+    chosen = best_count(cost, pending, offered, keep)
+    rates = [_rate(cost, pending, d, keep) for d in range(offered + 1)]
+    assert 0 <= chosen <= offered
+    assert rates[chosen] >= max(rates) * (1 - 1e-9)
+    assert all(rates[d] < rates[chosen] * (1 + 1e-9) for d in range(chosen)) or chosen == 0
+
+
+def test_rows_that_cost_a_whole_pass_are_never_fed_and_free_rows_always_are():
+    def linear(n: int) -> float:  # every row as dear as a pass of its own
+        return float(n)
+
+    def free(n: int) -> float:
+        return 1.0
+
+    for keep in (0.0, 0.5, 0.9, 0.99):
+        assert best_count(linear, 1, 7, keep) == 0
+        assert best_count(free, 1, 7, keep) == (7 if keep > 0 else 0)
+    # an AMD-EPYC-like bucketed curve (measured: 2 rows 1.11x, 4 rows 1.16x, 8 rows 1.57x): 3 drafts at
+    # even odds, all 7 only when copies are nearly always right
+    epyc = row_cost(PassCost((1, 2, 4, 8), (1.0, 1.11, 1.16, 1.57)))
+    assert best_count(epyc, 1, 7, 0.5) == 3
+    assert best_count(epyc, 1, 7, 0.95) == 7
+    assert best_count(epyc, 1, 7, 0.05) == 0
+
+
+def test_row_cost_is_the_bucket_a_pass_is_padded_to():
+    cost = row_cost(PassCost((1, 2, 4, 8), (0.010, 0.011, 0.012, 0.016)))
+    assert cost(1) == 1.0
+    assert cost(3) == cost(4) == pytest.approx(1.2)
+    assert cost(5) == cost(8) == pytest.approx(1.6)
+    assert cost(12) == pytest.approx(2.0)  # the last step's slope beyond the curve
+
+
+def test_acceptance_learns_per_kind_and_a_draft_after_a_rejection_is_not_tested():
+    seen = Acceptance()
+    assert seen.rate(3) == seen.rate(1) == 0.5  # the prior
+    for _ in range(10):
+        seen.observe(3, 4, 4)  # every copy kept after a 3-token match
+        seen.observe(1, 4, 0)  # none after a 1-token match
+    assert seen.rate(3) > 0.9 and seen.rate(1) < 0.1
+    once = Acceptance()
+    once.observe(2, 5, 2)  # 2 kept, the third rejected, the last two never tested
+    assert once.counts[2] == pytest.approx((0.9 * 1 + 2, 0.9 * 2 + 3))
+    budget = DraftBudget(lambda n: 1.0 + 0.2 * (n - 1))  # each row costs a fifth of a pass
+    for _ in range(20):
+        budget.observe(1, 3, 0)
+    assert budget.count(1, 1, 7) == 0  # copies after a 1-token match stopped paying here
+    assert budget.count(3, 1, 7) >= 1  # a kind never seen still gets its prior's chance
+
+
+def _repetitive(seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    span = torch.randint(0, 60, (8,), generator=g).tolist()
+    return span + torch.randint(0, 60, (3,), generator=g).tolist() + span[:5]
+
+
+@pytest.mark.parametrize("dtype, kind", [("fp32", "eager"), ("bf16", "static")])
+def test_priced_lookup_is_plain_decoding_at_any_price(dtype, kind):
+    """Greedy verified:lookup under a curve that prices every draft out, one that makes them free and one in
+    between gives plain decoding's tokens (fp32 on the reference pass, bf16 on mtplm's own, whose rows do
+    not depend on the rows beside them); the dear curve feeds no draft at all."""
+    model = tiny_mtp(seed=4, gated=True, k_max=4)
+    if dtype == "bf16":
+        model.hf.to(torch.bfloat16)
+    epyc = row_cost(PassCost((1, 2, 4, 8), (1, 1.11, 1.16, 1.57)))
+    curves = {"dear": lambda n: float(n), "free": lambda n: 1.0, "epyc": epyc}
+    for seed in range(3):
+        prompt = _repetitive(seed)
+        plain = generate(
+            model, prompt, DecodeConfig(mode="ntp", max_new_tokens=30), backend=make_backend(kind, model, 1)
+        )
+        fed = {}
+        for name, curve in curves.items():
+            backend = make_backend(kind, model, slots=1)
+            backend.pass_cost = curve
+            cfg = parse_mode("verified:lookup")
+            cfg.max_new_tokens = 30
+            out = generate(model, prompt, cfg, strategy=make_strategy(cfg, None), backend=backend)
+            assert out.tokens == plain.tokens, (name, seed)
+            fed[name] = sum(drafted for drafted, _ in out.drafts)
+        assert fed["dear"] == 0 and fed["free"] > 0
+
+
+def test_price_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MTPLM_HOME", str(tmp_path))
+    model = tiny_mtp(seed=1)
+    backend = make_backend("eager", model, slots=1)
+    curve = price(backend, model)
+    assert curve.rows[0] == 1 and list(curve.seconds) == sorted(curve.seconds)
+    assert backend.pass_cost is not None and backend.pass_cost(1) == 1.0
+    path = cache_file(cache_key(backend, model))
+    assert path.exists()
+    again = make_backend("eager", model, slots=1)
+    assert price(again, model) == curve  # read back, not measured again (timings never repeat exactly)
