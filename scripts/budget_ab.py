@@ -37,9 +37,9 @@ OTHER_KINDS = [
 ]
 
 
-def prompts(model, count: int, seed: int) -> list[tuple[str, list[int]]]:
+def prompts(model, count: int, other: int, seed: int) -> list[tuple[str, list[int]]]:
     texts = [("bench", e.prompt) for e in prompt_set("mixed", count, seed, split="eval")]
-    texts += [("other", text) for text in OTHER_KINDS]
+    texts += [("other", text) for text in OTHER_KINDS[:other]]
     return [(kind, chat_prompt_ids(model.tokenizer, text)) for kind, text in texts]
 
 
@@ -47,13 +47,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-mtp")
     p.add_argument("--prompts", type=int, default=20, help="bench prompts (the other kinds are added)")
+    p.add_argument("--other", type=int, default=len(OTHER_KINDS), help="prompts of the other kinds")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--backend", default="compiled")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     model = load_model(args.model, "bf16")
     backend = make_backend(args.backend, model, slots=1)
-    rows = prompts(model, args.prompts, args.seed)
+    rows = prompts(model, args.prompts, args.other, args.seed)
     lookup = parse_mode("verified:lookup")
     modes = {"plain": DecodeConfig(mode="ntp"), "lookup, every copy": lookup, "lookup, priced": lookup}
     lengths = [len(ids) for _, ids in rows]

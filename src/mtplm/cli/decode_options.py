@@ -4,8 +4,10 @@ they make."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from mtplm.config import DEFAULT_MODE, LOOKUP_TOKENS, DecodeConfig, parse_mode
+from mtplm.errors import UserError
 from mtplm.options import add_backend_argument, add_dtype_argument
 from mtplm.registry import CONFIDENCE, STRATEGIES, WINDOWS
 
@@ -71,7 +73,11 @@ def add_decode_arguments(p: argparse.ArgumentParser) -> None:
 
 def decode_config(args) -> DecodeConfig:
     """The options as a DecodeConfig: no --mode and no --drafting decodes with DEFAULT_MODE; --drafting alone
-    means verified."""
+    means verified. A --mode written whole (`verified:quadratic+lookup@3`, as `mtplm bench --modes` and the
+    server's `mode` field take it) is parsed by config.parse_mode, with --k-max as its default k_max and the
+    sampling options applied; the flags that shape a mode then cannot be given beside it."""
+    if args.mode is not None and args.mode not in STRATEGIES.names():
+        return _whole_mode(args)
     default = parse_mode(DEFAULT_MODE)
     mode = args.mode or ("verified" if args.drafting else default.mode)
     drafting = args.drafting or (default.drafting if args.mode is None else DecodeConfig.drafting)
@@ -86,6 +92,29 @@ def decode_config(args) -> DecodeConfig:
         tree_widths=args.tree_widths,
         lookup=args.lookup,
         window=args.window,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+    ).validate()
+
+
+SHAPING = ("k", "drafting", "tree_widths", "lookup", "window", "tau", "confidence", "backoff")
+
+
+def _whole_mode(args) -> DecodeConfig:
+    d = DecodeConfig()
+    given = [name for name in SHAPING if getattr(args, name) not in (getattr(d, name), None, False)]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        bare = args.mode.split(":")[0].split("@")[0]
+        raise UserError(
+            f"--mode {args.mode!r} is a whole mode string: write {flags} into it, or --mode {bare}"
+        )
+    cfg = parse_mode(args.mode, k_max=args.k_max)
+    return dataclasses.replace(
+        cfg,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,

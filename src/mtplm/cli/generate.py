@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -61,6 +62,7 @@ def _generate(args) -> None:
     from mtplm.decode.backends import make_backend
     from mtplm.decode.constraint import compile as compile_constraint
     from mtplm.decode.loop import generate, stop_ids
+    from mtplm.decode.strategies import is_lossless
     from mtplm.decode.warm import one_shot_backend, warm_up
     from mtplm.model import load_model
     from mtplm.text import StreamDecoder, chat_prompt_ids
@@ -80,6 +82,18 @@ def _generate(args) -> None:
     ids = model.tokenizer(prompt)["input_ids"] if args.raw else chat_prompt_ids(model.tokenizer, prompt)
     constraint = compile_constraint(spec, model.tokenizer, stop_ids(model)).start() if spec else None
     backend = make_backend(one_shot_backend(args.backend, model, cfg), model, slots=1)
+    if (
+        backend.row_dependence is not None
+        and args.mode is None
+        and args.drafting is None
+        and is_lossless(cfg)
+    ):
+        print(
+            f"mtplm: decoding plainly (--mode ntp): the default mode is lossless only where a pass's rows do "
+            f"not change each other's results, and here {backend.row_dependence}",
+            file=sys.stderr,
+        )
+        cfg = dataclasses.replace(cfg, mode="ntp", drafting="linear", lookup=0)
     warm_up(backend, model, [cfg], (len(ids), len(ids)), cfg.max_new_tokens)  # compiles before the answer
     if args.no_stream:
         out = generate(model, ids, cfg, backend=backend, constraint=constraint)

@@ -73,6 +73,13 @@ class Backend(Protocol):
 
     def kv(self, slot: int) -> KV: ...
 
+    @property
+    def row_dependence(self) -> str | None:
+        """Why a row's result may depend on the rows beside it in a pass (None: it does not, bitwise), which
+        the lossless modes then refuse: they need every verified row to be what plain decoding's 1-row pass
+        gives it."""
+        ...
+
     def move(self, source: int, target: int, length: int) -> None:
         """Copy slot `source`'s first `length` positions into slot `target` (the engine compacts)."""
         ...
@@ -117,6 +124,16 @@ class EagerBackend:
 
     def kv(self, slot: int) -> SlotKV:
         return SlotKV(self.cache, slot)
+
+    @property
+    def row_dependence(self) -> str | None:
+        """float32: none (tested); in bf16, PyTorch's products round by how many rows they multiply."""
+        if self.model.hf.dtype == torch.float32:
+            return None
+        name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+            self.model.hf.dtype, str(self.model.hf.dtype)
+        )
+        return f"Hugging Face's forward in {name} rounds its products by the rows a pass feeds"
 
     @staticmethod
     def unsupported(model: MTPModel) -> str | None:
@@ -180,7 +197,14 @@ def describe(model: MTPModel, backend: Backend) -> DecodeModel:
         head = partial(_final_columns, backend.head, dim)
         argmax = partial(_final_columns, argmax, dim) if argmax is not None else None
     return DecodeModel(
-        head, mask_id, drafter, frozenset(stop_ids(model)), thresholds, argmax, backend.pass_cost
+        head,
+        mask_id,
+        drafter,
+        frozenset(stop_ids(model)),
+        thresholds,
+        argmax,
+        backend.pass_cost,
+        backend.row_dependence,
     )
 
 

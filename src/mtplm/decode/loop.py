@@ -59,6 +59,11 @@ class Decoding:
         if not prompt_ids:
             raise UserError("the prompt is empty: give at least one token of input")
         self.model, self.strategy, self.stop_ids = model, strategy, stop_ids
+        if model.row_dependence is not None and getattr(strategy, "lossless", False):
+            raise UserError(
+                "a lossless mode needs a pass whose rows do not change each other's results, and here "
+                f"{model.row_dependence}: decode with --mode ntp, or --dtype fp32"
+            )
         if model.pass_cost is not None and isinstance(strategy, Priced):
             strategy.price(model.pass_cost)  # drafts sized by what rows cost on this machine (budget.py)
         self.max_new_tokens = max_new_tokens

@@ -285,6 +285,8 @@ class DecodeModel:
     # n -> the cost of a pass of n plain rows relative to one row, measured on this machine (pricing.py);
     # None where nobody measured it (the strategies then feed every draft they offer)
     pass_cost: Callable[[int], float] | None = None
+    # why a row's result may depend on the rows beside it (backends.Backend.row_dependence; None: it does not)
+    row_dependence: str | None = None
 
 
 def _anchors(

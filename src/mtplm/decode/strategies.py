@@ -232,3 +232,12 @@ def make_strategy(cfg: DecodeConfig, thresholds: Thresholds | None = None) -> St
     calibrated = thresholds.tau_per_position is not None and user_tau is None
     calibrated = calibrated and cfg.confidence == thresholds.confidence
     return entry(cfg, thresholds.tau_per_position if calibrated else None)
+
+
+def is_lossless(cfg: DecodeConfig, thresholds: Thresholds | None = None) -> bool:
+    """Whether `cfg`'s strategy gives plain decoding's output (its `lossless`); False where it cannot be
+    built for this model."""
+    try:
+        return bool(getattr(make_strategy(cfg, thresholds), "lossless", False))
+    except UserError:
+        return False

@@ -9,6 +9,7 @@ import uuid
 
 from mtplm.config import DecodeConfig, Limits, mode_grammar, parse_mode
 from mtplm.decode.protocol import DecodeModel
+from mtplm.decode.strategies import is_lossless
 from mtplm.errors import UserError
 from mtplm.serve.protocol import (
     MAX_CHOICES,
@@ -69,6 +70,16 @@ def _mode(mode: str | None, spec: DecodeModel, default_mode: str) -> DecodeConfi
         cfg = parse_mode(mode or default_mode)
     except UserError as exc:
         raise APIError(400, str(exc), "mode", "invalid_mode") from None
+    if spec.row_dependence is not None and is_lossless(cfg, spec.thresholds):
+        if mode is None:  # the server's default mode: plain decoding where it cannot be lossless
+            return parse_mode("ntp")
+        raise APIError(
+            400,
+            f"mode {cfg.mode!r} is lossless only where a pass's rows do not change each other's results, and "
+            f"on this server {spec.row_dependence}: use mode ntp",
+            "mode",
+            "invalid_mode",
+        )
     if not cfg.needs_conversion():
         return cfg
     if spec.thresholds is None:

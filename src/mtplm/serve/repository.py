@@ -32,6 +32,7 @@ from mtplm.compat import tomllib
 from mtplm.config import DEFAULT_MODE, DecodeConfig, parse_mode
 from mtplm.decode.backends import Backend, make_backend
 from mtplm.decode.engine import Engine, PassStats
+from mtplm.decode.strategies import is_lossless
 from mtplm.decode.warm import warm_up
 from mtplm.errors import UserError
 from mtplm.model import MTPModel, load_model
@@ -222,6 +223,11 @@ class Repository:
             lambda: self._build(entry), max_batch=self.max_batch, on_pass=callback, k_by_batch=self.k_by_batch
         )
         model = engine.model
+        dependence = engine.spec.row_dependence
+        if dependence is not None and is_lossless(parse_mode(mode), engine.spec.thresholds):
+            log.warning(
+                "mtplm: %s decodes requests that name no mode plainly (ntp): %s", entry.id, dependence
+            )
         nbytes = sum(p.numel() * p.element_size() for p in model.hf.parameters())
         loaded = Loaded(entry, model, engine, mode, nbytes)
         with self._guard:

@@ -339,6 +339,19 @@ class StaticBackend:
         return logits
 
     @property
+    def row_dependence(self) -> str | None:
+        """None where every product and attention sum has one order per row (mtplm's own kernels, or
+        float32); else what rounds by the rows a pass feeds. On a GPU: not checked (None)."""
+        if self.model.hf.dtype == torch.float32 or self.weights.embed.is_cuda:
+            return None
+        if self.weights.quantized == "int8":
+            return "PyTorch's int8 weight kernel rounds by the rows a pass feeds"
+        if not fewrow.load():
+            why = fewrow.unavailable() or "its build failed"
+            return f"oneDNN's bf16 products round by the rows a pass feeds (mtplm's own kernels: {why})"
+        return None
+
+    @property
     def kernel_isa(self) -> str:
         """Which products its passes run: the few-row kernel's ISA ("amx", "avx512"), or "onednn"."""
         return fewrow.isa() if fewrow.load() else "onednn"
