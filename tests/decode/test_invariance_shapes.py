@@ -87,3 +87,29 @@ def test_chain_rows_are_what_one_row_passes_give_them(shape, forced_isa):
                 assert backend.greedy_head(alone[i][None]).item() == int(one.argmax())
             greedy = backend.greedy_head(got)
             assert greedy.tolist() == logits.argmax(-1).tolist(), f"{shape} {forced_isa}: greedy head"
+
+
+def test_a_rows_norm_in_a_graph_does_not_depend_on_the_rows_beside_it():
+    """RMSNorm compiled for one row and for two gives a row the same bits (its mean of squares from
+    csrc/norm.cpp). The rows are a real pair: Qwen2.5-Coder-1.5B's second layer input at positions 57 and 58
+    of a prompt where inductor's own fused reduction summed the lone row otherwise, which parted verified
+    decoding from plain decoding at a near-tie (tests/decode/data/qwen2.5-1.5b-norm-rows.pt)."""
+    from pathlib import Path
+
+    from mtplm.decode.fast import forward
+    from mtplm.decode.fast.graphs import ROUNDED
+
+    if not fewrow.load():
+        pytest.skip(f"mtplm's few-row kernels do not load here ({fewrow.unavailable() or 'build failed'})")
+    forward.probe_attention()
+    saved = torch.load(Path(__file__).with_name("data") / "qwen2.5-1.5b-norm-rows.pt")
+    rows, weight, eps = saved["rows"], saved["weight"], saved["eps"]
+
+    def norm(hidden: torch.Tensor) -> torch.Tensor:
+        return forward.rms_norm(hidden, weight, eps)
+
+    compiled = torch.compile(norm, dynamic=False, fullgraph=True, options={**ROUNDED, "cpp_wrapper": True})
+    with torch.inference_mode():
+        two = compiled(rows[None])[0]
+        for i in range(2):
+            assert torch.equal(compiled(rows[None, i : i + 1])[0, 0], two[i]), f"row {i}"

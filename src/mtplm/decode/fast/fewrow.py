@@ -29,7 +29,8 @@ from mtplm.files import home
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [
-    CSRC / name for name in ("fewrow.cpp", "lora.cpp", "int4.cpp", "attend.cpp", "attend_amx.cpp", "head.cpp")
+    CSRC / name
+    for name in ("fewrow.cpp", "lora.cpp", "int4.cpp", "attend.cpp", "attend_amx.cpp", "head.cpp", "norm.cpp")
 ]
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
 
@@ -109,6 +110,7 @@ def _build_and_load() -> None:
     torch.library.register_fake("mtplm_fewrow::lora_linear", _lora_linear_shape)
     torch.library.register_fake("mtplm_fewrow::int4_linear", _int4_linear_shape)
     torch.library.register_fake("mtplm_fewrow::attend", _attend_shape)
+    torch.library.register_fake("mtplm_fewrow::mean_square", _mean_square_shape)
 
 
 def _ninja_on_path() -> None:
@@ -139,6 +141,10 @@ def _lora_linear_shape(
     parts: list[int] | None = None,
 ) -> torch.Tensor:
     return inputs.new_empty(inputs.shape[0], packed.shape[0])
+
+
+def _mean_square_shape(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], 1)
 
 
 def _attend_shape(query, key_store, value_store, slots, mask, scaling) -> torch.Tensor:

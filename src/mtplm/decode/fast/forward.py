@@ -41,6 +41,7 @@ _attention_rows: int | None = None
 # bf16 and float32 stores attend through mtplm's own kernel (fewrow.attend: one summation order whatever
 # the pass's rows and key count) where it loads; decided once per process, like attention_rows()
 _attention_kernel: bool | None = None
+_norm_kernel = False  # rms_norm takes its mean of squares from csrc/norm.cpp (probe_attention decides)
 
 
 def _padded(rows: torch.Tensor) -> torch.Tensor:
@@ -70,10 +71,11 @@ def attention_rows() -> int:
 def probe_attention() -> None:
     """Decide once per process, before any graph reads them, attention_rows() and whether bf16 and float32
     stores attend through fewrow.attend here (the kernel builds and loads)."""
-    global _attention_kernel
+    global _attention_kernel, _norm_kernel
     attention_rows()
     if _attention_kernel is None:
         _attention_kernel = fewrow.load()
+    _norm_kernel = bool(_attention_kernel)
 
 
 def _kernel_attends(query: torch.Tensor, key_store: torch.Tensor) -> bool:
@@ -127,7 +129,10 @@ def prepare(
     adapters), store write positions [b, Q]."""
     shape = weights.shape
     hidden = F.embedding(ids, weights.embed)  # [b, Q, D]
-    rope = rope_tables(positions, weights.inv_freq, shape.rope_scaling, hidden.dtype)
+    # gathered from one table: cos and sin computed inside a graph round by how it vectorizes them, so a
+    # position's rotation would differ between the 1-row and the k-row graphs (seen on Qwen2.5-1.5B)
+    at = positions.clamp(max=weights.rope_cos.shape[0] - 1)
+    rope = weights.rope_cos[at].unsqueeze(2), weights.rope_sin[at].unsqueeze(2)
     mask = (masking or attention_mask)(lengths, allowed, kv_len)
     gate = (ids == shape.mask_id).unsqueeze(-1) * shape.lora_scale if shape.gated and adapters else None
     write = lengths.unsqueeze(1) + torch.arange(ids.shape[1], device=ids.device)
@@ -234,20 +239,15 @@ def _low_rank_up(low: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's Llama RMSNorm: normalise in float32, cast back, then scale."""
+    """HF's Llama RMSNorm: normalise in float32, cast back, then scale. The mean of squares comes from
+    mtplm's kernel where it loads (csrc/norm.cpp: one order per row, so a row's norm does not depend on the
+    rows beside it, which inductor's fused reduction does not promise)."""
     wide = hidden.float()
-    wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * wide.to(hidden.dtype)
-
-
-def rope_tables(
-    positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [b, Q, 1, d] at each row's position, from the model's own inverse frequencies [d/2]."""
-    freqs = positions.unsqueeze(-1).float() * inv_freq  # [b, Q, d/2]
-    angles = torch.cat([freqs, freqs], dim=-1)  # [b, Q, d]
-    cos, sin = angles.cos() * scaling, angles.sin() * scaling
-    return cos.to(dtype).unsqueeze(2), sin.to(dtype).unsqueeze(2)
+    if _norm_kernel and wide.device.type == "cpu":
+        square = torch.ops.mtplm_fewrow.mean_square(wide)
+    else:
+        square = wide.pow(2).mean(-1, keepdim=True)
+    return weight * (wide * torch.rsqrt(square + eps)).to(hidden.dtype)
 
 
 def rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,8 @@ class FastWeights(nn.Module):
     embed: torch.Tensor  # buffers, declared for type checkers
     final_norm: torch.Tensor
     inv_freq: torch.Tensor
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
 
     def __init__(
         self, model: MTPModel, fuse: bool = True, prepack: bool | None = None, quantize: bool | str = False
@@ -88,6 +90,14 @@ class FastWeights(nn.Module):
         self.register_buffer(
             "inv_freq", decoder.rotary_emb.inv_freq.float().clone(), persistent=False
         )  # [d/2]
+        # cos and sin [P, d] of every position the model takes, computed once here: a pass gathers its rows'
+        # (forward.prepare), so every graph rotates a position bitwise alike
+        positions = torch.arange(getattr(hf.config, "max_position_embeddings", 32768) or 32768)
+        dtype = decoder.embed_tokens.weight.dtype
+        cos, sin = rope_tables(positions, self.inv_freq, self.shape.rope_scaling, dtype)
+        device = decoder.embed_tokens.weight.device
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
         self.fused = fuse
         self.quantized = kind
         self.blocks = nn.ModuleList(_Block(layer, fuse, self.prepacked, kind) for layer in decoder.layers)
@@ -280,3 +290,14 @@ def sliding_window(model: MTPModel) -> int | None:
     if type(model.hf).__name__ == "Qwen2ForCausalLM" and not getattr(config, "use_sliding_window", False):
         return None
     return int(window)
+
+
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [..., d] at each position of `positions` [...], from the model's own inverse frequencies
+    [d/2] (FastWeights computes them once for every position, eagerly; passes gather from that table)."""
+    freqs = positions.unsqueeze(-1).float() * inv_freq  # [..., d/2]
+    angles = torch.cat([freqs, freqs], dim=-1)  # [..., d]
+    cos, sin = angles.cos() * scaling, angles.sin() * scaling
+    return cos.to(dtype), sin.to(dtype)
