@@ -26,7 +26,7 @@ from mtplm.decode.passcost import PassCost
 from mtplm.decode.protocol import Feed
 from mtplm.files import atomic_file, home
 
-ROWS = (1, 2, 4, 8, 16)  # a pending token and up to 7 copied drafts fit 8; two pending tokens and 7 fit 16
+ROWS = (1, 2, 4, 8)  # a pending token and up to 7 copied drafts (beyond: the last step's slope)
 CONTEXT = 200  # cached positions behind each timed pass
 REPEATS = 8  # interleaved rounds after one to warm up; the best of them counts
 ISA_FLAGS = (

@@ -58,10 +58,11 @@ class Verified:
         # copied drafts alone: how many a pass feeds, priced by the machine (budget.py; price() sets it)
         self.draft_budget: DraftBudget | None = None
         self.offered = 0  # the n-gram length behind the drafts of the pass in flight (the budget's kind)
+        self.wants_price = self.lookup is not None and not self.masks
 
     def price(self, cost: Callable[[int], float]) -> None:
         """Feed copied drafts by what a pass of n rows costs here relative to one row (budget.py)."""
-        self.draft_budget = DraftBudget(cost) if not self.masks else None
+        self.draft_budget = DraftBudget(cost) if self.wants_price else None
 
     def plan(self, text: Sequence[int], budget: int, last: Outcome | None) -> Plan:
         """The previous pass's drafts (as many as fit this pass's window), with lookup beside or instead;

@@ -16,10 +16,11 @@ one row for plain decoding and every row bucket otherwise; passes with `<mtp>` r
 feed mask slots, on a model with gated adapters. `Compiles` counts compiles inside a block, so a
 timed row that compiled anyway can be run again instead of reported.
 
-A backend that does not compile (eager) has no `warm`: warm_up does nothing for it.
+A backend that does not compile (eager, static) has no `warm`: warm_up only prices it (pricing.py).
 
 A one-shot generation (`mtplm generate`) pays its compiles in its own wall time: `one_shot_backend` runs
-it eagerly under `auto` unless it asks for enough tokens to win them back (ONE_SHOT_COMPILED_TOKENS).
+it on the same pass uncompiled (`static`) under `auto` unless it asks for enough tokens to win them back
+(ONE_SHOT_COMPILED_TOKENS).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 from mtplm.config import BACKEND_ENV, DecodeConfig
 from mtplm.decode.backends import Backend, resolve_backend
 from mtplm.decode.chunked import PREFILL_CHUNK
+from mtplm.decode.fast import fewrow
 from mtplm.decode.fast.backend import ROW_BUCKETS
 from mtplm.decode.loop import generate
 from mtplm.decode.pricing import price
@@ -87,11 +89,14 @@ def buckets(
 
 
 def one_shot_backend(name: str, model: MTPModel, cfg: DecodeConfig) -> str:
-    """The backend for one generation: `auto` -> eager where the compiled pass would be chosen but the
-    generation is too short to win its compiles back; any other choice as it is."""
+    """The backend for one generation: `auto` -> the same pass uncompiled (`static`) where the compiled pass
+    would be chosen but the generation is too short to win its compiles back (eager where mtplm's kernels do
+    not load: `static` would then be neither faster nor row-independent); any other choice as it is."""
     resolved = resolve_backend(name, model)
     if name == "auto" and not os.environ.get(BACKEND_ENV) and resolved != "eager":
-        return resolved if cfg.max_new_tokens >= ONE_SHOT_COMPILED_TOKENS else "eager"
+        if cfg.max_new_tokens >= ONE_SHOT_COMPILED_TOKENS:
+            return resolved
+        return "static" if fewrow.load() else "eager"
     return resolved
 
 
