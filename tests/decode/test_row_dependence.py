@@ -3,9 +3,12 @@ default mode decodes plainly there, saying why in one line."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from conftest import tiny_mtp
+from conftest import tiny_mtp, tiny_tokenizer
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from mtplm.cli import main
 from mtplm.config import DecodeConfig, parse_mode
@@ -14,6 +17,7 @@ from mtplm.decode.loop import generate
 from mtplm.decode.protocol import Feed
 from mtplm.decode.strategies import is_lossless
 from mtplm.errors import UserError
+from mtplm.model import MTPModel
 from mtplm.serve.checks import decode_config
 from mtplm.serve.protocol import APIError, CompletionRequest
 
@@ -75,10 +79,6 @@ def test_feed_rows_of_hf_bf16_really_differ_by_pass_width():
     """What row_dependence reports is real: on Hugging Face's bf16 forward a row's hidden state in a 4-row
     pass is not bitwise its 1-row pass's, for some row of a realistic width."""
     torch.manual_seed(0)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from mtplm.model import MTPModel
-
     config = LlamaConfig(
         vocab_size=512,
         hidden_size=576,
@@ -88,8 +88,6 @@ def test_feed_rows_of_hf_bf16_really_differ_by_pass_width():
         num_key_value_heads=3,
         max_position_embeddings=256,
     )
-    from conftest import tiny_tokenizer
-
     model = MTPModel(LlamaForCausalLM(config).to(torch.bfloat16).eval(), tiny_tokenizer(), None)
     backend = make_backend("eager", model, 1)
     chain = list(range(10, 18))
@@ -101,3 +99,32 @@ def test_feed_rows_of_hf_bf16_really_differ_by_pass_width():
         ]
         wide = backend.run(0, [Feed(chain, 1, 7, 0, False, None)], [40])[0]
     assert any(not torch.equal(wide[i], alone[i]) for i in range(8))
+
+
+@pytest.mark.process
+def test_where_mtplms_kernels_do_not_run_the_compiled_pass_says_its_rows_depend_on_each_other():
+    """The path every CPU without AVX-512 bf16 takes (forced here by MTPLM_FEWROW=0, in a process of its
+    own: the kernel's availability is decided once a process): oneDNN's products, named as the reason."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from conftest import tiny_mtp\n"
+        "from mtplm.decode.backends import make_backend\n"
+        "model = tiny_mtp(seed=2)\n"
+        "model.hf.to(torch.bfloat16)\n"
+        "print(make_backend('static', model, 1).row_dependence)\n"
+    )
+    tests = str(Path(__file__).parents[1])
+    env = {
+        **os.environ,
+        "MTPLM_FEWROW": "0",
+        "PYTHONPATH": tests + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert "oneDNN" in done.stdout and "MTPLM_FEWROW=0" in done.stdout

@@ -92,12 +92,14 @@ def decode_config(args) -> DecodeConfig:
         tree_widths=args.tree_widths,
         lookup=args.lookup,
         window=args.window,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        max_new_tokens=args.max_new_tokens,
-        seed=args.seed,
+        **_sampling(args),
     ).validate()
+
+
+def _sampling(args) -> dict:
+    """The options that say how tokens are drawn and how many, whatever the mode."""
+    names = ("temperature", "top_k", "top_p", "max_new_tokens", "seed")
+    return {name: getattr(args, name) for name in names}
 
 
 SHAPING = ("k", "drafting", "tree_widths", "lookup", "window", "tau", "confidence", "backoff")
@@ -112,12 +114,4 @@ def _whole_mode(args) -> DecodeConfig:
         raise UserError(
             f"--mode {args.mode!r} is a whole mode string: write {flags} into it, or --mode {bare}"
         )
-    cfg = parse_mode(args.mode, k_max=args.k_max)
-    return dataclasses.replace(
-        cfg,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        max_new_tokens=args.max_new_tokens,
-        seed=args.seed,
-    ).validate()
+    return dataclasses.replace(parse_mode(args.mode, k_max=args.k_max), **_sampling(args)).validate()
