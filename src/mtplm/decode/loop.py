@@ -25,7 +25,6 @@ from mtplm.decode.backends import stop_ids as stop_ids
 from mtplm.decode.constraint import ConstrainedLogits, Constraint, trim
 from mtplm.decode.constraint_drafts import forced_plan, literal_plan, pruned
 from mtplm.decode.logprobs import TokenLogprob, prompt_logprobs, rows_logprobs, step_logprobs
-from mtplm.decode.pricing import price
 from mtplm.decode.protocol import DecodeModel, Drafting, Feed, Outcome, PassLogits, Plan, Priced, Strategy
 from mtplm.decode.sampling import greedy
 from mtplm.decode.steps import Generation, Step
@@ -342,12 +341,10 @@ def stream(
     backend: Backend | None = None,
     constraint: Constraint | None = None,
 ) -> Iterator[Step]:
-    """Yield each step's emitted tokens as soon as they are chosen (one sequence in slot 0 of `backend`). A
-    strategy that sizes its drafts by the machine's row cost gets the backend priced first (pricing.py: read
-    from its cache, or measured once, about a second, where warm_up has not done it)."""
+    """Yield each step's emitted tokens as soon as they are chosen (one sequence in slot 0 of `backend`).
+    A backend that warm_up (or pricing.price) priced lets the strategy size its drafts by this machine's
+    row cost (budget.py); an unpriced one feeds every draft offered."""
     backend = backend or EagerBackend(model, slots=1)
-    if backend.pass_cost is None and isinstance(strategy, Priced) and strategy.wants_price:
-        price(backend, model)
     spec = describe(model, backend)
     sequence = Decoding(spec, prompt_ids, strategy, max_new_tokens, stop_ids, seed, constraint=constraint)
     kv = backend.kv(0)

@@ -222,8 +222,6 @@ class Strategy(Protocol):
 class Priced(Protocol):
     """A strategy that sizes its drafts by what a pass of n rows costs on this machine (budget.py)."""
 
-    wants_price: bool  # this configuration sizes its drafts so (e.g. copied drafts alone)
-
     def price(self, cost: Callable[[int], float]) -> None: ...
 
 
