@@ -8,7 +8,7 @@ the curve on the backend (`backend.pass_cost`). The next process on the same mac
 reads the file instead (a fraction of a second against about a second of timing for a 135M model).
 
 The key names what a pass's cost depends on: the CPU (model name and the ISA flags the kernels choose by),
-the torch version and threads, the backend and its kernel ISA, and the model's shape and dtype.
+the torch version and threads, the backend and its kernels (ISA and build), and the model's shape and dtype.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from mtplm.decode.fast import fewrow
 from mtplm.decode.passcost import PassCost
 from mtplm.decode.protocol import Feed
 from mtplm.files import atomic_file, home
@@ -84,6 +85,8 @@ def cache_key(backend: object, model) -> str:
     ]
     shape += [getattr(config, "num_key_value_heads", None), getattr(config, "vocab_size", None)]
     isa = getattr(backend, "kernel_isa", "")
+    if isa and isa != "onednn":  # the kernels' own build (their source and flags) too
+        isa += " " + fewrow.build_dir().name
     return (
         f"{cpu_identity()} | torch {torch.__version__}, {torch.get_num_threads()} threads | "
         f"{type(backend).__name__} {isa} | {shape} {model.hf.dtype} {model.hf.device}"
