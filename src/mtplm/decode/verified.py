@@ -83,7 +83,7 @@ class Verified:
         copied, matched = self.lookup.match(
             text, copy_room(self.cfg.lookup_tokens(), budget, pending + len(chain) + len(blocks) * slots)
         )
-        if not self.masks and self.draft_budget is not None:  # as many copies as pay for their rows here
+        if self.draft_budget is not None:  # copies alone: as many as pay for their rows here
             copied = copied[: self.draft_budget.count(matched, pending, len(copied))]
             self.offered = matched
         tokens, parents = merge_chain(chain, copied)
