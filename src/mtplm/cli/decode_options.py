@@ -76,7 +76,7 @@ def decode_config(args) -> DecodeConfig:
     means verified. A --mode written whole (`verified:quadratic+lookup@3`, as `mtplm bench --modes` and the
     server's `mode` field take it) is parsed by config.parse_mode, with --k-max as its default k_max and the
     sampling options applied; the flags that shape a mode then cannot be given beside it."""
-    if args.mode is not None and args.mode not in STRATEGIES.names():
+    if args.mode is not None and any(mark in args.mode for mark in ":+@"):  # more than a bare name
         return _whole_mode(args)
     default = parse_mode(DEFAULT_MODE)
     mode = args.mode or ("verified" if args.drafting else default.mode)
