@@ -7,17 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_mtp, tiny_tokenizer
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import tiny_mtp
 
 from mtplm.cli import main
 from mtplm.config import DecodeConfig, parse_mode
 from mtplm.decode.backends import describe, make_backend
 from mtplm.decode.loop import generate
-from mtplm.decode.protocol import Feed
 from mtplm.decode.strategies import is_lossless
 from mtplm.errors import UserError
-from mtplm.model import MTPModel
 from mtplm.serve.checks import decode_config
 from mtplm.serve.protocol import APIError, CompletionRequest
 
@@ -73,32 +70,6 @@ def test_the_cli_default_mode_decodes_plainly_on_a_row_dependent_pass(base_dir, 
     assert main([*common, "--max-new-tokens", "4", "--mode", "verified:lookup"]) == 2
     said = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
     assert len(said) == 1 and "--mode ntp" in said[0]
-
-
-def test_feed_rows_of_hf_bf16_really_differ_by_pass_width():
-    """What row_dependence reports is real: on Hugging Face's bf16 forward a row's hidden state in a 4-row
-    pass is not bitwise its 1-row pass's, for some row of a realistic width."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=2,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=256,
-    )
-    model = MTPModel(LlamaForCausalLM(config).to(torch.bfloat16).eval(), tiny_tokenizer(), None)
-    backend = make_backend("eager", model, 1)
-    chain = list(range(10, 18))
-    with torch.inference_mode():
-        backend.run(0, [Feed(list(range(40)), 40, 0, 0, False, None)], [0])
-        alone = [
-            backend.run(0, [Feed([t], 1, 0, 0, False, None)], [40 + i])[0, 0].clone()
-            for i, t in enumerate(chain)
-        ]
-        wide = backend.run(0, [Feed(chain, 1, 7, 0, False, None)], [40])[0]
-    assert any(not torch.equal(wide[i], alone[i]) for i in range(8))
 
 
 @pytest.mark.process
