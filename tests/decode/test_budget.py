@@ -14,7 +14,7 @@ from mtplm.decode.backends import make_backend
 from mtplm.decode.budget import Acceptance, DraftBudget, best_count
 from mtplm.decode.loop import generate
 from mtplm.decode.passcost import PassCost
-from mtplm.decode.pricing import cache_file, cache_key, price, row_cost
+from mtplm.decode.pricing import cache_file, cache_key, price
 from mtplm.decode.strategies import make_strategy
 
 
@@ -57,14 +57,14 @@ def test_rows_that_cost_a_whole_pass_are_never_fed_and_free_rows_always_are():
         assert best_count(free, 1, 7, keep) == (7 if keep > 0 else 0)
     # an AMD-EPYC-like bucketed curve (measured: 2 rows 1.11x, 4 rows 1.16x, 8 rows 1.57x): 3 drafts at
     # even odds, all 7 only when copies are nearly always right
-    epyc = row_cost(PassCost((1, 2, 4, 8), (1.0, 1.11, 1.16, 1.57)))
+    epyc = PassCost((1, 2, 4, 8), (1.0, 1.11, 1.16, 1.57)).relative
     assert best_count(epyc, 1, 7, 0.5) == 3
     assert best_count(epyc, 1, 7, 0.95) == 7
     assert best_count(epyc, 1, 7, 0.05) == 0
 
 
-def test_row_cost_is_the_bucket_a_pass_is_padded_to():
-    cost = row_cost(PassCost((1, 2, 4, 8), (0.010, 0.011, 0.012, 0.016)))
+def test_a_passs_relative_cost_is_the_bucket_it_is_padded_to():
+    cost = PassCost((1, 2, 4, 8), (0.010, 0.011, 0.012, 0.016)).relative
     assert cost(1) == 1.0
     assert cost(3) == cost(4) == pytest.approx(1.2)
     assert cost(5) == cost(8) == pytest.approx(1.6)
@@ -102,7 +102,7 @@ def test_priced_lookup_is_plain_decoding_at_any_price(dtype, kind):
     model = tiny_mtp(seed=4, gated=True, k_max=4)
     if dtype == "bf16":
         model.hf.to(torch.bfloat16)
-    epyc = row_cost(PassCost((1, 2, 4, 8), (1, 1.11, 1.16, 1.57)))
+    epyc = PassCost((1, 2, 4, 8), (1, 1.11, 1.16, 1.57)).relative
     curves = {"dear": lambda n: float(n), "free": lambda n: 1.0, "epyc": epyc}
     for seed in range(3):
         prompt = _repetitive(seed)

@@ -45,10 +45,6 @@ def shaped_model(name: str) -> MTPModel:
     return MTPModel(hf, tiny_tokenizer(), None)
 
 
-def isas() -> list[str]:
-    return ["avx512", "amx"]
-
-
 @pytest.fixture
 def forced_isa(request):
     if not fewrow.load():
@@ -61,7 +57,7 @@ def forced_isa(request):
     fewrow.use_isa("auto")
 
 
-@pytest.mark.parametrize("forced_isa", isas(), indirect=True)
+@pytest.mark.parametrize("forced_isa", ["avx512", "amx"], indirect=True)
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_chain_rows_are_what_one_row_passes_give_them(shape, forced_isa):
     model = shaped_model(shape)

@@ -1,7 +1,7 @@
 """The draft budget: how many drafts a pass feeds, priced by this machine.
 
-A draft is free only where a pass's extra rows are. On a CPU with AMX a pass of 8 rows costs about 1.1x a
-one-row pass; without AMX it can cost 1.6x, and a draft that is kept half the time then slows decoding down.
+A draft is free only where a pass's extra rows are. On a CPU with AMX a pass of 8 rows costs 1.1-1.2x a
+one-row pass; without AMX 1.4-1.8x, and a draft that is kept half the time can then slow decoding down.
 So each pass prices its offer: with c(n) the measured cost of a pass of n rows (passcost.PassCost, measured
 once per machine and model: pricing.py) and p the chance that a draft is kept given the drafts before it
 were, feeding d drafts behind `pending` committed rows is worth

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -42,6 +43,18 @@ class PassCost:
             return secs[0]
         slope = (secs[i] - secs[i - 1]) / (rows[i] - rows[i - 1])
         return max(secs[0], secs[i - 1] + slope * (n - rows[i - 1]))
+
+    def relative(self, n: int) -> float:
+        """A pass of n real rows against a one-row pass, as a compiled backend pays it: the curve at the
+        smallest measured row count >= n (a pass is padded to its row bucket, and the curve is measured at
+        the buckets), the last measured step's slope beyond the last. The draft budget reads this."""
+        secs = self.plain_seconds or self.seconds
+        at = next((i for i, r in enumerate(self.rows) if r >= n), None)
+        if at is not None:
+            return secs[at] / secs[0]
+        rows = self.rows
+        slope = (secs[-1] - secs[-2]) / (rows[-1] - rows[-2]) if len(rows) > 1 else 0.0
+        return (secs[-1] + slope * (n - rows[-1])) / secs[0]
 
     def describe(self) -> str:
         ratios = ", ".join(
@@ -97,10 +110,13 @@ def measure(
     context: int = 200,
     repeats: int = 10,
     backend=None,
+    masked: bool = True,
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> PassCost:
     """Time one pass per row count (best of `repeats`, row counts interleaved) on `model` (an MTPModel), on
     `backend` if given (its slot 0 is overwritten; a compiled one keeps its compiled buckets), else a new
-    one."""
+    one; each pass with `head` (default: the backend's LM head) over its real rows. `masked` False: passes
+    of real rows only (both curves of the result are theirs)."""
     from mtplm.decode.backends import make_backend
     from mtplm.decode.protocol import Feed
 
@@ -108,8 +124,12 @@ def measure(
     context = min(context, getattr(model.hf.config, "max_position_embeddings", context) - max(rows) - 1)
     token = 5  # any ordinary token: the cost does not depend on which
     backend.run(0, [Feed([token] * context, context, 0, 0, False, None)], [0])
-    feeds = {(n, True): Feed([token] + [model.mask_id] * (n - 1), 1, 0, n - 1, False, None) for n in rows}
-    feeds |= {(n, False): Feed([token] * n, 1, n - 1, 0, False, None) for n in rows}  # 1 token + n-1 drafts
+    feeds = {(n, False): Feed([token] * n, 1, n - 1, 0, False, None) for n in rows}  # 1 token + n-1 drafts
+    if masked:
+        feeds |= {
+            (n, True): Feed([token] + [model.mask_id] * (n - 1), 1, 0, n - 1, False, None) for n in rows
+        }
+    head = head or backend.head
     best = dict.fromkeys(feeds, float("inf"))
     was_training = model.hf.training
     model.hf.eval()
@@ -117,15 +137,16 @@ def measure(
         for key, feed in feeds.items():
             began = time.perf_counter()
             hidden = backend.run(0, [feed], [context])
-            backend.head(hidden.reshape(-1, hidden.shape[-1]))
+            head(hidden[0, : len(feed.tokens)])
             if round_:
                 best[key] = min(best[key], time.perf_counter() - began)
     model.hf.train(was_training)
     # a pass with more rows never costs less: the running maximum removes what noise made look cheaper
     curve = {
-        masked: tuple(itertools.accumulate((best[n, masked] for n in rows), max)) for masked in (True, False)
+        kind: tuple(itertools.accumulate((best[n, kind] for n in rows), max))
+        for kind in ((True, False) if masked else (False,))
     }
-    return PassCost(tuple(rows), curve[True], backend_name, context, curve[False])
+    return PassCost(tuple(rows), curve[masked], backend_name, context, curve[False])
 
 
 def curve_for(spec: str, model) -> PassCost | None:

@@ -41,7 +41,6 @@ _attention_rows: int | None = None
 # bf16 and float32 stores attend through mtplm's own kernel (fewrow.attend: one summation order whatever
 # the pass's rows and key count) where it loads; decided once per process, like attention_rows()
 _attention_kernel: bool | None = None
-_norm_kernel = False  # rms_norm takes its mean of squares from csrc/norm.cpp (probe_attention decides)
 
 
 def _padded(rows: torch.Tensor) -> torch.Tensor:
@@ -71,11 +70,10 @@ def attention_rows() -> int:
 def probe_attention() -> None:
     """Decide once per process, before any graph reads them, attention_rows() and whether bf16 and float32
     stores attend through fewrow.attend here (the kernel builds and loads)."""
-    global _attention_kernel, _norm_kernel
+    global _attention_kernel
     attention_rows()
     if _attention_kernel is None:
         _attention_kernel = fewrow.load()
-    _norm_kernel = bool(_attention_kernel)
 
 
 def _kernel_attends(query: torch.Tensor, key_store: torch.Tensor) -> bool:
@@ -243,7 +241,7 @@ def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     mtplm's kernel where it loads (csrc/norm.cpp: one order per row, so a row's norm does not depend on the
     rows beside it, which inductor's fused reduction does not promise)."""
     wide = hidden.float()
-    if _norm_kernel and wide.device.type == "cpu":
+    if _attention_kernel and wide.device.type == "cpu":  # mtplm's kernels loaded (probe_attention)
         square = torch.ops.mtplm_fewrow.mean_square(wide)
     else:
         square = wide.pow(2).mean(-1, keepdim=True)
