@@ -62,8 +62,16 @@ def cache_key(backend: object, model) -> str:
         isa += " " + fewrow.build_dir().name
     return (
         f"{cpu_identity()} | torch {torch.__version__}, {torch.get_num_threads()} threads | "
-        f"{type(backend).__name__} {isa} | {shape} {model.hf.dtype} {model.hf.device}"
+        f"{type(backend).__name__} {_pass_kind(backend)} {isa} | {shape} {model.hf.dtype} {model.hf.device}"
     )
+
+
+def _pass_kind(backend: object) -> str:
+    """ "compiled" where the backend's passes run its graphs now, "uncompiled" where they could but do not
+    (not compiled, or still compiling in the background), "" for a backend without graphs."""
+    if not hasattr(backend, "compile"):
+        return ""
+    return "compiled" if backend.compile and getattr(backend, "background", None) is None else "uncompiled"
 
 
 def cache_file(key: str) -> Path:

@@ -37,6 +37,7 @@ from mtplm.decode.backends import Backend, resolve_backend
 from mtplm.decode.chunked import PREFILL_CHUNK
 from mtplm.decode.fast import fewrow
 from mtplm.decode.fast.backend import ROW_BUCKETS
+from mtplm.decode.fast.background import BackgroundCompile
 from mtplm.decode.loop import generate
 from mtplm.decode.pricing import price
 from mtplm.model import MTPModel
@@ -61,6 +62,10 @@ class Warmable(Protocol):
     ) -> tuple[int, float]: ...
 
     def to_compile(self, buckets: list[Bucket], capacity: int = 0) -> list[tuple]: ...
+
+    def warm_in_background(
+        self, buckets: list[Bucket], capacity: int, progress: Callable | None = None
+    ) -> BackgroundCompile | None: ...
 
 
 def buckets(
@@ -108,13 +113,30 @@ def warm_up(
     max_new_tokens: int,
     max_batch: int = 1,
     what: str = "",
+    background: bool = False,
 ) -> float:
     """Compile every bucket the workload can meet (`buckets`), one line on stderr, then price its passes by
-    rows where a mode sizes its drafts by them (pricing.py); seconds it took."""
+    rows where a mode sizes its drafts by them (pricing.py); seconds it took. `background`: price the
+    uncompiled pass, then compile on a thread of its own (fast/background.py) and return at once."""
     began = time.perf_counter()
+    pricing = backend.pass_cost is None and any(cfg.lookup_tokens() for cfg in cfgs)
+    if isinstance(backend, Warmable) and background:
+        todo, capacity = buckets(backend, model, cfgs, prompt_lengths, max_new_tokens, max_batch)
+        compiling = backend.warm_in_background(todo, capacity, Background(what))
+        if pricing:  # before the other thread starts: the uncompiled pass alone
+            price(backend, model)
+        if compiling is not None:
+            print(
+                f"mtplm: compiling {compiling.total} decode graphs{' for ' + what if what else ''} in the "
+                "background; until each is ready its passes run uncompiled (the same tokens, slower)",
+                file=sys.stderr,
+                flush=True,
+            )
+            compiling.start()
+        return time.perf_counter() - began
     if isinstance(backend, Warmable):
         _compile(backend, model, cfgs, prompt_lengths, max_new_tokens, max_batch, what)
-    if backend.pass_cost is None and any(cfg.lookup_tokens() for cfg in cfgs):
+    if pricing:
         price(backend, model)
     return time.perf_counter() - began
 
@@ -161,6 +183,20 @@ class Progress:
             print(
                 f"mtplm: {done} of {total} decode buckets{' for ' + self.what if self.what else ''} "
                 f"compiled after {seconds:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+class Background(Progress):
+    """A background compile's progress: every PROGRESS_S seconds, and a line when the last graph is ready."""
+
+    def __call__(self, done: int, total: int, seconds: float) -> None:
+        super().__call__(done, total, seconds)
+        if done == total:
+            print(
+                f"mtplm: {total} decode graphs{' for ' + self.what if self.what else ''} compiled in the "
+                f"background in {seconds:.0f} s; passes run compiled from now on",
                 file=sys.stderr,
                 flush=True,
             )

@@ -104,7 +104,7 @@ def serve(
 
     _check_exposure(host, settings)
     listener = bind(host, port)  # a port in use is one line and exit 2, before anything says "serving"
-    try:  # nothing is served (/health included) before every bucket compiled
+    try:  # nothing is served (/health included) before every model loaded; graphs compile behind
         repository.warm(settings.limits.context)
     except (KeyboardInterrupt, Terminated) as exc:
         _stop_warming(exc)

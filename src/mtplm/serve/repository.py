@@ -171,9 +171,10 @@ class Repository:
         self.context: int | None = None  # set by warm(): each model loaded compiles its buckets up to it
 
     def warm(self, context: int) -> None:
-        """Before the server answers anything: load every model the memory budget holds and compile every
-        decode bucket its engine can meet with prompt + new tokens <= `context` (decode/warm.py; one line
-        on stderr per model). A model loaded later (after an unload) warms as it loads."""
+        """Before the server answers anything: load every model the memory budget holds and start compiling
+        every decode graph its engine can meet with prompt + new tokens <= `context` in the background
+        (decode/warm.py; its passes run uncompiled until then). A model loaded later (after an unload)
+        warms as it loads."""
         self.context = context
         for entry in self.entries.values():
             if self.budget and sum(m.nbytes for m in self.loaded.values()) + _estimate(entry) > self.budget:
@@ -236,7 +237,8 @@ class Repository:
         return loaded
 
     def _build(self, entry: Entry) -> tuple[MTPModel, Backend]:
-        """On the engine's thread: the model, and its backend with every bucket compiled (warm())."""
+        """On the engine's thread: the model, and its backend with its graphs compiling in the background
+        (warm(); fast/background.py)."""
         try:
             model = load_model(entry.path, entry.dtype)
         except (UserError, OSError, ValueError) as exc:
@@ -255,8 +257,18 @@ class Repository:
                 0,
                 self.max_batch,
                 what=entry.id,
+                background=True,  # answering at once, uncompiled where a graph is not ready yet
             )
         return model, backend
+
+    def compiling(self) -> dict[str, str]:
+        """Model id -> "done of total" graphs, for each loaded model still compiling in the background."""
+        found = {}
+        for model_id, loaded in list(self.loaded.items()):
+            background = getattr(loaded.engine.backend, "background", None)
+            if background is not None and background.running:
+                found[model_id] = f"{background.done} of {background.total}"
+        return found
 
     def _make_room(self, need: int) -> None:
         """Unload idle models, least recently used first, until `need` more bytes fit the budget."""

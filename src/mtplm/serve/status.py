@@ -48,9 +48,9 @@ def status_routes(app: FastAPI, repository: Repository, settings: Settings, metr
             return JSONResponse({"status": "shutting down"}, status_code=503)
         if repository.failed:  # a model this server offers cannot load: not ready to serve it
             return JSONResponse({"status": "model load failed", "failed": repository.failed}, status_code=503)
-        return JSONResponse(
-            {"status": "ok", "models": sorted(repository.entries), "loaded": sorted(repository.loaded)}
-        )
+        body = {"status": "ok", "models": sorted(repository.entries), "loaded": sorted(repository.loaded)}
+        compiling = repository.compiling()  # serving meanwhile, uncompiled (same tokens, slower)
+        return JSONResponse(body | ({"compiling": compiling} if compiling else {}))
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -5,8 +5,8 @@ The store holds keys and values per layer as [S + 1, KVH, C + 1, d]: slots 0 .. 
 (the engine's slots), slot S is scratch that padded batch entries write to, so padding never touches
 a live sequence; position C is never written or read (a pass's first T <= C positions are then always a
 strict slice of the store, which keeps T dynamic in the graphs: fast/graphs.py). A pass is padded to a
-bucket on each of its three sizes, and each (b, Q) bucket compiles once for every key length T
-(torch.compile, inductor, dynamic=False with T marked dynamic):
+bucket on each of its three sizes; one graph serves every T, and on a CPU every b >= 2 and Q >= 2 of a
+kind of pass (fast/graphs.py; `_graph_of` names them):
 
   b  sequences   1, 2, 4, 8, ...         padded entries: scratch slot, length 0, see themselves only
   Q  fed rows    1, 2, 4, 8, 16, 32      padded rows: written past the sequence's fed rows, never read
@@ -14,12 +14,12 @@ bucket on each of its three sizes, and each (b, Q) bucket compiles once for ever
 
 and on whether any fed row holds `<mtp>` (known from the token lists, so no host sync): passes without
 one run a graph without the gated adapters, which would add exactly zero there. A graph is compiled for the
-store's shape: a store that grows compiles its graphs again (warm() grows it first).
+store's shape: a store that grows compiles its graphs again (warm() grows it first); warm_in_background
+compiles them while passes run uncompiled (fast/background.py).
 
-Attending over the whole capacity instead of T would read C / T times more KV per pass. Prompts longer
-than 32 rows run in chunks of `prefill_chunk` rows (decode/chunked.py): wide uncompiled passes with fused
-attention (fast/prefill.py), or the compiled buckets for a chunk that small. So their cost grows like the
-model's own forward. A decode feed that wide (a long forced run) runs in the row buckets, as decode does.
+Prompts longer than 32 rows run in chunks of `prefill_chunk` rows (decode/chunked.py): wide uncompiled
+passes with fused attention (fast/prefill.py), or the compiled buckets for a chunk that small. A decode
+feed that wide (a long forced run) runs in the row buckets, as decode does.
 
 Shapes: b sequences, Q fed rows, T key positions, D hidden, S slots, C capacity, KVH key/value heads,
 d head dim.
@@ -30,6 +30,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -37,7 +38,9 @@ import torch
 from mtplm.decode.backends import SlotKV
 from mtplm.decode.chunked import PREFILL_CHUNK, run_split
 from mtplm.decode.fast import fewrow, forward, graphs, greedy, kernels
+from mtplm.decode.fast.background import BackgroundCompile
 from mtplm.decode.fast.graphs import GROUP_BATCH_ROWS, GROUP_LAYERS, GROUP_ROWS, WHOLE_PASS_ROWS
+from mtplm.decode.fast.inputs import Inputs, pass_inputs
 from mtplm.decode.fast.prefill import wide_pass
 from mtplm.decode.fast.weights import FastWeights, check_supported, sliding_window
 from mtplm.errors import UserError
@@ -90,6 +93,7 @@ class StaticBackend:
         self.values: list[torch.Tensor] = []
         self._guarded: set[tuple] = set()  # (b, Q, T, adapters) that ran once with full guards on this store
         self._ready: set[tuple] = set()  # (b, Q, adapters) whose graph compiled for this store
+        self.background: BackgroundCompile | None = None  # graphs compiling on a thread of their own
         self._grow(capacity)
         self.compiled_buckets: dict[tuple, float] = {}  # (b, Q, adapters) -> compile seconds, every T
         self.compiles = 0  # graphs compiled so far (a store that grew compiles its buckets again)
@@ -116,25 +120,22 @@ class StaticBackend:
         width = max(len(feed.tokens) for feed in feeds)
         if width > ROW_BUCKETS[-1]:
             return self._wide(start, feeds, lengths, width)
-        compiled = self.compile
-        batch = _bucket(len(feeds)) if compiled else len(feeds)
-        rows = _bucket(width) if compiled else width
+        adapters, background = self._adapters(feeds), self.background
+        rows = _bucket(width)
         self._fit(max(lengths) + rows)
-        keys = self._key_length(max(lengths) + rows) if compiled else max(lengths) + rows
-        inputs = self._inputs(start, feeds, lengths, batch, rows)
-        adapters = self._adapters(feeds)
-        with torch.inference_mode():
-            if not compiled:
+        bucket = (_bucket(len(feeds)), rows, self._key_length(max(lengths) + rows), adapters)
+        hold = background.hold(self._graph_of(bucket)) if background else nullcontext(self.compile)
+        with torch.inference_mode(), hold as graphs:  # (inference tensors in, as the graphs were traced)
+            if graphs:  # a compiled graph, padded to its bucket
+                hidden = self._compiled(self._inputs(start, feeds, lengths, *bucket[:2]), bucket)
+            else:  # the same pass uncompiled, as wide as its feeds (bitwise the same rows)
+                inputs, keys = self._inputs(start, feeds, lengths, len(feeds), width), max(lengths) + width
                 hidden = forward.decode_pass(self.weights, self.keys, self.values, *inputs, keys, adapters)
-            else:
-                hidden = self._compiled(inputs, (batch, rows, keys, adapters))
         return hidden[: len(feeds), :width]
 
     def _adapters(self, feeds: list) -> bool:
-        mask_id = self.weights.shape.mask_id
-        return self.weights.shape.gated and any(
-            mask_id in feed.tokens for feed in feeds
-        )  # host data: no sync
+        shape = self.weights.shape  # whether a fed row holds <mtp>, from host data: no sync
+        return shape.gated and any(shape.mask_id in feed.tokens for feed in feeds)
 
     def _wide(self, start: int, feeds: list, lengths: list[int], width: int) -> torch.Tensor:
         """A pass with a feed wider than the row buckets (a prompt): each sequence on its own, chunk by
@@ -177,35 +178,58 @@ class StaticBackend:
         if not self.compile:
             return 0, 0.0
         began, todo = time.perf_counter(), self.to_compile(buckets)
+        for done, bucket in enumerate(todo, 1):
+            self.compile_graph(bucket)
+            if progress is not None:
+                progress(done, len(todo), time.perf_counter() - began)
+        return len(todo), time.perf_counter() - began
+
+    def warm_in_background(
+        self, buckets: list[tuple[int, int, bool]], capacity: int, progress: Callable | None = None
+    ) -> BackgroundCompile | None:
+        """warm(), on a thread of its own: passes run uncompiled (bitwise the same rows) until their graph
+        is ready, then compiled (fast/background.py). Started by the caller (`.start()`); None where there
+        is nothing to compile."""
+        self._fit(capacity)
+        if not self.to_compile(buckets):
+            return None
+        self.background = BackgroundCompile(self, buckets, progress)
+        return self.background
+
+    def compile_graph(self, bucket: tuple) -> None:
+        """Compile the graph of one (b, Q, adapters[, "long"]) bucket (to_compile's), quietly, by a pass over
+        the scratch slot only."""
+        batch, rows, adapters, *long = bucket
+        keys = self._key_length(self.capacity if long else rows)
         self._quiet = True
         try:
-            with torch.inference_mode():
-                for done, (batch, rows, adapters, *long) in enumerate(todo, 1):
-                    keys = self._key_length(self.capacity if long else rows)
-                    self._compiled(self._inputs(0, [], [], batch, rows), (batch, rows, keys, adapters))
-                    if progress is not None:
-                        progress(done, len(todo), time.perf_counter() - began)
+            with torch.inference_mode():  # inference tensors, as a decode loop's: dynamo guards on it
+                self._compiled(self._inputs(0, [], [], batch, rows), (batch, rows, keys, adapters))
         finally:
             self._quiet = False
-        return len(todo), time.perf_counter() - began
 
     def to_compile(self, buckets: list[tuple[int, int, bool]], capacity: int = 0) -> list[tuple]:
         """The graphs of `buckets` not compiled yet for the store that holds `capacity` positions (one that
         grows compiles all again): (b, Q, adapters), and with "long" where it holds over LONG_KEYS keys."""
         size, wanted = self._grown(capacity), list[tuple](dict.fromkeys(buckets))
         wanted += [(*b, "long") for b in wanted] if size > LONG_KEYS else []
-        return [b for b in wanted if size > self.capacity or b not in self._ready] if self.compile else []
+        graphs: dict[tuple, tuple] = {}  # graph -> the first bucket of `wanted` it serves
+        for b, q, adapters, *long in wanted:
+            graph = self._graph_of((b, q, LONG_KEYS + 1 if long else MIN_KEYS, adapters))
+            if size > self.capacity or graph not in self._ready:
+                graphs.setdefault(graph, (b, q, adapters, *long))
+        return list(graphs.values()) if self.compile else []
 
     def _compiled(self, inputs: tuple, bucket: tuple[int, int, int, bool]) -> torch.Tensor:
         """A pass of bucket (b, Q, T, adapters) through the graph of (b, Q, adapters), compiled on its
         first call; every guard is checked on the first call of each T (a new T runs the graph only where
         its guards hold, else compiles), only the graph-telling ones after (graphs.guards)."""
-        graph = (bucket[0], bucket[1], bucket[3], *(("long",) if bucket[2] > LONG_KEYS else ()))
+        graph, step = self._graph_of(bucket), self._step_for(bucket)
         first = graph not in self._ready
         began = time.perf_counter()
         limit = 8 * len(ROW_BUCKETS) * 16  # graphs: every (b, Q, adapters) this backend may meet, and more
-        step = self._step_for(bucket)
         with (
+            torch.inference_mode(),
             torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=limit),
             graphs.guards(bucket in self._guarded),
         ):
@@ -227,7 +251,7 @@ class StaticBackend:
             self.compiled_buckets[graph] = seconds = time.perf_counter() - began
             if not self._quiet:
                 print(
-                    f"mtplm: compiled the decode pass for {bucket[0]} sequences x {bucket[1]} rows"
+                    f"mtplm: compiled the decode pass for {graph[0]} sequences x {graph[1]} rows"
                     f"{' with <mtp> rows' if bucket[3] else ''} (every key length) in {seconds:.1f} s",
                     file=sys.stderr,
                     flush=True,
@@ -245,42 +269,27 @@ class StaticBackend:
             return self._step
         return self._grouped if rows <= (self.group_rows if one else self.group_batch_rows) else self._step
 
-    def _inputs(
-        self, start: int, feeds: list, lengths: list[int], batch: int, rows: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """ids, positions [b, Q]; lengths [b]; allowed [b, Q, Q]; slots [b] for a padded pass. Built from
-        Python lists (one torch.tensor each) and a cached identity for `allowed`: a few us a pass."""
-        ids, positions = [0] * (batch * rows), list(range(rows)) * batch  # padded rows: any finite position
-        cached, slots = [0] * batch, [self.slots] * batch  # padded entries: the scratch slot, length 0
-        allowed = self._identity(batch, rows).clone()  # padded rows see themselves
-        for i, (feed, past) in enumerate(zip(feeds, lengths, strict=False)):
-            q, row = len(feed.tokens), i * rows
-            offsets, local = feed.layout()  # [q], [q, q] (cached layouts: read, never written)
-            ids[row : row + q] = feed.tokens
-            positions[row : row + rows] = [past + offset for offset in offsets.tolist()] + list(
-                range(past + q, past + rows)
-            )
-            cached[i], slots[i] = past, start + i
-            if q > 1:  # one row sees itself: the identity already says so
-                allowed[i, :q, :q] = local
-        built = (
-            torch.tensor(ids).view(batch, rows),
-            torch.tensor(positions).view(batch, rows),
-            torch.tensor(cached),
-            allowed,
-            torch.tensor(slots),
-        )
-        device = self.weights.embed.device  # built on the host, moved in one go (a GPU model: five copies)
-        if device.type == "cpu":
-            return built
-        return tuple(t.to(device, non_blocking=True) for t in built)  # type: ignore
+    def _graph_of(self, bucket: tuple[int, int, int, bool]) -> tuple:
+        """The graph that runs bucket (b, Q, T, adapters): (sequences, rows, adapters[, "long"]), where a
+        CPU graph's sequences and rows over 1 are symbolic (graphs.symbolic_sizes), so they read as the
+        range the graph serves ("2-32"): on a GPU, or in the whole pass, each bucket has its own graph."""
+        b, q, keys, adapters = bucket
+        long = ("long",) if keys > LONG_KEYS else ()
+        step = self._step_for(bucket)
+        if self.weights.embed.is_cuda or step is self._whole:
+            return (b, q, adapters, *long)
+        one = b == 1
+        grouped_rows = self.group_rows if one else self.group_batch_rows
+        if step is self._grouped:
+            low, high = (self.whole_rows + 1 if one and not adapters else 2), grouped_rows
+        else:  # a graph per layer: the rows the grouped graphs leave it
+            low = 2 if self._grouped is None or (adapters and not one) else grouped_rows + 1
+            high = ROW_BUCKETS[-1]
+        rows: int | str = 1 if q == 1 else f"{max(2, low)}-{high}"
+        return (1 if one else f"2-{_bucket(self.slots)}", rows, adapters, *long)
 
-    def _identity(self, batch: int, rows: int) -> torch.Tensor:
-        """[b, Q, Q] bool identities, one per (b, Q), built once (callers clone it)."""
-        found = self._identities.get((batch, rows))
-        if found is None:
-            found = self._identities[(batch, rows)] = torch.eye(rows, dtype=torch.bool).repeat(batch, 1, 1)
-        return found
+    def _inputs(self, start: int, feeds: list, lengths: list[int], batch: int, rows: int) -> Inputs:
+        return pass_inputs(start, feeds, lengths, batch, rows, self.slots, self._identities, self.weights)
 
     def _key_length(self, needed: int) -> int:
         if not self.key_buckets:
@@ -290,7 +299,8 @@ class StaticBackend:
     # ---- the store --------------------------------------------------------------------------------
     def _fit(self, needed: int) -> None:
         if needed > self.capacity:
-            self._grow(self._grown(needed))
+            with self.background.lock if self.background else nullcontext():  # not under a compiling graph
+                self._grow(self._grown(needed))
 
     def _grown(self, needed: int) -> int:
         """The capacity once the store holds `needed`: it grows 2x or more, to a multiple of STORE_STEP, but
@@ -315,9 +325,7 @@ class StaticBackend:
         for store in (self.keys, self.values):
             for i in range(shape.layers):
                 new = torch.zeros(size, dtype=dtype, device=self.weights.embed.device)  # finite, never NaN
-                if (
-                    new.is_cuda
-                ):  # a fixed address: CUDA graphs may then write into it in place, not skip the bucket
+                if new.is_cuda:  # a fixed address: CUDA graphs may write into it in place, not skip it
                     torch._dynamo.mark_static_address(new)
                 if i < len(store):
                     new[:, :, : self.capacity] = store[i][:, :, : self.capacity]

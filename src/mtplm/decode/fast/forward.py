@@ -44,9 +44,10 @@ _attention_kernel: bool | None = None
 
 
 def _padded(rows: torch.Tensor) -> torch.Tensor:
-    """[..., R, n] with zero rows below to a multiple of attention_rows(); as it is where that is 1."""
-    missing = -rows.shape[-2] % attention_rows()
-    return F.pad(rows, (0, 0, 0, missing)) if missing else rows
+    """[..., R, n] with zero rows below to a multiple of attention_rows(); as it is where that is 1. (No
+    branch on R: a graph whose R is symbolic serves every R with it.)"""
+    multiple = attention_rows()
+    return rows if multiple == 1 else F.pad(rows, (0, 0, 0, -rows.shape[-2] % multiple))
 
 
 def attention_rows() -> int:

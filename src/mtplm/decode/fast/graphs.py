@@ -20,13 +20,16 @@ Measured choices (docs/backends-kernels.md, SmolLM2-135M bf16 on a 2-vCPU Xeon w
     fp32 result unrounded for the ops fused after it, so the whole-pass graph (1 row) and the per-layer
     graphs (k rows) round a row differently, and lossless verified decoding then loses plain decoding's
     exact tokens at near-ties (tests/decode/test_invariance.py);
-  - one graph per (b, Q, <mtp> rows) for every key length T: T reaches a graph as a dynamic size (the mask's
-    last dimension, or `key_span` for the whole pass, marked with mark_dynamic) while b, Q and every other
-    size stay static (dynamic=False), so the products and the few-row kernel compile as before and only
-    attention's loops run to a symbolic T. Inductor's C++ reductions guard on T <= 4096 (a longer one takes
-    another accumulator), so a bucket has a second graph for longer key lengths (backend.LONG_KEYS). The
-    store holds one position past the largest key length (backend.py), so slicing its first T positions is
-    never the whole store, which would specialize T.
+  - one graph serves every key length T: T reaches a graph as a dynamic size (the mask's last dimension,
+    or `key_span` for the whole pass, marked with mark_dynamic). Inductor's C++ reductions guard on
+    T <= 4096 (a longer one takes another accumulator), so a graph has a second one for longer key lengths
+    (backend.LONG_KEYS). The store holds one position past the largest key length (backend.py), so
+    slicing its first T positions is never the whole store, which would specialize T;
+  - on a CPU, one layer graph serves every b >= 2 and every Q >= 2 too (`symbolic_sizes`; dynamo
+    specializes a size of 1, so 1 stays its own graph): SmolLM2-135M on the AMD EPYC, 2 to 32 rows, one
+    cold compile of ~40 s against 24-34 s for each row bucket, passes as fast within the run-to-run noise
+    (+-15 %), rows bitwise the same. The few-row kernels take their sizes at run time, so a symbolic size
+    only reaches the elementwise loops. The whole pass stays one graph per bucket (1 x 1 by default).
 
 Inductor's compile cache lives under `$MTPLM_HOME/inductor` (unless TORCHINDUCTOR_CACHE_DIR is set), so a
 second process reuses the generated kernels instead of recompiling them; inductor writes its cache entries
@@ -84,8 +87,11 @@ def compile_steps(
         return _spanned(compiled(whole_pass)), None
     python_wrapper = on_gpu or weights.quantized  # CUDA graphs; quantized: not measured
     cpp = {} if python_wrapper else {"options": {**ROUNDED, "cpp_wrapper": True}}
-    step = compiled(masked_layer, **cpp)
-    regional_pass = partial(decode_pass, step=_keyless(_copied(step) if mode else step), masking=dynamic_mask)
+    if on_gpu:  # CUDA graphs: one per bucket, each layer's output copied out
+        step = compiled(masked_layer)
+        regional_pass = partial(decode_pass, step=_keyless(_copied(step)), masking=dynamic_mask)
+    else:  # a graph of one layer, shared by every layer, its b and Q symbolic where over 1
+        regional_pass = partial(grouped_pass, compiled(layers, **cpp), weights.shape.layers)
     # the whole pass's C++ wrapper: 1-row pass 12.1 -> 10.7 ms, cold compile ~36 -> ~83 s (a bucket, once)
     whole = _spanned(compiled(whole_pass, **cpp))
     return regional_pass, whole if whole_rows and not on_gpu else None
@@ -176,12 +182,28 @@ def grouped_pass(
     hidden, rope, mask, gate, write = prepare(
         weights, ids, positions, lengths, allowed, kv_len, adapters, dynamic_mask
     )
+    hidden, rope, mask, gate, write = symbolic_sizes(hidden, rope, mask, gate, write, slots)
     blocks, stores = list(weights.blocks), list(zip(keys, values, strict=True))
     bounds = [shape.layers * g // groups for g in range(groups + 1)]
     for first, end in zip(bounds, bounds[1:], strict=False):
         run = (tuple(blocks[first:end]), shape, hidden, rope, mask, gate, tuple(stores[first:end]))
         hidden = step(*run, slots, write)
     return rms_norm(hidden, weights.final_norm, shape.eps)
+
+
+def symbolic_sizes(hidden, rope, mask, gate, write, slots) -> tuple:
+    """prepare()'s tensors and `slots` with the sequences b and the fed rows Q marked dynamic where over 1
+    (dynamo specializes a size of 1): one graph serves every b >= 2 and every Q >= 2, so a workload
+    compiles one graph where it compiled one per bucket (cold: ~40 s against 25-34 s each, same speed
+    and bitwise the same rows, docs/backends.md)."""
+    b, q = hidden.shape[:2]
+    marks = [(hidden, 1), (rope[0], 1), (rope[1], 1), (mask, 3), (write, 1), (gate, 1)] if q > 1 else []
+    marks += [(hidden, 0), (rope[0], 0), (rope[1], 0), (mask, 0), (write, 0), (gate, 0)] if b > 1 else []
+    marks += [(slots, 0)] if b > 1 else []
+    for tensor, dim in marks:
+        if tensor is not None:
+            torch._dynamo.mark_dynamic(tensor, dim)
+    return hidden, rope, mask, gate, write
 
 
 def _copied(step: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

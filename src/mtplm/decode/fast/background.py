@@ -1,0 +1,79 @@
+"""Compiling a backend's graphs on a thread of their own while its passes run (`mtplm serve`: answering
+within seconds of loading instead of after every graph compiled).
+
+Until a bucket's graph is ready, its passes run the same pass uncompiled: fast/graphs.py rounds bf16 where
+eager does and mtplm's kernels sum in one order whatever the pass's shape, so the uncompiled pass gives
+every row bitwise what the graph gives it (tests/decode/test_background.py), and a sequence whose passes
+change from one to the other mid-way keeps its lossless tokens. One lock keeps the two threads out of
+dynamo at the same time: the compiling thread holds it for each graph, and a pass takes a ready graph only
+where it can take the lock at once (else it runs uncompiled); a store that grows waits for the graph being
+compiled. The uncompiled pass is slower (SmolLM2-135M, 1 row: ~12 against ~11 ms), and slower again while
+the other thread traces (it holds Python's lock much of the time: docs/backends.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class BackgroundCompile:
+    """The graphs of `buckets` compiling on their own thread for `backend` (a StaticBackend)."""
+
+    def __init__(self, backend: Any, buckets: list, progress: Callable | None = None) -> None:
+        self.backend, self.buckets, self.progress = backend, buckets, progress
+        self.lock = threading.RLock()  # re-entrant: a pass holding it may grow the store
+        self.total = len(backend.to_compile(buckets))
+        self.done = 0
+        self.seconds = 0.0
+        self.failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="mtplm-compile", daemon=True)
+
+    def start(self) -> BackgroundCompile:
+        self._thread.start()
+        return self
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    @contextmanager
+    def hold(self, graph: tuple) -> Iterator[bool]:
+        """True (the lock held for the pass) where `graph` is ready and no graph is compiling just now;
+        False: run the pass uncompiled."""
+        if graph not in self.backend._ready or not self.lock.acquire(blocking=False):
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            self.lock.release()
+
+    def _run(self) -> None:
+        began = time.perf_counter()
+        try:
+            while True:
+                with self.lock:
+                    todo = self.backend.to_compile(self.buckets)
+                    if not todo:
+                        break
+                    self.backend.compile_graph(todo[0])
+                self.done += 1
+                self.seconds = time.perf_counter() - began
+                if self.progress is not None:
+                    self.progress(self.done, max(self.total, self.done), self.seconds)
+        except Exception as exc:  # passes go on uncompiled (the graphs ready so far still serve)
+            self.failure = exc
+            log.warning("mtplm: compiling decode graphs stopped (%s); their passes run uncompiled", exc)
+            return
+        self.seconds = time.perf_counter() - began
+        self.backend.background = None  # every graph ready: passes take them without the lock

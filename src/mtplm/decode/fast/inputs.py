@@ -1,0 +1,57 @@
+"""A compiled-backend pass's input tensors, built from the feeds (fast/backend.py): padded to the pass's
+bucket, padding entries in the scratch slot."""
+
+from __future__ import annotations
+
+import torch
+
+from mtplm.decode.fast.weights import FastWeights
+
+Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def pass_inputs(
+    start: int,
+    feeds: list,
+    lengths: list[int],
+    batch: int,
+    rows: int,
+    scratch: int,
+    identities: dict[tuple[int, int], torch.Tensor],
+    weights: FastWeights,
+) -> Inputs:
+    """ids, positions [b, Q]; lengths [b]; allowed [b, Q, Q]; slots [b] for feeds in slots start.. behind
+    lengths[i] cached positions each, padded to b x Q (padded entries: slot `scratch`, length 0). Built from
+    Python lists (one torch.tensor each) and a cached identity for `allowed`: a few us a pass."""
+    ids, positions = [0] * (batch * rows), list(range(rows)) * batch  # padded rows: any finite position
+    cached, slots = [0] * batch, [scratch] * batch  # padded entries: the scratch slot, length 0
+    allowed = _identity(identities, batch, rows).clone()  # padded rows see themselves
+    for i, (feed, past) in enumerate(zip(feeds, lengths, strict=False)):
+        q, row = len(feed.tokens), i * rows
+        offsets, local = feed.layout()  # [q], [q, q] (cached layouts: read, never written)
+        ids[row : row + q] = feed.tokens
+        positions[row : row + rows] = [past + offset for offset in offsets.tolist()] + list(
+            range(past + q, past + rows)
+        )
+        cached[i], slots[i] = past, start + i
+        if q > 1:  # one row sees itself: the identity already says so
+            allowed[i, :q, :q] = local
+    built = (
+        torch.tensor(ids).view(batch, rows),
+        torch.tensor(positions).view(batch, rows),
+        torch.tensor(cached),
+        allowed,
+        torch.tensor(slots),
+    )
+    device = weights.embed.device  # built on the host, moved in one go (a GPU model: five copies)
+    if device.type == "cpu":
+        return built
+    return tuple(t.to(device, non_blocking=True) for t in built)  # type: ignore
+
+
+def _identity(identities: dict[tuple[int, int], torch.Tensor], batch: int, rows: int) -> torch.Tensor:
+    """[b, Q, Q] bool identities, one per (b, Q), built once (callers clone it)."""
+    found = identities.get((batch, rows))
+    if found is None:
+        found = identities[(batch, rows)] = torch.eye(rows, dtype=torch.bool).repeat(batch, 1, 1)
+    return found
