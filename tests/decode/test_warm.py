@@ -106,6 +106,9 @@ def test_plain_one_prompt_warms_its_first_pass_and_one_row():
     assert sorted(found) == [(1, 1, False), (1, 8, False)]  # one graph each for every key length
     found, _ = buckets(backend, model, [DecodeConfig(mode="verified")], (5, 40), 10, max_batch=3)
     assert {q for _, q, _ in found} == {1, 2, 4, 8, 16, 32} and len(found) == len(set(found)) == 3 * 6
+    gated = tiny_mtp(gated=True)  # <mtp> rows always follow a pending token: no 1-row pass holds one
+    found, _ = buckets(backend, gated, [DecodeConfig(mode="verified")], (5, 40), 10)
+    assert (1, 2, True) in found and (1, 1, False) in found and (1, 1, True) not in found
 
 
 def test_auto_runs_a_short_one_shot_generation_uncompiled(monkeypatch):

@@ -89,7 +89,7 @@ def buckets(
     found = []
     for batch in sorted({1 << (n - 1).bit_length() for n in range(1, max_batch + 1)}):
         rows = one_row if plain_only and (batch > 1 or shortest == longest) else ROW_BUCKETS
-        found += [(batch, q, m) for q in rows for m in masks]
+        found += [(batch, q, m) for q in rows for m in masks if q > 1 or not m]  # <mtp> rows follow a token
     return found, capacity
 
 
