@@ -9,7 +9,7 @@ from conftest import tiny_mtp
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mtplm.config import DecodeConfig, parse_mode
+from mtplm.config import DecodeConfig, Thresholds, parse_mode
 from mtplm.decode.backends import make_backend
 from mtplm.decode.budget import Acceptance, DraftBudget, best_count
 from mtplm.decode.loop import generate
@@ -132,3 +132,29 @@ def test_price_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     assert path.exists()
     again = make_backend("eager", model, slots=1)
     assert price(again, model) == curve  # read back, not measured again (timings never repeat exactly)
+
+
+def test_a_kind_priced_out_is_tried_again_after_passes_without_it():
+    budget = DraftBudget(PassCost((1, 2, 4, 8), (1, 1.11, 1.16, 1.57)).relative)
+    for _ in range(10):
+        budget.observe("copies", 4, 0)  # every draft rejected: p falls to about 0.1
+    counts = [budget.count("copies", 1, 4) for _ in range(200)]
+    first = next(i for i, count in enumerate(counts) if count)
+    assert counts[0] == 0 and 10 < first < 200  # priced out for a while, then offered again
+
+
+def test_priced_confadapt_is_plain_decoding_when_slots_never_pay_and_itself_when_they_are_free():
+    """ConfAdapt sizes its blocks by the machine's row cost: a curve on which no slot pays gives plain
+    greedy decoding's tokens (every pass one row), free rows give unpriced ConfAdapt's own tokens."""
+    model = tiny_mtp(seed=4, gated=True, k_max=4)
+    runs = {}
+    for name, curve in {"unpriced": None, "dear": lambda n: float(n), "free": lambda n: 1.0}.items():
+        backend = make_backend("eager", model, slots=1)
+        backend.pass_cost = curve
+        cfg = parse_mode("confadapt")
+        cfg.max_new_tokens = 30
+        strategy = make_strategy(cfg, Thresholds(tau=1e-6))  # every slot confident: blocks as long as fed
+        runs[name] = generate(model, [1, 2, 3, 4], cfg, strategy=strategy, backend=backend)
+    plain = generate(model, [1, 2, 3, 4], DecodeConfig(mode="ntp", max_new_tokens=30))
+    assert runs["dear"].tokens == plain.tokens and runs["free"].tokens == runs["unpriced"].tokens
+    assert runs["unpriced"].tokens_per_forward > 1.0  # (so the dear curve did size its blocks down)

@@ -97,6 +97,11 @@ class DecodeConfig:
         at 0."""
         return self.lookup or (LOOKUP_TOKENS if self.drafting == "lookup" else 0)
 
+    def sized_by_cost(self) -> bool:
+        """Whether the mode sizes each pass by what its rows cost here (decode/budget.py): copied drafts, and
+        ConfAdapt's mask slots."""
+        return bool(self.lookup_tokens()) or self.mode == "confadapt"
+
     def verifies_rest(self) -> bool:
         """ConfAdapt that keeps its unconfident slots as drafts, verified next pass
         (strategies.ConfidentVerified)."""

@@ -13,8 +13,9 @@ so a sequence whose drafts do not pay decodes as fast as plain decoding. Which d
 token: verification keeps exactly the model's own (greedy) or its distribution (sampling).
 
 p is learned per sequence and per kind of offer (for copied drafts, the length of the n-gram that matched:
-a 3-token match is kept far more often than a 1-token one), from the drafts each pass fed and kept, with
-older passes weighing less (DECAY) so the estimate follows the text from prose into code and back.
+a 3-token match is kept far more often than a 1-token one; for ConfAdapt, its mask slots), from the drafts
+each pass fed and kept, with older passes weighing less (DECAY) so the estimate follows the text from prose
+into code and back; a kind priced out drifts back toward the prior (RELAX) so it is tried again.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from collections.abc import Callable, Hashable
 
 PRIOR_KEPT, PRIOR_SEEN = 1.0, 2.0  # a kind of offer never seen yet: p = 1/2, worth two observations
 DECAY = 0.9  # each observation scales the counts before it by this (about the last ten passes count)
+# a pass that feeds none of an offered kind pulls its counts toward the prior by this much, so a kind
+# priced out is tried again after a few dozen passes (from p = 0.1 over ten observations: p 0.3 after 60)
+RELAX = 0.03
 
 
 def best_count(cost: Callable[[int], float], pending: int, offered: int, keep: float) -> int:
@@ -50,6 +54,11 @@ class Acceptance:
         kept, seen = self.counts.get(kind, (PRIOR_KEPT, PRIOR_SEEN))
         return kept / seen
 
+    def relax(self, kind: Hashable) -> None:
+        kept, seen = self.counts.get(kind, (PRIOR_KEPT, PRIOR_SEEN))
+        pulled = (kept + RELAX * (PRIOR_KEPT - kept), seen + RELAX * (PRIOR_SEEN - seen))
+        self.counts[kind] = pulled
+
     def observe(self, kind: Hashable, fed: int, kept: int) -> None:
         if fed < 1:
             return
@@ -69,7 +78,10 @@ class DraftBudget:
         """How many of `offered` drafts of this kind to feed behind `pending` committed rows."""
         if offered < 1:
             return 0
-        return best_count(self.cost, pending, offered, self.acceptance.rate(kind))
+        count = best_count(self.cost, pending, offered, self.acceptance.rate(kind))
+        if count == 0:  # none fed, none observed: drift back toward trying again
+            self.acceptance.relax(kind)
+        return count
 
     def observe(self, kind: Hashable, fed: int, kept: int) -> None:
         """A pass fed `fed` drafts of this kind and kept the first `kept`."""

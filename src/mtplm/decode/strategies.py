@@ -12,11 +12,12 @@ it emits a block's confident run directly and verifies the rest as drafts.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from mtplm.config import DecodeConfig, ModeDefaults, Thresholds
+from mtplm.decode.budget import DraftBudget
 from mtplm.decode.protocol import Outcome, PassLogits, Plan, Strategy, mode_entry, register_mode
 from mtplm.decode.sampling import greedy, leading_run, sample, warp
 from mtplm.decode.verified import (
@@ -54,6 +55,8 @@ class _Block(_SingleTokenSampler):
         return Plan(k, slots=k - 1, emits_block=True)
 
     def choose(self, plan: Plan, logits: PassLogits, generator: torch.Generator) -> Outcome:
+        if plan.slots == 0 and self.cfg.temperature == 0:  # the greedy token, without the logits where
+            return Outcome(0, (int(logits.next_tokens[0]),))  # the backend can (DecodeModel.argmax)
         return Outcome(0, tuple(self.emit(logits.candidates(), generator).tolist()))
 
     def emit(self, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -62,11 +65,6 @@ class _Block(_SingleTokenSampler):
 
 class NextToken(_Block):
     """Plain decoding: one token per forward, no mask slots (the baseline)."""
-
-    def choose(self, plan: Plan, logits: PassLogits, generator: torch.Generator) -> Outcome:
-        if self.cfg.temperature == 0:  # the greedy token, without the logits where the backend can
-            return Outcome(0, (int(logits.next_tokens[0]),))
-        return super().choose(plan, logits, generator)
 
     def emit(self, logits, generator):
         return self.next_token(logits[0], generator)
@@ -88,8 +86,11 @@ class StaticK(_Block):
 class ConfAdapt(_Block):
     """Emit the longest leading run of slots whose confidence reaches tau (always at least one token).
 
-    With back-off (doc 000), `patience` consecutive single-token steps halve the block (cheaper passes
-    while the model is unsure); a step that emits its whole block doubles it again, up to k_max.
+    With back-off, `patience` consecutive single-token steps halve the block (cheaper passes while the
+    model is unsure); a step that emits its whole block doubles it again, up to k_max. Priced by the
+    machine (`price`), each pass feeds the mask slots that pay for their rows (budget.py: a slot counts
+    as kept when it joins the emitted run): fewer slots only shorten the run a pass may emit, since a
+    slot's prediction does not depend on the slots after it.
     """
 
     def __init__(self, cfg: DecodeConfig, taus: list[float] | None = None) -> None:
@@ -99,10 +100,23 @@ class ConfAdapt(_Block):
         self.backoff = cfg.backoff
         self.patience, self.floor = cfg.backoff_patience, min(cfg.backoff_floor, self.k_max)
         self.single_steps = 0
+        self.draft_budget: DraftBudget | None = None  # price() sets it
+
+    def price(self, cost: Callable[[int], float]) -> None:
+        """Feed mask slots by what a pass of n rows costs here relative to one row (budget.py)."""
+        self.draft_budget = DraftBudget(cost)
+
+    def plan(self, text: Sequence[int], budget: int, last: Outcome | None) -> Plan:
+        k = min(self.k, budget)
+        if self.draft_budget is not None and k > 1:  # the pending token and the slots that pay
+            k = 1 + self.draft_budget.count("slots", 1, k - 1)
+        return Plan(k, slots=k - 1, emits_block=True)
 
     def emit(self, logits, generator):
         confident = self.confidence(logits) >= self.taus[: len(logits)]  # [k]
         n = max(1, leading_run(confident))
+        if self.draft_budget is not None:
+            self.draft_budget.observe("slots", len(logits) - 1, n - 1)
         if self.backoff:
             self._adapt(n, len(logits))
         if n == 1:

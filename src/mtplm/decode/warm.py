@@ -119,7 +119,7 @@ def warm_up(
     rows where a mode sizes its drafts by them (pricing.py); seconds it took. `background`: price the
     uncompiled pass, then compile on a thread of its own (fast/background.py) and return at once."""
     began = time.perf_counter()
-    pricing = backend.pass_cost is None and any(cfg.lookup_tokens() for cfg in cfgs)
+    pricing = backend.pass_cost is None and any(cfg.sized_by_cost() for cfg in cfgs)
     if isinstance(backend, Warmable) and background:
         todo, capacity = buckets(backend, model, cfgs, prompt_lengths, max_new_tokens, max_batch)
         compiling = backend.warm_in_background(todo, capacity, Background(what))
