@@ -1,20 +1,17 @@
-"""Compiling before anything is timed or served: which buckets a workload meets, and a check that none
-compiled inside a timed region.
+"""Compiling before anything is timed, or beside serving: which buckets a workload meets, and a check that
+none compiled inside a timed region.
 
-A compiled backend (decode/fast/backend.py) compiles one graph per pass bucket (sequences b, fed rows Q,
-<mtp> rows or not; one graph serves every key length T, fast/graphs.py) the first time a pass needs it, for
+A compiled backend (decode/fast/backend.py) compiles a graph per kind of pass the first time a pass needs
+it (on a CPU one graph serves every key length and every batch and row count over 1: fast/graphs.py), for
 the store's size (a store that grows compiles again, so warm-up first grows it to what the workload needs).
-(one-sequence one-row plain buckets compile the whole pass as one graph, other one-sequence buckets of up to
-32 rows and batched plain ones of up to 8 rows a sequence 15 layers a graph, the rest one graph per layer:
-fast/graphs.py; warming goes through the same dispatch, so it compiles exactly the graphs the passes will
-use.) `warm_up` compiles every bucket a
-workload can meet, given its decoding modes, the range of its prompt lengths, its new tokens and its
-batch size, and says on stderr how many and how long (and how far along, every PROGRESS_S seconds of a
-long warm-up): one-sequence passes take every row
-bucket (a prompt's last chunk and a newcomer's first pass can be any width up to 32), batched passes
-one row for plain decoding and every row bucket otherwise; passes with `<mtp>` rows only for modes that
-feed mask slots, on a model with gated adapters. `Compiles` counts compiles inside a block, so a
-timed row that compiled anyway can be run again instead of reported.
+`warm_up` compiles every graph a workload can meet, given its decoding modes, the range of its prompt
+lengths, its new tokens and its batch size, and says on stderr how many and how long (and how far along,
+every PROGRESS_S seconds): one-sequence passes take every row bucket (a prompt's last chunk and a
+newcomer's first pass can be any width up to 32), batched passes one row for plain decoding and every row
+bucket otherwise; passes with `<mtp>` rows (never one row alone) only for modes that feed mask slots, on a
+model with gated adapters. With `background` it starts them on a thread of their own and returns
+(`mtplm serve`: fast/background.py). `Compiles` counts compiles inside a block, so a timed row that
+compiled anyway can be run again instead of reported.
 
 A backend that does not compile (eager, static) has no `warm`: warm_up only prices it (pricing.py).
 

@@ -220,6 +220,10 @@ class StaticBackend:
                 graphs.setdefault(graph, (b, q, adapters, *long))
         return list(graphs.values()) if self.compile else []
 
+    def ready(self, graph: tuple) -> bool:
+        """Whether `graph` (_graph_of's name) compiled for the store as it is."""
+        return graph in self._ready
+
     def _compiled(self, inputs: tuple, bucket: tuple[int, int, int, bool]) -> torch.Tensor:
         """A pass of bucket (b, Q, T, adapters) through the graph of (b, Q, adapters), compiled on its
         first call; every guard is checked on the first call of each T (a new T runs the graph only where

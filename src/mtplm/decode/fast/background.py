@@ -50,7 +50,7 @@ class BackgroundCompile:
     def hold(self, graph: tuple) -> Iterator[bool]:
         """True (the lock held for the pass) where `graph` is ready and no graph is compiling just now;
         False: run the pass uncompiled."""
-        if graph not in self.backend._ready or not self.lock.acquire(blocking=False):
+        if not self.backend.ready(graph) or not self.lock.acquire(blocking=False):
             yield False
             return
         try:
