@@ -257,7 +257,9 @@ class Repository:
                 0,
                 self.max_batch,
                 what=entry.id,
-                background=True,  # answering at once, uncompiled where a graph is not ready yet
+                # on a CPU, answering at once, uncompiled where a graph is not ready yet (CUDA graphs are
+                # recorded per thread: a GPU compiles before it answers)
+                background=model.hf.device.type == "cpu",
             )
         return model, backend
 
