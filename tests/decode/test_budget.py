@@ -158,3 +158,10 @@ def test_priced_confadapt_is_plain_decoding_when_slots_never_pay_and_itself_when
     plain = generate(model, [1, 2, 3, 4], DecodeConfig(mode="ntp", max_new_tokens=30))
     assert runs["dear"].tokens == plain.tokens and runs["free"].tokens == runs["unpriced"].tokens
     assert runs["unpriced"].tokens_per_forward > 1.0  # (so the dear curve did size its blocks down)
+
+
+def test_the_modes_that_size_their_passes_by_cost_are_priced_in_the_warm_up():
+    priced = {
+        name: parse_mode(name).sized_by_cost() for name in ("ntp", "verified", "verified:lookup", "confadapt")
+    }
+    assert priced == {"ntp": False, "verified": False, "verified:lookup": True, "confadapt": True}

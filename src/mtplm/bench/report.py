@@ -50,7 +50,7 @@ def write_report(report: dict, out: Path) -> None:
         text += [f"### {source} ({rows[0]['prompts']} prompts)", "", markdown_table(rows), ""]
     if "cost_assumptions" in report:
         text += [
-            "### Cost to serve (doc 000 §4.3)",
+            "### Cost to serve",
             "",
             cost_markdown(report["rows"], Assumptions(**report["cost_assumptions"])),
             "",

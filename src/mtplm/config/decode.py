@@ -98,9 +98,9 @@ class DecodeConfig:
         return self.lookup or (LOOKUP_TOKENS if self.drafting == "lookup" else 0)
 
     def sized_by_cost(self) -> bool:
-        """Whether the mode sizes each pass by what its rows cost here (decode/budget.py): copied drafts, and
-        ConfAdapt's mask slots."""
-        return bool(self.lookup_tokens()) or self.mode == "confadapt"
+        """Whether the mode sizes each pass by what its rows cost here (decode/budget.py): copied drafts, or
+        a mode registered as priced (ConfAdapt's mask slots)."""
+        return bool(self.lookup_tokens()) or bool(getattr(STRATEGIES.get(self.mode), "priced", False))
 
     def verifies_rest(self) -> bool:
         """ConfAdapt that keeps its unconfident slots as drafts, verified next pass

@@ -248,6 +248,7 @@ class ModeEntry:
     capped: bool = False  # the engine's load policy may cap its tokens per pass (it adapts how many it emits)
     defaults: tuple[str, ...] = ()  # DecodeConfig fields ("k_max", "tau") the checkpoint fills when unset
     aliases: tuple[str, ...] = ()  # other names the mode string accepts
+    priced: bool = False  # it sizes its blocks by the machine's row cost (Priced) whatever its drafting
 
     def __call__(self, cfg: DecodeConfig, taus: tuple[float, ...] | None) -> Strategy:
         return self.build(cfg, taus)
@@ -255,7 +256,7 @@ class ModeEntry:
 
 def register_mode(name: str, description: str, **entry) -> Callable[[Callable[..., Strategy]], Callable]:
     """Decorator for a strategy factory `(cfg, taus) -> Strategy`: registers it in STRATEGIES with the
-    ModeEntry fields in `entry` (parse, grammar, capped, defaults, aliases)."""
+    ModeEntry fields in `entry` (parse, grammar, capped, defaults, aliases, priced)."""
 
     def add(build: Callable[..., Strategy]) -> Callable[..., Strategy]:
         STRATEGIES.register(name, description)(ModeEntry(build, **entry))

@@ -51,8 +51,12 @@ class _Block(_SingleTokenSampler):
     k = 1
 
     def plan(self, text: Sequence[int], budget: int, last: Outcome | None) -> Plan:
-        k = min(self.k, budget)
+        k = self.block(min(self.k, budget))
         return Plan(k, slots=k - 1, emits_block=True)
+
+    def block(self, k: int) -> int:
+        """How many of the k tokens this pass may emit it feeds rows for (the pending token and k-1 slots)."""
+        return k
 
     def choose(self, plan: Plan, logits: PassLogits, generator: torch.Generator) -> Outcome:
         if plan.slots == 0 and self.cfg.temperature == 0:  # the greedy token, without the logits where
@@ -106,11 +110,10 @@ class ConfAdapt(_Block):
         """Feed mask slots by what a pass of n rows costs here relative to one row (budget.py)."""
         self.draft_budget = DraftBudget(cost)
 
-    def plan(self, text: Sequence[int], budget: int, last: Outcome | None) -> Plan:
-        k = min(self.k, budget)
-        if self.draft_budget is not None and k > 1:  # the pending token and the slots that pay
-            k = 1 + self.draft_budget.count("slots", 1, k - 1)
-        return Plan(k, slots=k - 1, emits_block=True)
+    def block(self, k: int) -> int:
+        if self.draft_budget is None or k == 1:
+            return k
+        return 1 + self.draft_budget.count("slots", 1, k - 1)  # the pending token and the slots that pay
 
     def emit(self, logits, generator):
         confident = self.confidence(logits) >= self.taus[: len(logits)]  # [k]
@@ -211,6 +214,7 @@ def _static(cfg: DecodeConfig, taus: tuple[float, ...] | None) -> Strategy:
     grammar=confadapt_grammar,
     capped=True,
     defaults=("k_max", "tau"),
+    priced=True,
 )
 def _confadapt(cfg: DecodeConfig, taus: tuple[float, ...] | None) -> Strategy:
     hybrid = ConfidentVerified if cfg.verifies_rest() else ConfAdapt

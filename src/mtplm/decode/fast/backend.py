@@ -92,10 +92,11 @@ class StaticBackend:
         self.keys: list[torch.Tensor] = []  # per layer [S + 1, KVH, C + 1, d]
         self.values: list[torch.Tensor] = []
         self._guarded: set[tuple] = set()  # (b, Q, T, adapters) that ran once with full guards on this store
-        self._ready: set[tuple] = set()  # (b, Q, adapters) whose graph compiled for this store
+        self._ready: set[tuple] = set()  # the graphs (_graph_of's names) compiled for this store
         self.background: BackgroundCompile | None = None  # graphs compiling on a thread of their own
+        self._graphs: dict[tuple, tuple] = {}  # (b, Q, T, adapters) -> its graph's name (_graph_of)
         self._grow(capacity)
-        self.compiled_buckets: dict[tuple, float] = {}  # (b, Q, adapters) -> compile seconds, every T
+        self.compiled_buckets: dict[tuple, float] = {}  # graph name -> compile seconds
         self.compiles = 0  # graphs compiled so far (a store that grew compiles its buckets again)
         self._quiet = False  # warm() reports its compiles as one line
         self._identities: dict[tuple[int, int], torch.Tensor] = {}  # (b, Q) -> [b, Q, Q] identity
@@ -187,9 +188,8 @@ class StaticBackend:
     def warm_in_background(
         self, buckets: list[tuple[int, int, bool]], capacity: int, progress: Callable | None = None
     ) -> BackgroundCompile | None:
-        """warm(), on a thread of its own: passes run uncompiled (bitwise the same rows) until their graph
-        is ready, then compiled (fast/background.py). Started by the caller (`.start()`); None where there
-        is nothing to compile."""
+        """warm() on a thread of its own, started by the caller (`.start()`; None: nothing to compile): passes
+        run uncompiled (bitwise the same rows) until their graph is ready (fast/background.py)."""
         self._fit(capacity)
         if not self.to_compile(buckets):
             return None
@@ -220,8 +220,7 @@ class StaticBackend:
                 graphs.setdefault(graph, (b, q, adapters, *long))
         return list(graphs.values()) if self.compile else []
 
-    def ready(self, graph: tuple) -> bool:
-        """Whether `graph` (_graph_of's name) compiled for the store as it is."""
+    def ready(self, graph: tuple) -> bool:  # `graph` (_graph_of's name) compiled for the store as it is
         return graph in self._ready
 
     def _compiled(self, inputs: tuple, bucket: tuple[int, int, int, bool]) -> torch.Tensor:
@@ -233,7 +232,6 @@ class StaticBackend:
         began = time.perf_counter()
         limit = 8 * len(ROW_BUCKETS) * 16  # graphs: every (b, Q, adapters) this backend may meet, and more
         with (
-            torch.inference_mode(),
             torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=limit),
             graphs.guards(bucket in self._guarded),
         ):
@@ -277,6 +275,11 @@ class StaticBackend:
         """The graph that runs bucket (b, Q, T, adapters): (sequences, rows, adapters[, "long"]), where a
         CPU graph's sequences and rows over 1 are symbolic (graphs.symbolic_sizes), so they read as the
         range the graph serves ("2-32"): on a GPU, or in the whole pass, each bucket has its own graph."""
+        if bucket not in self._graphs:  # named once per bucket: every compiled pass asks
+            self._graphs[bucket] = self._name_graph(bucket)
+        return self._graphs[bucket]
+
+    def _name_graph(self, bucket: tuple[int, int, int, bool]) -> tuple:
         b, q, keys, adapters = bucket
         long = ("long",) if keys > LONG_KEYS else ()
         step = self._step_for(bucket)

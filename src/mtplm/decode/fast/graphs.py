@@ -194,7 +194,7 @@ def grouped_pass(
 def symbolic_sizes(hidden, rope, mask, gate, write, slots) -> tuple:
     """prepare()'s tensors and `slots` with the sequences b and the fed rows Q marked dynamic where over 1
     (dynamo specializes a size of 1): one graph serves every b >= 2 and every Q >= 2, so a workload
-    compiles one graph where it compiled one per bucket (cold: ~40 s against 25-34 s each, same speed
+    compiles one graph where it compiled one per bucket (cold: ~40 s against 24-34 s each, same speed
     and bitwise the same rows, docs/backends.md)."""
     b, q = hidden.shape[:2]
     marks = [(hidden, 1), (rope[0], 1), (rope[1], 1), (mask, 3), (write, 1), (gate, 1)] if q > 1 else []
