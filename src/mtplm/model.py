@@ -44,6 +44,9 @@ class MTPModel:
         self.gate = gate
         self.heads: Any = None  # method "heads": heads.forms.Heads, or heads.eagle3.Eagle3Drafter
         self._adapters_on = True
+        # False: a compiled backend's packed weights replace the HF modules' own (one copy in memory; HF's
+        # forward then runs mtplm's kernels); True keeps HF's weights and kernels (the bench's HF rows)
+        self.hf_exact = False
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -335,7 +338,32 @@ def _apply_delta(model: MTPModel, path: Path, meta: MTPMeta) -> MTPModel:
 def _load_hf(path, dtype: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype))
+    hf = _from_weight_files(Path(path), parse_dtype(dtype))
+    if hf is None:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype))
     hf.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     return hf, tokenizer
+
+
+def _from_weight_files(path: Path, dtype: torch.dtype):
+    """The model at `path` built over weights read by modelio.read_weights (a peak of the model, not of the
+    file mapped plus the model); None where Hugging Face's own loader must: no safetensors, a quantized or
+    remote-code model, a dtype it cannot read."""
+    from transformers import AutoConfig, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    files = modelio.weight_files(path)
+    if files is None:
+        return None
+    config = AutoConfig.from_pretrained(path)
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if not isinstance(model_class, type) or getattr(config, "quantization_config", None) is not None:
+        return None
+    weights = modelio.read_weights(files, dtype)
+    if weights is None:
+        return None
+    hf = model_class.from_pretrained(None, config=config, state_dict=weights, dtype=dtype)
+    if (path / "generation_config.json").is_file():  # its stop ids (backends.stop_ids)
+        hf.generation_config = GenerationConfig.from_pretrained(path)
+    return hf

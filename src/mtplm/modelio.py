@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -31,6 +32,7 @@ ADAPTER_FILE = "gated_lora.safetensors"
 HEADS_FILE = "heads.safetensors"
 DELTA_FILE = "delta.safetensors"
 SHIPPED = Path(__file__).parent / "checkpoints"
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 @dataclass
@@ -144,3 +146,44 @@ def checkpoint_dir(spec: str) -> Path:
             f"{spec} is not a converted checkpoint (no {META_FILE}): convert it with `mtplm train`"
         )
     return path
+
+
+def weight_files(directory: Path) -> list[Path] | None:
+    """The safetensors files holding a Hugging Face model's weights (one, or the shards its index names);
+    None where it has none."""
+    single = directory / "model.safetensors"
+    if single.is_file():
+        return [single]
+    index = directory / "model.safetensors.index.json"
+    if not index.is_file():
+        return None
+    return [directory / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+
+
+def read_weights(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+    """Every tensor of safetensors `files` in `dtype`, read one tensor at a time by plain file reads; None
+    if one is stored in a dtype other than float32, bfloat16 or float16.
+
+    Hugging Face's loader maps each file and converts from the map: every page it touched stays in the
+    process's resident set until the load ends, so a float32 file loaded as bf16 peaks at 1.5x the file
+    plus the model (10.8 GB for Qwen2.5-1.5B, whose bf16 weights are 3.6 GB). Here the peak is the model
+    plus the largest tensor as stored."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        with open(file, "rb", buffering=0) as stream:
+            (length,) = struct.unpack("<Q", stream.read(8))
+            header = json.loads(stream.read(length))
+            header.pop("__metadata__", None)
+            if any(info["dtype"] not in _SAFETENSORS_DTYPES for info in header.values()):
+                return None
+            for name, info in header.items():
+                begin, end = info["data_offsets"]
+                raw = bytearray(end - begin)
+                stream.seek(8 + length + begin)
+                stream.readinto(raw)
+                stored = _SAFETENSORS_DTYPES[info["dtype"]]
+                tensor = torch.frombuffer(raw, dtype=stored) if raw else torch.empty(0, dtype=stored)
+                tensor = tensor.reshape(info["shape"])
+                # `tensor` is a view of `raw`: a conversion copies; in the same dtype the view is kept
+                tensors[name] = tensor.to(dtype) if stored != dtype else tensor
+    return tensors

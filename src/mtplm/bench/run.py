@@ -261,6 +261,8 @@ def _load(args, modes: list):
     # bad variants or no binary: one line before the model loads
     llama_server.check(args.llama_server, args.model)
     model = load_model(args.model, args.dtype)
+    # rows that time Hugging Face's forward keep its own weights and kernels (a second copy in memory)
+    model.hf_exact = not (args.no_hf and args.no_eager_baseline) or bool(args.assisted)
     if model.meta is None and any(cfg.needs_conversion() for _, cfg in modes):
         raise UserError(
             f"{args.model} is not a converted model: only plain decoding and verified:lookup can be measured"

@@ -42,7 +42,7 @@ from mtplm.decode.fast.background import BackgroundCompile
 from mtplm.decode.fast.graphs import GROUP_BATCH_ROWS, GROUP_LAYERS, GROUP_ROWS, WHOLE_PASS_ROWS
 from mtplm.decode.fast.inputs import Inputs, pass_inputs
 from mtplm.decode.fast.prefill import wide_pass
-from mtplm.decode.fast.weights import FastWeights, check_supported, sliding_window
+from mtplm.decode.fast.weights import FastWeights, check_supported, packed_head, sliding_window
 from mtplm.errors import UserError
 from mtplm.model import MTPModel
 
@@ -81,10 +81,10 @@ class StaticBackend:
         self.pass_cost: Callable[[int], float] | None = None  # by rows, relative; pricing.py measures it
         self.prefill_chunk = prefill_chunk
         self.key_buckets = key_buckets
-        self.weights = FastWeights(model, fuse, prepack, quantize)
+        self.weights = FastWeights(model, fuse, prepack, quantize, share=not model.hf_exact)
         forward.probe_attention()  # before any graph reads what it decides
         lm_head = model.hf.get_output_embeddings().weight.detach()  # [V, D]
-        self._head = kernels.pack(lm_head) if self.weights.pack_head else None
+        self._head = packed_head(model, lm_head, self.weights)
         # DecodeModel.argmax: greedy tokens from an int8 copy of the head, exactly its argmax (greedy.py)
         self.greedy_head = greedy.for_head(lm_head, self._head, self.weights.shape.mask_id)
         self.window = sliding_window(model)

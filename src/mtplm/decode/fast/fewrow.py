@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from mtplm.files import home
 
@@ -160,6 +161,49 @@ def _pack_shape(weight: torch.Tensor) -> torch.Tensor:
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """weight [M, K] bf16 -> the kernel's layout, an opaque [M, 1, Kp] tensor (load() must be True)."""
     return torch.ops.mtplm_fewrow.pack(weight.detach().contiguous())
+
+
+def unpack(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """pack(W) -> W [M, k], a copy (packing is exact)."""
+    m, _, kp = packed.shape
+    mp = -(-m // 16) * 16
+    blocked = packed.as_strided((mp // 16, kp // 2, 16, 2), (kp * 16, 32, 2, 1))
+    return blocked.permute(0, 2, 1, 3).reshape(mp, kp)[:m, :k].contiguous()
+
+
+def rows(packed: torch.Tensor, begin: int, end: int) -> torch.Tensor:
+    """Outputs [begin, end) of pack(W) as a packed weight of their own over the same memory (`begin` a
+    multiple of 16; the kernel may read, never write, the rows after `end` up to the next 16)."""
+    if begin % 16:
+        raise ValueError(f"a packed weight splits at multiples of 16 outputs, not at {begin}")
+    kp = packed.shape[2]
+    return packed.as_strided((end - begin, 1, kp), (kp, kp, 1), packed.storage_offset() + begin * kp)
+
+
+class PackedLinear(nn.Module):
+    """A Hugging Face Linear over a weight in pack()'s layout that the compiled pass reads too, so the model
+    holds one copy: the forward runs `linear`; `.weight` and state_dict() give an unpacked copy."""
+
+    packed: torch.Tensor  # a buffer, declared for type checkers
+
+    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, in_features: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, packed.shape[0]
+        self.register_buffer("packed", packed, persistent=False)
+        self.bias = bias  # the module's own Parameter (or None), as before
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return unpack(self.packed, self.in_features)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        flat = inputs.reshape(-1, self.in_features)
+        return linear(flat, self.packed, self.bias).reshape(*inputs.shape[:-1], self.out_features)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        destination[prefix + "weight"] = self.weight
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
 
 
 def isa() -> str:

@@ -69,7 +69,12 @@ class FastWeights(nn.Module):
     rope_sin: torch.Tensor
 
     def __init__(
-        self, model: MTPModel, fuse: bool = True, prepack: bool | None = None, quantize: bool | str = False
+        self,
+        model: MTPModel,
+        fuse: bool = True,
+        prepack: bool | None = None,
+        quantize: bool | str = False,
+        share: bool = False,
     ) -> None:
         super().__init__()
         kind = "int8" if quantize is True else quantize or None  # None | "int8" | "int4"
@@ -100,13 +105,18 @@ class FastWeights(nn.Module):
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
         self.fused = fuse
         self.quantized = kind
-        self.blocks = nn.ModuleList(_Block(layer, fuse, self.prepacked, kind) for layer in decoder.layers)
+        self.shares = share  # the packed weights replace Hugging Face's own (_share)
+        self.blocks = nn.ModuleList(
+            _Block(layer, fuse, self.prepacked, kind, share) for layer in decoder.layers
+        )
 
 
 class _Block(nn.Module):
     """One decoder layer's tensors: norms, projections (fused or HF's own), biases, adapters."""
 
-    def __init__(self, layer: Any, fuse: bool, prepack: bool, quantize: str | None = None) -> None:
+    def __init__(
+        self, layer: Any, fuse: bool, prepack: bool, quantize: str | None = None, share: bool = False
+    ) -> None:
         super().__init__()
         self.prepacked, self.quantized = prepack, quantize
         self.out_features: dict[str, int] = {}  # int4 weights are padded to 16 rows: the real output width
@@ -114,12 +124,13 @@ class _Block(nn.Module):
         attn, mlp = layer.self_attn, layer.mlp
         self.register_buffer("attn_norm", layer.input_layernorm.weight, persistent=False)  # [D]
         self.register_buffer("mlp_norm", layer.post_attention_layernorm.weight, persistent=False)  # [D]
-        groups = {
-            "qkv": [attn.q_proj, attn.k_proj, attn.v_proj],
-            "o": [attn.o_proj],
-            "gate_up": [mlp.gate_proj, mlp.up_proj],
-            "down": [mlp.down_proj],
+        homes = {
+            "qkv": [(attn, "q_proj"), (attn, "k_proj"), (attn, "v_proj")],
+            "o": [(attn, "o_proj")],
+            "gate_up": [(mlp, "gate_proj"), (mlp, "up_proj")],
+            "down": [(mlp, "down_proj")],
         }
+        groups = {name: [getattr(parent, attr) for parent, attr in places] for name, places in homes.items()}
         self.parts = {
             name: 1 if fuse else len(linears) for name, linears in groups.items()
         }  # GEMMs per group
@@ -138,6 +149,8 @@ class _Block(nn.Module):
                 self._add(name, weight, bias, prepack)
                 if adapters:
                     self._add_adapters(name, weight, bias, downs, ups, prepack)
+                if share and _fewrow_packs(weight, prepack):
+                    _share(getattr(self, f"{name}_w"), homes[name])
             else:
                 for i, base in enumerate(bases):
                     self._add(f"{name}{i}", base.weight, base.bias)
@@ -203,6 +216,38 @@ class _Block(nn.Module):
             weight = kernels.pack(weight)
         self.register_buffer(f"{name}_w", weight, persistent=False)  # [out, in]
         self.register_buffer(f"{name}_bias", None if bias is None else bias.detach(), persistent=False)
+
+
+def packed_head(model: MTPModel, head: torch.Tensor, weights: FastWeights) -> torch.Tensor | None:
+    """The LM head `head` [V, D] packed (kernels.pack) where `weights` pack it, else None. Where `weights`
+    share theirs and the head is fewrow-packed, untied and bias-free, it replaces Hugging Face's own
+    (fewrow.PackedLinear), as _share does for the projections."""
+    if not weights.pack_head:
+        return None
+    packed = kernels.pack(head)
+    module = model.hf.get_output_embeddings()
+    tied = head.data_ptr() == weights.embed.data_ptr()
+    if weights.shares and packed.dim() == 3 and not tied and getattr(module, "bias", None) is None:
+        model.hf.set_output_embeddings(fewrow.PackedLinear(packed, None, head.shape[1]))
+    return packed
+
+
+def _share(packed: torch.Tensor, homes: list[tuple[nn.Module, str]]) -> None:
+    """Hugging Face's modules of one fused group (each `getattr(parent, attribute)`, or its adapter's base)
+    become fewrow.PackedLinear over their rows of the group's packed weight, and their own weights are
+    dropped: the model then holds one copy of them. Not where a part but the last is off 16 outputs."""
+    modules = [getattr(parent, attribute) for parent, attribute in homes]
+    bases = [_base(module) for module in modules]
+    if any(base.out_features % 16 for base in bases[:-1]):
+        return
+    begin = 0
+    for (parent, attribute), module, base in zip(homes, modules, bases, strict=True):
+        shared = fewrow.PackedLinear(
+            fewrow.rows(packed, begin, begin + base.out_features), base.bias, base.in_features
+        )
+        begin += base.out_features
+        owner, name = (module, "base") if isinstance(module, GatedLoRALinear) else (parent, attribute)
+        setattr(owner, name, shared)
 
 
 def _fewrow_packs(weight: torch.Tensor, prepack: bool) -> bool:
