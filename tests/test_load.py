@@ -30,6 +30,7 @@ def test_the_streamed_load_is_hugging_faces(tmp_path, tied, shard, dtype):
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
     assert got.generation_config.eos_token_id == [5, 62]
+    assert got.name_or_path == expected.name_or_path == str(tmp_path)  # finds the GGUF beside it
     head, embed = got.get_output_embeddings().weight, got.get_input_embeddings().weight
     assert (head.data_ptr() == embed.data_ptr()) == tied
 

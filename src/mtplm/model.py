@@ -90,6 +90,15 @@ class MTPModel:
         for p in lora.adapter_parameters(self.hf):
             p.data = p.data.to(device=device, dtype=torch.float32)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every parameter and buffer of the model and its heads."""
+        modules = [self.hf] if self.heads is None else [self.hf, self.heads]
+        return [tensor for module in modules for tensor in (*module.parameters(), *module.buffers())]
+
+    def nbytes(self) -> int:
+        """Bytes of its tensors in memory (a storage several of them share, counted once)."""
+        return storage_bytes(self.tensors())
+
     def meta_key(self) -> str:
         """A fingerprint of this model's weights for caches: every tensor's shape and first values."""
         digest = hashlib.sha256()
@@ -263,6 +272,20 @@ def _sample_like_rows(rows: torch.Tensor, generator: torch.Generator) -> torch.T
     return (mean + centered.std(0) * z).float()
 
 
+def storage_bytes(tensors: list, exclude: list | None = None) -> int:
+    """Bytes of the distinct storages under `tensors` (None entries skipped), less those `exclude` holds; an
+    opaque tensor (oneDNN's packed weights) counts as a storage of its own."""
+
+    def storage(tensor: torch.Tensor) -> tuple[int, int]:
+        if tensor.is_mkldnn:
+            return id(tensor), tensor.numel() * tensor.element_size()
+        return tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()
+
+    seen = {storage(tensor)[0] for tensor in exclude or [] if tensor is not None}
+    held = dict(storage(tensor) for tensor in tensors if tensor is not None)
+    return sum(nbytes for key, nbytes in held.items() if key not in seen)
+
+
 def load_model(spec: str | os.PathLike, dtype: str = "fp32") -> MTPModel:
     """A shipped checkpoint name (see mtplm/checkpoints), a checkpoint directory, or any base model spec."""
     return _load_locked(modelio.shipped(str(spec)) or spec, dtype)
@@ -364,6 +387,7 @@ def _from_weight_files(path: Path, dtype: torch.dtype):
     if weights is None:
         return None
     hf = model_class.from_pretrained(None, config=config, state_dict=weights, dtype=dtype)
+    hf.config.name_or_path = hf.name_or_path = str(path)  # where it came from, as HF's loader records it
     if (path / "generation_config.json").is_file():  # its stop ids (backends.stop_ids)
         hf.generation_config = GenerationConfig.from_pretrained(path)
     return hf

@@ -63,6 +63,17 @@ def test_the_backend_takes_the_models_weights_and_passes_alike(gated):
     assert after.keys() == before.keys()
     assert all(torch.equal(after[name], value) for name, value in before.items())  # unpacked exactly
 
+    # memory: what sharing saves is exactly Hugging Face's own projection and head weights
+    projections = [
+        module.weight
+        for name, module in exact.hf.named_modules()
+        if isinstance(module, torch.nn.Linear)
+        and ("proj" in name or name == "lm_head")
+        and not name.endswith(("lora_a", "lora_b"))
+    ]
+    saved = sum(weight.numel() * weight.element_size() for weight in projections)
+    assert exact.nbytes() + other.nbytes() - (shared.nbytes() + one.nbytes()) == saved
+
     length = 0
     with torch.inference_mode():
         for tokens, slots in [([3, 4, 5, 6], 0), ([7], 0), ([8], 3), ([9, 10], 0)]:

@@ -229,7 +229,7 @@ class Repository:
             log.warning(
                 "mtplm: %s decodes requests that name no mode plainly (ntp): %s", entry.id, dependence
             )
-        nbytes = sum(p.numel() * p.element_size() for p in model.hf.parameters())
+        nbytes = model.nbytes()  # with the weights a compiled backend packed in their place
         loaded = Loaded(entry, model, engine, mode, nbytes)
         with self._guard:
             self.loaded[entry.id] = loaded

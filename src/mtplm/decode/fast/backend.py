@@ -40,11 +40,11 @@ from mtplm.decode.chunked import PREFILL_CHUNK, run_split
 from mtplm.decode.fast import fewrow, forward, graphs, greedy, kernels
 from mtplm.decode.fast.background import BackgroundCompile
 from mtplm.decode.fast.graphs import GROUP_BATCH_ROWS, GROUP_LAYERS, GROUP_ROWS, WHOLE_PASS_ROWS
-from mtplm.decode.fast.inputs import Inputs, pass_inputs
+from mtplm.decode.fast.inputs import Inputs, grow_store, pass_inputs
 from mtplm.decode.fast.prefill import wide_pass
 from mtplm.decode.fast.weights import FastWeights, check_supported, packed_head, sliding_window
 from mtplm.errors import UserError
-from mtplm.model import MTPModel
+from mtplm.model import MTPModel, storage_bytes
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
 MIN_KEYS = 128
@@ -328,17 +328,7 @@ class StaticBackend:
         self._ready.clear()  # ... and compiles its graph again
         shape = self.weights.shape
         size = (self.slots + 1, shape.kv_heads, capacity + 1, shape.head_dim)  # + 1: never attended
-        dtype = self.weights.embed.dtype
-        for store in (self.keys, self.values):
-            for i in range(shape.layers):
-                new = torch.zeros(size, dtype=dtype, device=self.weights.embed.device)  # finite, never NaN
-                if new.is_cuda:  # a fixed address: CUDA graphs may write into it in place, not skip it
-                    torch._dynamo.mark_static_address(new)
-                if i < len(store):
-                    new[:, :, : self.capacity] = store[i][:, :, : self.capacity]
-                    store[i] = new
-                else:
-                    store.append(new)
+        grow_store([self.keys, self.values], shape.layers, size, self.capacity, self.weights.embed)
         self.capacity = capacity
 
     def kv(self, slot: int) -> SlotKV:
@@ -392,8 +382,11 @@ class StaticBackend:
             store[slot, :, start : start + len(rows)] = store[slot, :, index]
 
     def nbytes(self) -> int:
-        """Bytes of the KV store (scratch slot included); fused weight copies are not counted here."""
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        """Bytes it holds beside the model's own tensors: the KV store (scratch slot included) and the weight
+        copies it does not share with the model (fused, packed, int8 greedy head)."""
+        held = [*self.keys, *self.values, *self.weights.buffers(), self._head]
+        held += [self.greedy_head.codes, self.greedy_head.stats] if self.greedy_head is not None else []
+        return storage_bytes(held, exclude=self.model.tensors())
 
 
 def _bucket(size: int) -> int:

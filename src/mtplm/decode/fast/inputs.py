@@ -1,5 +1,5 @@
 """A compiled-backend pass's input tensors, built from the feeds (fast/backend.py): padded to the pass's
-bucket, padding entries in the scratch slot."""
+bucket, padding entries in the scratch slot; and the KV store they index, grown."""
 
 from __future__ import annotations
 
@@ -55,3 +55,20 @@ def _identity(identities: dict[tuple[int, int], torch.Tensor], batch: int, rows:
     if found is None:
         found = identities[(batch, rows)] = torch.eye(rows, dtype=torch.bool).repeat(batch, 1, 1)
     return found
+
+
+def grow_store(
+    stores: list[list[torch.Tensor]], layers: int, size: tuple[int, ...], kept: int, like: torch.Tensor
+) -> None:
+    """Each store (keys, values: a tensor per layer) made anew at `size` [S + 1, KVH, C + 1, d] in `like`'s
+    dtype and device, zeros (finite, never NaN) past the first `kept` positions, which it keeps."""
+    for store in stores:
+        for i in range(layers):
+            new = torch.zeros(size, dtype=like.dtype, device=like.device)
+            if new.is_cuda:  # a fixed address: CUDA graphs may write into it in place, not skip it
+                torch._dynamo.mark_static_address(new)
+            if i < len(store):
+                new[:, :, :kept] = store[i][:, :, :kept]
+                store[i] = new
+            else:
+                store.append(new)
