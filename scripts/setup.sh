@@ -7,6 +7,7 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 # torch first and pinned: 2.13.0 resolves to the CPU build here; an unpinned torch would pull CUDA wheels
-.venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e ".[plot,test,serve]"
+.venv/bin/python -m pip install -q -c constraints.txt torch==2.13.0
+# every dependency at the version CI tested (constraints.txt)
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[plot,test,serve,bench]"
 .venv/bin/mtplm setup --model smollm2-135m "$@"

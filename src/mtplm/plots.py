@@ -4,7 +4,10 @@ the experiments, which all draw with `pyplot()` and `save()`."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 def pyplot():
@@ -14,7 +17,7 @@ def pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed (pip install 'mtplm[plot]'): no plot written")
+        log.warning("matplotlib is not installed (pip install 'mtplm[plot]'): no plot written")
         return None
     return plt
 

@@ -4,6 +4,8 @@ at each T, and a new T checks every guard of the graph it reuses."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from conftest import tiny_mtp
@@ -118,12 +120,13 @@ def test_a_store_rounded_up_never_outgrows_a_sliding_window_its_sequence_fits():
         backend._fit(1600)
 
 
-def test_a_long_warm_up_says_how_far_along_it_is(capsys, monkeypatch):
+def test_a_long_warm_up_says_how_far_along_it_is(caplog, monkeypatch):
+    caplog.set_level(logging.INFO, logger="mtplm")
     monkeypatch.setattr(warm, "PROGRESS_S", 30.0)
     progress = Progress("tiny")
     for done, seconds in ((1, 10.0), (2, 31.0), (3, 50.0), (4, 62.0), (5, 100.0)):
         progress(done, 5, seconds)
-    lines = capsys.readouterr().err.splitlines()
+    lines = [record.getMessage() for record in caplog.records]
     assert lines == [
         "mtplm: 2 of 5 decode buckets for tiny compiled after 31 s",
         "mtplm: 4 of 5 decode buckets for tiny compiled after 62 s",

@@ -16,6 +16,7 @@ import difflib
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import struct
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
 
+log = logging.getLogger(__name__)
 SOURCE_FILE = "mtplm_source.json"  # written into every converted directory: where it came from
 PROBE_TEXT = "The capital of France is Paris. 1 + 1 = 2"  # compared before and after saving
 
@@ -86,9 +88,9 @@ DEFAULT_MODEL = "smollm2-135m"
 
 
 def say(message: str, progress: bool = True) -> None:
-    """A progress line on stderr (stdout is kept for results)."""
+    """A progress line, logged (the CLI writes it to stderr; stdout is kept for results)."""
     if progress:
-        print(f"[mtplm] {message}", file=sys.stderr, flush=True)
+        log.info(f"[mtplm] {message}")
 
 
 def requirements_file(name: str) -> Path:

@@ -13,6 +13,8 @@ import json
 import re
 from dataclasses import dataclass
 
+from mtplm.errors import UserError
+
 SQL_GRAMMAR = r"""
 start: "SELECT " columns " FROM " NAME where? order? ";"
 columns: "*" | NAME (", " NAME)*
@@ -163,7 +165,12 @@ def valid(case: Case, text: str, grammar=None, tokenizer=None) -> bool:
         constraint = grammar.start()
         ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
         return constraint.advance(ids) == len(ids) and constraint.accepting
-    import jsonschema
+    try:
+        import jsonschema
+    except ImportError:
+        raise UserError(
+            "the structured bench validates answers with jsonschema: pip install 'mtplm[bench]'"
+        ) from None
 
     try:
         value = json.loads(answer)

@@ -14,7 +14,7 @@ the torch version and threads, the backend and its kernels (ISA and build), and 
 from __future__ import annotations
 
 import hashlib
-import sys
+import logging
 import time
 from pathlib import Path
 
@@ -24,6 +24,8 @@ from mtplm.decode.fast import fewrow
 from mtplm.decode.passcost import PassCost, measure
 from mtplm.errors import UserError
 from mtplm.files import home
+
+log = logging.getLogger(__name__)
 
 ROWS = (1, 2, 4, 8)  # a pending token and up to 7 copied drafts (beyond: the last step's slope)
 CONTEXT = 200  # cached positions behind each timed pass
@@ -92,11 +94,9 @@ def price(backend, model) -> PassCost:
         curve = measure(model, name, ROWS, CONTEXT, REPEATS, backend=backend, masked=False, head=head)
         path.parent.mkdir(parents=True, exist_ok=True)
         curve.save(path)
-        print(
+        log.info(
             f"mtplm: priced a decode pass by rows in {time.perf_counter() - began:.1f} s "
-            f"({curve.describe()}; cached for next time)",
-            file=sys.stderr,
-            flush=True,
+            f"({curve.describe()}; cached for next time)"
         )
     backend.pass_cost = curve.relative
     return curve

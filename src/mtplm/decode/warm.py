@@ -23,8 +23,8 @@ it on the same pass uncompiled (`static`) under `auto` unless it asks for enough
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar, runtime_checkable
@@ -38,6 +38,8 @@ from mtplm.decode.fast.background import BackgroundCompile
 from mtplm.decode.loop import generate
 from mtplm.decode.pricing import price
 from mtplm.model import MTPModel
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MARGIN = 64  # key positions past prompt + new tokens a pass may still feed (drafts, mask blocks)
@@ -112,7 +114,7 @@ def warm_up(
     what: str = "",
     background: bool = False,
 ) -> float:
-    """Compile every bucket the workload can meet (`buckets`), one line on stderr, then price its passes by
+    """Compile every bucket the workload can meet (`buckets`), one line logged, then price its passes by
     rows where a mode sizes its drafts by them (pricing.py); seconds it took. `background`: price the
     uncompiled pass, then compile on a thread of its own (fast/background.py) and return at once."""
     began = time.perf_counter()
@@ -123,11 +125,9 @@ def warm_up(
         if pricing:  # before the other thread starts: the uncompiled pass alone
             price(backend, model)
         if compiling is not None:
-            print(
+            log.info(
                 f"mtplm: compiling {compiling.total} decode graphs{' for ' + what if what else ''} in the "
-                "background; until each is ready its passes run uncompiled (the same tokens, slower)",
-                file=sys.stderr,
-                flush=True,
+                "background; until each is ready its passes run uncompiled (the same tokens, slower)"
             )
             compiling.start()
         return time.perf_counter() - began
@@ -150,25 +150,21 @@ def _compile(
     todo, capacity = buckets(backend, model, cfgs, prompt_lengths, max_new_tokens, max_batch)
     fresh = len(backend.to_compile(todo, capacity))  # as backend.warm() will count them
     if fresh > 8:  # long enough to wonder about
-        print(
+        log.info(
             f"mtplm: compiling {fresh} decode buckets{' for ' + what if what else ''} "
-            "(reused from the compile cache where it has them)...",
-            file=sys.stderr,
-            flush=True,
+            "(reused from the compile cache where it has them)..."
         )
     count, seconds = backend.warm(todo, capacity, Progress(what))
     if count:
-        print(
+        log.info(
             f"mtplm: compiled {count} decode buckets{' for ' + what if what else ''} in {seconds:.1f} s "
             f"(up to {max_batch} sequences x {ROW_BUCKETS[-1]} rows, every key length up to {capacity}; "
-            "cached for next time)",
-            file=sys.stderr,
-            flush=True,
+            "cached for next time)"
         )
 
 
 class Progress:
-    """A warm-up's progress callback: `done of total buckets after s` on stderr, at most every PROGRESS_S
+    """A warm-up's progress callback: `done of total buckets after s` logged, at most every PROGRESS_S
     seconds (none for a warm-up shorter than that)."""
 
     def __init__(self, what: str = "") -> None:
@@ -177,11 +173,9 @@ class Progress:
     def __call__(self, done: int, total: int, seconds: float) -> None:
         if done < total and seconds - self.said >= PROGRESS_S:
             self.said = seconds
-            print(
+            log.info(
                 f"mtplm: {done} of {total} decode buckets{' for ' + self.what if self.what else ''} "
-                f"compiled after {seconds:.0f} s",
-                file=sys.stderr,
-                flush=True,
+                f"compiled after {seconds:.0f} s"
             )
 
 
@@ -191,11 +185,9 @@ class Background(Progress):
     def __call__(self, done: int, total: int, seconds: float) -> None:
         super().__call__(done, total, seconds)
         if done == total:
-            print(
+            log.info(
                 f"mtplm: {total} decode graphs{' for ' + self.what if self.what else ''} compiled in the "
-                f"background in {seconds:.0f} s; passes run compiled from now on",
-                file=sys.stderr,
-                flush=True,
+                f"background in {seconds:.0f} s; passes run compiled from now on"
             )
 
 
@@ -238,14 +230,10 @@ class Compiles:
 
 def untimed_compiles(run: Callable[[], T], backend: object) -> T:
     """`run()`, run again if it compiled a bucket (the warm-up missed one): what it returns never includes
-    a compile. Says so on stderr when it happens."""
+    a compile. Logs a warning when it happens."""
     with Compiles(backend) as seen:
         result = run()
     if not seen.count:
         return result
-    print(
-        f"mtplm: {seen.count} decode bucket(s) compiled inside a timed run: timing it again",
-        file=sys.stderr,
-        flush=True,
-    )
+    log.warning(f"mtplm: {seen.count} decode bucket(s) compiled inside a timed run: timing it again")
     return run()

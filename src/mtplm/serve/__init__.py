@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import logging
 import os
 import signal
 import socket
@@ -28,6 +29,8 @@ from mtplm.errors import Terminated, UserError
 from mtplm.serve.app import Settings, create_app
 from mtplm.serve.protocol import Limits
 from mtplm.serve.repository import Entry, Repository, check_entry, read_manifest
+
+log = logging.getLogger("mtplm.serve")
 
 __all__ = ["Settings", "create_app", "Repository", "Entry", "read_manifest", "serve", "build_repository"]
 
@@ -119,11 +122,7 @@ def serve(
         lifespan="off",
     )
     server = _graceful_server(config, repository, shutdown_grace_s)
-    print(
-        f"mtplm: serving {', '.join(repository.entries)} on http://{host}:{port}/v1",
-        file=sys.stderr,
-        flush=True,
-    )
+    log.info(f"mtplm: serving {', '.join(repository.entries)} on http://{host}:{port}/v1")
     server.run(sockets=[listener])
     repository.close(0)
 
@@ -211,7 +210,7 @@ def _graceful_server(config, repository: Repository, grace_s: float):
 
 
 def say(message: str) -> None:
-    print(f"mtplm: {message}", file=sys.stderr, flush=True)
+    log.info(f"mtplm: {message}")
 
 
 def _check_exposure(host: str, settings: Settings) -> None:
@@ -220,10 +219,9 @@ def _check_exposure(host: str, settings: Settings) -> None:
     except ValueError:
         loopback = host == "localhost"
     if not loopback and settings.api_key is None:
-        print(
+        log.warning(
             f"mtplm: warning: serving on {host} without an API key: anyone who can reach this port can "
-            "use it (set --api-key or MTPLM_API_KEY)",
-            file=sys.stderr,
+            "use it (set --api-key or MTPLM_API_KEY)"
         )
 
 

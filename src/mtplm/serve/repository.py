@@ -21,7 +21,6 @@ import asyncio
 import gc
 import logging
 import math
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -184,9 +183,7 @@ class Repository:
                 self._load(entry)
             except APIError:  # logged, and /health reports it (503) instead of ok
                 continue
-            print(
-                f"mtplm: {entry.id} ready in {time.perf_counter() - began:.1f} s", file=sys.stderr, flush=True
-            )
+            log.info(f"mtplm: {entry.id} ready in {time.perf_counter() - began:.1f} s")
 
     async def get(self, model_id: str) -> Loaded:
         if model_id not in self.entries:

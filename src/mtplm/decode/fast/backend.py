@@ -27,7 +27,7 @@ d head dim.
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -45,6 +45,8 @@ from mtplm.decode.fast.prefill import wide_pass
 from mtplm.decode.fast.weights import FastWeights, check_supported, packed_head, sliding_window
 from mtplm.errors import UserError
 from mtplm.model import MTPModel, storage_bytes
+
+log = logging.getLogger(__name__)
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32)
 MIN_KEYS = 128
@@ -252,11 +254,9 @@ class StaticBackend:
             self.compiles += 1
             self.compiled_buckets[graph] = seconds = time.perf_counter() - began
             if not self._quiet:
-                print(
+                log.info(
                     f"mtplm: compiled the decode pass for {graph[0]} sequences x {graph[1]} rows"
-                    f"{' with <mtp> rows' if bucket[3] else ''} (every key length) in {seconds:.1f} s",
-                    file=sys.stderr,
-                    flush=True,
+                    f"{' with <mtp> rows' if bucket[3] else ''} (every key length) in {seconds:.1f} s"
                 )
         return hidden
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import shutil
 import sys
@@ -27,6 +28,8 @@ import torch
 from torch import nn
 
 from mtplm.files import home
+
+log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [
@@ -80,7 +83,7 @@ def load() -> bool:
             return True
         except Exception as exc:  # noqa: BLE001 - any build or load failure means the fallback, said once
             reason = f"its build failed ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:160]})"
-    print(f"mtplm: few-row bf16 kernel not used: {reason}; using oneDNN's prepacked kernel", file=sys.stderr)
+    log.warning(f"mtplm: few-row bf16 kernel not used: {reason}; using oneDNN's prepacked kernel")
     return False
 
 
@@ -102,10 +105,7 @@ def _build_and_load() -> None:
         verbose=False,
     )
     if not built:
-        print(
-            f"mtplm: built the few-row bf16 kernel in {time.perf_counter() - began:.1f} s ({directory})",
-            file=sys.stderr,
-        )
+        log.info(f"mtplm: built the few-row bf16 kernel in {time.perf_counter() - began:.1f} s ({directory})")
     torch.library.register_fake("mtplm_fewrow::linear", linear_shape)
     torch.library.register_fake("mtplm_fewrow::pack", _pack_shape)
     torch.library.register_fake("mtplm_fewrow::lora_linear", _lora_linear_shape)
