@@ -86,13 +86,18 @@ def test_widened_weight_refuses_parts_off_16_row_blocks():
 
 
 @needs_kernel
-def test_lora_linear_with_every_gate_closed_is_the_plain_product(isa):
+@pytest.mark.parametrize("n", [5, 40, 100])
+def test_lora_linear_with_every_gate_closed_is_the_plain_product(n, isa):
+    """Rows whose gate is closed (a prompt's rows beside <mtp> slots) are bitwise the plain product's, at
+    any row count: a pass with slots computes its prompt's keys and values as plain decoding does."""
     weight, up = torch.randn(40, 64, dtype=torch.bfloat16), torch.randn(40, 8, dtype=torch.bfloat16)
     down = torch.randn(8, 64, dtype=torch.bfloat16)
     packed, plain = fewrow.pack(fewrow.widened_weight(weight, [up])[0]), fewrow.pack(weight)
-    x = torch.randn(5, 64, dtype=torch.bfloat16)
-    got = fewrow.lora_linear(x, packed, fewrow.pack(down), torch.zeros(5), None)
-    assert torch.equal(got, fewrow.linear(x, plain, None))
+    x = torch.randn(n, 64, dtype=torch.bfloat16)
+    gate = torch.zeros(n)
+    gate[-1] = 1.0  # one open row: the adapter's product runs, and leaves the closed rows alone
+    got = fewrow.lora_linear(x, packed, fewrow.pack(down), gate, None)
+    assert torch.equal(got[:-1], fewrow.linear(x, plain, None)[:-1])
 
 
 @needs_kernel

@@ -322,7 +322,6 @@ void mtplm::fewrow::configure_tiles(int rows) { amx_configure(rows); }
 
 at::Tensor mtplm::fewrow::pack(const at::Tensor& weight) { return fewrow_pack(weight); }
 
-at::Tensor mtplm::fewrow::unpack(const at::Tensor& packed, int64_t k) { return unpacked(packed, k); }
 
 void mtplm::fewrow::store_tile(const Problem& p, int tile, int64_t row, int rows, int64_t block, float* scratch) {
   amx_store(p, tile, row, rows, block, scratch);

@@ -38,8 +38,6 @@ struct Problem {
 // Output blocks [begin, end) of p on the calling thread: AMX tiles where isa() says so, else AVX-512.
 void products(const Problem& p, int64_t begin, int64_t end);
 
-// W [M, K] back from pack()'s layout (a copy), for at::linear; W packed.
-at::Tensor unpack(const at::Tensor& packed, int64_t k);
 at::Tensor pack(const at::Tensor& weight);  // W [M, K] -> pack()'s layout
 
 // The AMX path, for a kernel with its own inner loop (int4.cpp): whether isa() says so; the tile config for

@@ -23,12 +23,8 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/constant_pad_nd.h>
-#include <ATen/ops/from_blob.h>
-#include <ATen/ops/linear.h>
-#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -44,8 +40,6 @@ namespace {
 
 using mtplm::fewrow::kBlock;
 using mtplm::fewrow::Problem;
-
-constexpr int64_t kMaxRegisterRows = 32;  // without AMX, more rows go to at::linear
 
 inline int64_t round_up(int64_t value, int64_t to) { return (value + to - 1) / to * to; }
 
@@ -102,25 +96,6 @@ void products(const Call& call, const uint16_t* w, int64_t kw, const uint16_t* b
     p.tail = call.tail.data() + part * call.rp, p.ktail = call.kp, p.ts = call.parts() * call.rp;
     mtplm::fewrow::products(p, lo, hi);
   }
-}
-
-// Many rows without AMX: at::linear over [x, low_0, low_1, ...] and [W | block_diag(B_p)] rebuilt from the
-// packed weight (a copy a call, as fewrow linear's own fallback).
-at::Tensor dense(Call& call, const at::Tensor& packed, const at::Tensor& bias) {
-  const at::Tensor compact = mtplm::fewrow::unpack(packed, packed.size(2));  // [M, Kp + rp]
-  const int64_t parts = call.parts(), width = call.k + parts * call.rank;
-  at::Tensor widened = at::zeros({call.m, width}, packed.options());
-  widened.narrow(1, 0, call.k).copy_(compact.narrow(1, 0, call.k));
-  const at::Tensor tail = at::from_blob(call.tail.data(), {call.n, parts * call.rp}, call.x.options());
-  std::vector<at::Tensor> inputs{call.x.narrow(1, 0, call.k)};
-  int64_t first = 0;
-  for (int64_t part = 0; part < parts; first = call.ends[part++]) {
-    const int64_t row = first * kBlock, rows = std::min(call.m, call.ends[part] * kBlock) - row;
-    widened.narrow(0, row, rows).narrow(1, call.k + part * call.rank, call.rank)
-        .copy_(compact.narrow(0, row, rows).narrow(1, call.kp, call.rank));
-    inputs.push_back(tail.narrow(1, part * call.rp, call.rank));
-  }
-  return at::linear(at::cat(inputs, 1), widened, bias);
 }
 
 // The parts' output blocks: `parts` lists each part's out features (every one but the last a multiple of 16);
@@ -181,10 +156,6 @@ at::Tensor lora_linear(const at::Tensor& inputs, const at::Tensor& packed, const
   bool open = false;
   for (int64_t row = 0; row < call.n; ++row) open = open || call.gate[row] != 0.f;
   const int64_t low_blocks = open ? call.low_stride() / kBlock : 0;  // closed: the tail stays zero
-  if (call.n > kMaxRegisterRows && !mtplm::fewrow::amx()) {
-    for (int64_t j = 0; j < low_blocks; ++j) low_block(call, j);
-    return dense(call, packed, b);
-  }
   at::Tensor y = at::empty({call.n, call.m}, inputs.options());
   if (call.n == 0 || call.m == 0) return y;
   const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
