@@ -1,8 +1,8 @@
-"""Mechanical task scorers for the quality half of the benchmarks (SPEC §7): no judge model.
+"""Mechanical task scorers for the quality half of the benchmarks: no judge model.
 
 - GSM8K: exact match of the completion's final number with the reference number.
 - HumanEval: pass@1, the program run against the problem's tests in a resource-limited subprocess;
-  "first-try" (the first code block) and "final" (the last code block) correctness, as in doc 002.
+  "first-try" (the first code block) and "final" (the last code block) correctness.
 - Structured output: the first JSON value parses; the first SQL statement parses in sqlite3.
 """
 

@@ -29,10 +29,10 @@ SELF_GEN_ENGINES = (
 class TrainConfig:
     model: str = "smollm2-135m"  # registry name, HF directory or .gguf file
     out: str = "runs/mtp"
-    method: str = "mask"  # mask (one <mtp> token, doc 000) | heads (K-1 heads on a frozen trunk, doc 002)
+    method: str = "mask"  # mask (one <mtp> token, self-distilled) | heads (K-1 heads on a frozen trunk)
     trainable: str = "gated-lora"  # gated-lora | lora | full
     objective: str = "hard"  # hard (teacher argmax) | soft (teacher KL) | ground-truth (offline baseline)
-    warmup_ground_truth_steps: int = 0  # doc 000's stage 1: ground-truth CE before the distillation stage
+    warmup_ground_truth_steps: int = 0  # stage 1: ground-truth CE before the distillation stage
     ntp_weight: float = 0.0  # extra ground-truth NTP loss on prefix positions ("prefix loss")
     entropy_weight: float = 0.0  # + weight * mean student entropy at supervised slots
     k_max: int = 16  # k ~ U[2, k_max] each step (the paper's; the shipped SmolLM2 recipe uses 8)

@@ -140,8 +140,8 @@ class Decoding:
         again after them. Not when logprobs are asked for (every token then gets its pass's scores). A
         lossless strategy's first pass feeds the prompt and its forced tokens alone, as plain decoding's
         does: a draft behind a wide prompt pass (a forced-byte spelling, a copy covering the forced run)
-        would round otherwise than plain decoding's narrow pass for that token (stop 44: 2 of 11 structured
-        prompts parted from constrained plain in bf16)."""
+        would round otherwise than plain decoding's narrow pass for that token (measured: 2 of 11 structured
+        prompts parted from constrained plain in bf16 before)."""
         assert self.constraint is not None
         alone = not self.started and getattr(self.strategy, "lossless", False)
         plan = Plan(1) if alone else self._prune(plan)

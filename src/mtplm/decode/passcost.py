@@ -4,7 +4,7 @@ where measured, the same for passes of real rows only (drafts copied from the te
 run no adapters and which a CPU prices near a one-row pass.
 
 A mode's served speedup over plain decoding is then tokens x c(1) / (the sum of c(rows) over its passes)
-(train/predict.py); that is how tokens/pass turns into wall-clock speed on the machine at hand (SPEC §5).
+(train/predict.py); that is how tokens/pass turns into wall-clock speed on the machine at hand.
 `scripts/pass_cost.py --json FILE` writes a curve for any backend (compiled included); `measure` here times
 the eager backend in a few seconds, which is what a training run does when pass_cost=measure.
 """

@@ -56,9 +56,9 @@ def top1_confidence(logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(logits.float(), dim=-1).amax(-1)
 
 
-@CONFIDENCE.register("entropy", "1 - H(p)/log V; doc 000's")
+@CONFIDENCE.register("entropy", "1 - H(p)/log V (Kirchenbauer et al.)")
 def entropy_confidence(logits: torch.Tensor) -> torch.Tensor:
-    """1 - H(p)/log V per row: logits [K, V] -> [K] (doc 000's measure; 1 = certain, 0 = uniform)."""
+    """1 - H(p)/log V per row: logits [K, V] -> [K] (Kirchenbauer et al.'s; 1 = certain, 0 = uniform)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     entropy = -(logp.exp() * logp).sum(-1)
     return 1.0 - entropy / math.log(logits.shape[-1])

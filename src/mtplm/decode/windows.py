@@ -1,7 +1,7 @@
 """Window policies: how many tokens one verified pass may emit (its k), from the context and past acceptance.
 
 fixed      k_max
-context    min(k_max, len(context) // 2 + 1)  (doc 002 §4.1)
+context    min(k_max, len(context) // 2 + 1)
 adaptive   one more after a pass that keeps all its drafts, back to kept + 2 after a rejection
 """
 
@@ -22,7 +22,7 @@ class FixedWindow:
         pass
 
 
-@WINDOWS.register("context", "min(k_max, len(context)//2 + 1), doc 002")
+@WINDOWS.register("context", "min(k_max, len(context)//2 + 1)")
 class ContextWindow(FixedWindow):
     def size(self, context_len: int) -> int:
         return min(self.k_max, context_len // 2 + 1)

@@ -1,2 +1,2 @@
-"""Head-based MTP (doc 002): the head forms (forms.py), their training on a frozen trunk (train.py,
+"""Head-based MTP: the head forms (forms.py), their training on a frozen trunk (train.py,
 trunk.py), export."""

@@ -7,7 +7,7 @@ the training labels use most (heads.eagle3.draft_vocabulary).
 
 Per step (`Eagle3Trainer.step`), with K = k_max (K-1 drafting steps, as heads 2..K):
   outs = drafter.unroll(features, text, K-1)   training-time test: step j reads step j-1's own output
-  loss = sum_j alpha_{j+2} * CE_j              doc 002's weights (head_alpha), step j predicting token t+2+j
+  loss = sum_j alpha_{j+2} * CE_j              head_alpha's weights; step j predicts token t+2+j
 where CE_j is over response rows whose label (the target's greedy token: 'hard'; the text: 'ground-truth')
 lies in the draft vocabulary, or a KL to the target's distribution over the draft vocabulary ('soft').
 Each step's logits [rows, N] are recomputed in the backward pass (checkpointed), so one step's logits are

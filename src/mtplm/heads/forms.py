@@ -1,4 +1,4 @@
-"""Head-based MTP (doc 002): K-1 small heads on the trunk's final hidden state; head 1 is the LM head.
+"""Head-based MTP: K-1 small heads on the trunk's final hidden state; head 1 is the LM head.
 
 Head k (2..K) predicts token t+k from the hidden state at t, through the model's own (shared, frozen)
 LM head. Two forms:
@@ -192,14 +192,14 @@ class RowDrafter:
 
 
 def head_lr_scale(k: int) -> float:
-    """doc 002's per-head learning rates, generalised by distance: heads 1-3 x1, 4-6 x0.8, 7-9 x0.5,
+    """Per-head learning rates generalised by distance: heads 1-3 x1, 4-6 x0.8, 7-9 x0.5,
     then x0.8 per further group of three."""
     group = (k - 1) // 3
     return (1.0, 0.8, 0.5)[group] if group < 3 else 0.5 * 0.8 ** (group - 2)
 
 
 def head_weights(k: int, alpha: str, progress: float) -> list[float]:
-    """Loss weight of heads 2..K. 'decay' = 0.9^k (doc 002), any number r = r^k, 'deepseek' = lambda/D
+    """Loss weight of heads 2..K. 'decay' = 0.9^k, any number r = r^k, 'deepseek' = lambda/D
     with lambda 0.3 for the first 68 % of training (10T of 14.8T tokens), then 0.1."""
     if alpha == "deepseek":
         lam = 0.3 if progress < 10 / 14.8 else 0.1

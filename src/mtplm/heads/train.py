@@ -1,4 +1,4 @@
-"""Training head-based MTP on a frozen trunk (doc 002; `mtplm train method=heads`).
+"""Training head-based MTP on a frozen trunk (`mtplm train method=heads`).
 
 The trunk never changes, so its final hidden states for the training text are computed once
 (`trunk_states`, heads/trunk.py) and every step trains only the heads on them: the cost per step is the

@@ -1,4 +1,4 @@
-"""The fast decode path: a compiled, static-shape forward pass for Llama-family models (issue 14).
+"""The fast decode path: a compiled, static-shape forward pass for Llama-family models.
 
 weights.py   what the pass reads from the HF model (fused projections, fused gated-LoRA adapters)
 forward.py   the pass itself, pure functions over those weights and a static KV store

@@ -9,7 +9,7 @@ Measured choices (docs/backends-kernels.md, SmolLM2-135M bf16 on a 2-vCPU Xeon w
     below); it loads in ~3.5 s from a warm cache;
   - other one-sequence buckets of up to GROUP_ROWS rows, with or without <mtp> rows: GROUP_LAYERS (15)
     layers a graph (`compile_grouped`, 2 calls a pass). A graph call costs ~0.2-0.4 ms of dynamo and wrapper
-    time whatever its size, so with today's kernels (stop 43, paired): 6 layers a graph 17.1 / 18.1 ms for 8
+    time whatever its size, so (paired runs, Xeon with AMX): 6 layers a graph 17.1 / 18.1 ms for 8
     plain / 1 + 7 <mtp> rows, 15 layers 16.4 / 17.3, the whole pass ~0.7 ms under that again but 60-105 s a
     cold compile a bucket against 20-34 s (6 layers: 8-22 s); a graph per layer is slower still;
   - on a CPU, inductor's C++ wrapper (`cpp_wrapper`) calls the kernels with no Python between them, in the
