@@ -1,4 +1,4 @@
-"""Head-based MTP (doc 002): heads learn their offsets, the training devices act as they should, verified
+"""Head-based MTP: heads learn their offsets, the training devices act as they should, verified
 decoding with heads is the base model's greedy output, one head's logits live at a time, Medusa export."""
 
 from __future__ import annotations
