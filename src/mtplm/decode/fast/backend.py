@@ -42,7 +42,13 @@ from mtplm.decode.fast.background import BackgroundCompile
 from mtplm.decode.fast.graphs import GROUP_BATCH_ROWS, GROUP_LAYERS, GROUP_ROWS, WHOLE_PASS_ROWS
 from mtplm.decode.fast.inputs import Inputs, grow_store, pass_inputs
 from mtplm.decode.fast.prefill import wide_pass
-from mtplm.decode.fast.weights import FastWeights, check_supported, packed_head, sliding_window
+from mtplm.decode.fast.weights import (
+    FastWeights,
+    check_supported,
+    packed_head,
+    return_freed_memory,
+    sliding_window,
+)
 from mtplm.errors import UserError
 from mtplm.model import MTPModel, storage_bytes
 
@@ -89,6 +95,7 @@ class StaticBackend:
         self._head = packed_head(model, lm_head, self.weights)
         # DecodeModel.argmax: greedy tokens from an int8 copy of the head, exactly its argmax (greedy.py)
         self.greedy_head = greedy.for_head(lm_head, self._head, self.weights.shape.mask_id)
+        return_freed_memory()  # what packing freed (HF's weights, the fused copies' sources)
         self.window = sliding_window(model)
         self.capacity = 0
         self.keys: list[torch.Tensor] = []  # per layer [S + 1, KVH, C + 1, d]

@@ -21,6 +21,7 @@ Shapes: D hidden, H query heads, KVH key/value heads, d head dim, I MLP width, r
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -253,6 +254,17 @@ def _share(packed: torch.Tensor, homes: list[tuple[nn.Module, str]]) -> None:
 def _fewrow_packs(weight: torch.Tensor, prepack: bool) -> bool:
     """Whether _add packs this weight for mtplm's few-row kernel (kernels.pack's choice)."""
     return prepack and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and fewrow.load()
+
+
+def return_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's malloc_trim; nothing where there is none).
+    Packing frees Hugging Face's weights between the copies it makes, and glibc keeps such holes resident:
+    Qwen2.5-1.5B's process held 5.15 GB once its compiled backend was built, 4.40 GB after this."""
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 def prepack_default(dtype: torch.dtype) -> bool:
