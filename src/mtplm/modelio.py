@@ -168,18 +168,16 @@ def read_weights(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tenso
     process's resident set until the load ends, so a float32 file loaded as bf16 peaks at 1.5x the file
     plus the model (10.8 GB for Qwen2.5-1.5B, whose bf16 weights are 3.6 GB). Here the peak is the model
     plus the largest tensor as stored."""
+    headers = [_safetensors_header(file) for file in files]
+    if any(info["dtype"] not in _SAFETENSORS_DTYPES for _, header in headers for info in header.values()):
+        return None
     tensors: dict[str, torch.Tensor] = {}
-    for file in files:
+    for file, (start, header) in zip(files, headers, strict=True):
         with open(file, "rb", buffering=0) as stream:
-            (length,) = struct.unpack("<Q", stream.read(8))
-            header = json.loads(stream.read(length))
-            header.pop("__metadata__", None)
-            if any(info["dtype"] not in _SAFETENSORS_DTYPES for info in header.values()):
-                return None
             for name, info in header.items():
                 begin, end = info["data_offsets"]
                 raw = bytearray(end - begin)
-                stream.seek(8 + length + begin)
+                stream.seek(start + begin)
                 stream.readinto(raw)
                 stored = _SAFETENSORS_DTYPES[info["dtype"]]
                 tensor = torch.frombuffer(raw, dtype=stored) if raw else torch.empty(0, dtype=stored)
@@ -187,3 +185,12 @@ def read_weights(files: list[Path], dtype: torch.dtype) -> dict[str, torch.Tenso
                 # `tensor` is a view of `raw`: a conversion copies; in the same dtype the view is kept
                 tensors[name] = tensor.to(dtype) if stored != dtype else tensor
     return tensors
+
+
+def _safetensors_header(file: Path) -> tuple[int, dict]:
+    """(where the data of safetensors `file` begins, its tensors' entries: name -> dtype, shape, offsets)."""
+    with open(file, "rb") as stream:
+        (length,) = struct.unpack("<Q", stream.read(8))
+        header = json.loads(stream.read(length))
+    header.pop("__metadata__", None)
+    return 8 + length, header

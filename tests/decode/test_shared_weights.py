@@ -57,7 +57,6 @@ def test_the_backend_takes_the_models_weights_and_passes_alike(gated):
     assert isinstance(q_proj, fewrow.PackedLinear)
     packed = one.weights.blocks[0].qkv_w
     assert q_proj.packed.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
-    assert isinstance(exact.hf.model.layers[0].self_attn.k_proj, torch.nn.Module)
     assert not any(isinstance(m, fewrow.PackedLinear) for m in exact.hf.modules())
     after = shared.hf.state_dict()
     assert after.keys() == before.keys()

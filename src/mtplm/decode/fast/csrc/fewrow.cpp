@@ -19,7 +19,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/linear.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -42,7 +41,6 @@ using mtplm::fewrow::Problem;
 using mtplm::fewrow::TileConfig;
 constexpr int kGroup = 4;     // output blocks streamed together
 constexpr int kTileRows = 6;  // rows whose accumulators share the registers
-constexpr int64_t kMaxRows = 1 << 20;  // any rows (more: at::linear over the unpacked weight)
 
 inline __m512 load_bias(const uint16_t* bias, int64_t col, int64_t m) {
   if (bias == nullptr) return _mm512_setzero_ps();
@@ -261,12 +259,6 @@ void amx_blocks(const Problem& p, int64_t begin, int64_t end) {
   _tile_release();
 }
 
-at::Tensor unpacked(const at::Tensor& packed, int64_t k) {
-  const int64_t m = packed.size(0), kp = packed.size(2), mp = (m + kBlock - 1) / kBlock * kBlock;
-  at::Tensor blocked = packed.as_strided({mp / kBlock, kp / 2, kBlock, 2}, {kp * kBlock, 2 * kBlock, 2, 1});
-  return blocked.permute({0, 2, 1, 3}).reshape({mp, kp}).narrow(0, 0, m).narrow(1, 0, k);
-}
-
 at::Tensor fewrow_linear(const at::Tensor& inputs, const at::Tensor& packed,
                          const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(inputs.dim() == 2 && packed.dim() == 3, "fewrow linear: inputs [N, K], packed [M, 1, Kp]");
@@ -278,7 +270,6 @@ at::Tensor fewrow_linear(const at::Tensor& inputs, const at::Tensor& packed,
   const at::Tensor b = bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor();
   TORCH_CHECK(!b.defined() || (b.numel() == m && b.scalar_type() == at::kBFloat16), "fewrow linear: bias");
   const bool amx = isa() == 1;
-  if (n > kMaxRows) return at::linear(inputs, unpacked(packed, k), b);
   at::Tensor x = inputs.contiguous();
   if (k != kp) {  // zero padding to the packed width
     at::Tensor padded = at::zeros({n, kp}, inputs.options());
@@ -321,7 +312,6 @@ bool mtplm::fewrow::amx() { return isa() == 1; }
 void mtplm::fewrow::configure_tiles(int rows) { amx_configure(rows); }
 
 at::Tensor mtplm::fewrow::pack(const at::Tensor& weight) { return fewrow_pack(weight); }
-
 
 void mtplm::fewrow::store_tile(const Problem& p, int tile, int64_t row, int rows, int64_t block, float* scratch) {
   amx_store(p, tile, row, rows, block, scratch);
