@@ -124,15 +124,33 @@ def chain_checkpoint(base_dir, data_file, tmp_path_factory):
     return train(train_config(base_dir, data_file, tmp_path_factory.mktemp("chain") / "run"), progress=False)
 
 
-@pytest.fixture(params=["avx512", "amx"])
-def isa(request):
-    """Each few-row kernel (decode/fast/fewrow.py): AVX-512 everywhere, AMX tiles where the CPU has them."""
+def _forced_isa(name: str):
     from mtplm.decode.fast import fewrow
 
     assert fewrow.load()
-    used = fewrow.use_isa(request.param)
-    if used != request.param:
+    used = fewrow.use_isa(name)
+    if used != name:
         fewrow.use_isa("auto")
-        pytest.skip(f"this CPU runs {used}, not {request.param}")
-    yield used
+        pytest.skip(f"this CPU runs {used}, not {name}")
+    return used
+
+
+@pytest.fixture(params=["avx2", "avx512", "amx"])
+def isa(request):
+    """Each few-row kernel (decode/fast/fewrow.py): AVX2 everywhere (the AVX-512 build runs it bitwise as an
+    AVX2 CPU does), AVX-512 where the CPU has it, AMX tiles where it has them."""
+    from mtplm.decode.fast import fewrow
+
+    yield _forced_isa(request.param)
+    fewrow.use_isa("auto")
+
+
+@pytest.fixture(params=["avx512", "amx"])
+def avx512_isa(request):
+    """The kernels only the AVX-512 build has (the int4 product, the int8 greedy head), on its ISAs."""
+    from mtplm.decode.fast import fewrow
+
+    if not fewrow.has_int4():
+        pytest.skip(f"the {fewrow.build_kind()} build has no int4 kernel or int8 greedy head")
+    yield _forced_isa(request.param)
     fewrow.use_isa("auto")

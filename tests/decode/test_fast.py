@@ -340,7 +340,7 @@ def test_the_quantized_pass_is_the_eager_pass_over_dequantized_weights(arch, kin
 
 
 @pytest.mark.parametrize(("m", "k"), [(37, 64), (16, 32), (70, 96)])
-def test_the_few_row_int4_kernel_multiplies_exactly_the_dequantized_weights(m, k, isa):
+def test_the_few_row_int4_kernel_multiplies_exactly_the_dequantized_weights(m, k, avx512_isa):
     """csrc/int4.cpp dequantizes in cache and runs the bf16 products: bitwise the bf16 kernel over
     dequantize_int4's weights, bias included, for 1-32 rows (more rows: the AVX-512 path's bf16 reference is
     at::linear, which sums otherwise)."""
@@ -356,7 +356,7 @@ def test_the_few_row_int4_kernel_multiplies_exactly_the_dequantized_weights(m, k
     for rows in (1, 2, 7, 16, 32, 45):
         inputs = torch.randn(rows, k).to(torch.bfloat16)
         got, want = int4_linear(inputs, codes, scales, m, bias), fewrow.linear(inputs, reference, bias)
-        if rows <= 32 or isa == "amx":
+        if rows <= 32 or avx512_isa == "amx":
             assert torch.equal(got, want), f"{rows} rows"
         else:
             torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)

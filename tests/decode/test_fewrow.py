@@ -78,9 +78,17 @@ def test_the_reasons_it_falls_back(monkeypatch):
     monkeypatch.setenv("MTPLM_FEWROW", "0")
     assert fewrow.unavailable() == "MTPLM_FEWROW=0"
     monkeypatch.delenv("MTPLM_FEWROW")
-    monkeypatch.setattr(fewrow, "cpu_flags", lambda: {"avx512f", "avx2"})
-    assert fewrow.unavailable() == "this CPU lacks avx512_bf16"
-    monkeypatch.setattr(fewrow, "cpu_flags", lambda: {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
+    monkeypatch.setattr(fewrow, "cpu_flags", lambda: {"avx512f", "avx2"})  # no FMA: an old x86
+    assert fewrow.unavailable() == "this CPU has neither avx512_bf16 nor AVX2 with FMA"
+    monkeypatch.setattr(fewrow, "cpu_flags", lambda: {"avx2", "fma", "f16c"})  # a laptop's CPU
+    assert (fewrow.build_kind(), fewrow.unavailable()) == ("avx2", None)
+    monkeypatch.setattr(
+        fewrow, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+    )
+    assert fewrow.build_kind() == "avx512"
+    monkeypatch.setenv("MTPLM_FEWROW_ISA", "avx2")  # what the laptop builds, on this CPU
+    assert fewrow.build_kind() == "avx2"
+    monkeypatch.delenv("MTPLM_FEWROW_ISA")
     monkeypatch.setenv("CXX", "no-such-compiler-here")
     assert fewrow.unavailable() == "no C++ compiler (no-such-compiler-here) on PATH"
 

@@ -57,7 +57,7 @@ def forced_isa(request):
     fewrow.use_isa("auto")
 
 
-@pytest.mark.parametrize("forced_isa", ["avx512", "amx"], indirect=True)
+@pytest.mark.parametrize("forced_isa", ["avx2", "avx512", "amx"], indirect=True)
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_chain_rows_are_what_one_row_passes_give_them(shape, forced_isa):
     model = shaped_model(shape)

@@ -365,7 +365,7 @@ class StaticBackend:
 
     @property
     def kernel_isa(self) -> str:
-        """Which products its passes run: the few-row kernel's ISA ("amx", "avx512"), or "onednn"."""
+        """Which products its passes run: the few-row kernels' ISA ("amx", "avx512", "avx2"), or "onednn"."""
         return fewrow.isa() if fewrow.load() else "onednn"
 
     @staticmethod

@@ -1,14 +1,16 @@
-"""mtplm's own few-row bf16 kernel (csrc/fewrow.cpp: AMX tiles where the CPU has them, else AVX-512
-vdpbf16ps; one packed layout serves both): built once into `$MTPLM_HOME/kernels/<hash>` (or
+"""mtplm's own few-row bf16 kernels, one packed weight layout for every ISA (csrc/fewrow.cpp: AMX tiles where
+the CPU has them, else AVX-512 vdpbf16ps, else AVX2 + FMA in float32): built once per CPU kind (BUILDS: the
+AVX-512 build, or the AVX2 build for a CPU without avx512_bf16) into `$MTPLM_HOME/kernels/<kind>-<hash>` (or
 `$MTPLM_KERNELS_DIR`) with torch.utils.cpp_extension and loaded as the ops `mtplm_fewrow::pack`,
 `mtplm_fewrow::linear`, `mtplm_fewrow::lora_linear` (csrc/lora.cpp: a widened product with the gated adapters'
-low-rank activations computed inside), `mtplm_fewrow::int4_linear` (csrc/int4.cpp: group-wise int4 weights
-dequantized in cache and run through the same products), `mtplm_fewrow::attend` (csrc/attend.cpp, and
-csrc/attend_amx.cpp where the products run on AMX: decode attention over the bf16 or float32 KV store whose
-sums do not depend on the pass's shape) and `mtplm_fewrow::head_argmax` (csrc/head.cpp: greedy tokens from an
-int8 copy of the LM head, greedy.py). `load()` is False where it cannot be used (no compiler, a CPU without
-avx512_bf16, a failed build, MTPLM_FEWROW=0), with one stderr line naming the fallback (the prepacked oneDNN
-path, kernels.py). `mtplm setup` builds it; otherwise the first use does, and says how long it took.
+low-rank activations computed inside), `mtplm_fewrow::attend` (csrc/attend*.cpp: decode attention over the
+bf16 or float32 KV store whose sums do not depend on the pass's shape), `mtplm_fewrow::mean_square`
+(csrc/norm.cpp: RMSNorm's sum in one order) and, in the AVX-512 build only, `mtplm_fewrow::int4_linear`
+(csrc/int4.cpp) and `mtplm_fewrow::head_argmax` (csrc/head.cpp: greedy tokens from an int8 copy of the LM
+head, greedy.py). Every kernel sums a row's outputs in one order whatever the rows beside it. `load()` is
+False where it cannot be used (no compiler, a CPU with neither avx512_bf16 nor AVX2 + FMA, a failed build,
+MTPLM_FEWROW=0), with one stderr line naming the fallback (the prepacked oneDNN path, kernels.py, which the
+lossless modes refuse). `mtplm setup` builds it; otherwise the first use does, and says how long it took.
 
 Shapes: N rows, K in features, M out features, Kp = K rounded up to 32.
 """
@@ -32,11 +34,19 @@ from mtplm.files import home
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [
-    CSRC / name
-    for name in ("fewrow.cpp", "lora.cpp", "int4.cpp", "attend.cpp", "attend_amx.cpp", "head.cpp", "norm.cpp")
-]
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
+BUILDS = {  # a build for each kind of x86 CPU: its compiler flags, the CPU flags it needs, its sources
+    "avx512": (
+        ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"],
+        {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"},
+        "fewrow fewrow_avx512 fewrow_amx fewrow_avx2 lora int4 attend attend_avx512 attend_amx attend_avx2 "
+        "head norm",
+    ),
+    "avx2": (
+        ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
+        {"avx2", "fma", "f16c"},
+        "fewrow fewrow_avx2 lora attend attend_avx2 norm",
+    ),
+}
 
 
 def cpu_flags() -> set[str]:
@@ -51,25 +61,43 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def build_kind() -> str | None:
+    """Which build this CPU runs: "avx512" (avx512_bf16), "avx2" (AVX2, FMA and F16C, or
+    MTPLM_FEWROW_ISA=avx2: what such a CPU builds), or None (neither: ARM, older x86)."""
+    flags = cpu_flags()
+    forced = os.environ.get("MTPLM_FEWROW_ISA") == "avx2"
+    for kind in ("avx512", "avx2"):
+        if BUILDS[kind][1] <= flags and not (forced and kind == "avx512"):
+            return kind
+    return None
+
+
 def unavailable() -> str | None:
     """Why the kernel cannot be built or run here, or None."""
     if os.environ.get("MTPLM_FEWROW", "1") == "0":
         return "MTPLM_FEWROW=0"
-    if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= cpu_flags():
-        return "this CPU lacks avx512_bf16"
+    if build_kind() is None:
+        return "this CPU has neither avx512_bf16 nor AVX2 with FMA"
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         return f"no C++ compiler ({compiler}) on PATH"
     return None
 
 
+def _build() -> tuple[list[str], list[Path]]:
+    """This CPU's build: its compiler flags and source files."""
+    flags, _, names = BUILDS[build_kind() or "avx2"]
+    return flags, [CSRC / f"{name}.cpp" for name in names.split()]
+
+
 def build_dir() -> Path:
     """Where this source, torch version and flag set build: a new hash builds afresh."""
+    flags, _ = _build()
     files = sorted([*CSRC.glob("*.cpp"), *CSRC.glob("*.h")])  # headers too
     sources = b"".join(source.read_bytes() for source in files)
-    key = hashlib.sha256(sources + torch.__version__.encode() + " ".join(FLAGS).encode())
+    key = hashlib.sha256(sources + torch.__version__.encode() + " ".join(flags).encode())
     root = os.environ.get("MTPLM_KERNELS_DIR") or home() / "kernels"
-    return Path(root) / f"fewrow-{key.hexdigest()[:12]}"
+    return Path(root) / f"fewrow-{build_kind()}-{key.hexdigest()[:12]}"
 
 
 @functools.cache
@@ -91,25 +119,30 @@ def _build_and_load() -> None:
     from torch.utils import cpp_extension  # slow to import; only where the kernel is used
 
     _ninja_on_path()
+    flags, sources = _build()
     directory = build_dir()
     built = (directory / "mtplm_fewrow.so").exists()
     directory.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
     cpp_extension.load(
         name="mtplm_fewrow",
-        sources=[str(source) for source in SOURCES],
-        extra_cflags=FLAGS,
+        sources=[str(source) for source in sources],
+        extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),
         is_python_module=False,
         verbose=False,
     )
     if not built:
-        log.info(f"mtplm: built the few-row bf16 kernel in {time.perf_counter() - began:.1f} s ({directory})")
+        log.info(
+            f"mtplm: built the few-row bf16 kernels ({build_kind()}) in "
+            f"{time.perf_counter() - began:.1f} s ({directory})"
+        )
     torch.library.register_fake("mtplm_fewrow::linear", linear_shape)
     torch.library.register_fake("mtplm_fewrow::pack", _pack_shape)
     torch.library.register_fake("mtplm_fewrow::lora_linear", _lora_linear_shape)
-    torch.library.register_fake("mtplm_fewrow::int4_linear", _int4_linear_shape)
+    if has_int4():
+        torch.library.register_fake("mtplm_fewrow::int4_linear", _int4_linear_shape)
     torch.library.register_fake("mtplm_fewrow::attend", _attend_shape)
     torch.library.register_fake("mtplm_fewrow::mean_square", _mean_square_shape)
 
@@ -207,14 +240,20 @@ class PackedLinear(nn.Module):
 
 
 def isa() -> str:
-    """Which kernel `linear` runs here: "amx" (AMX tiles) or "avx512" (vdpbf16ps; MTPLM_FEWROW_ISA=avx512
-    keeps to it on a CPU with AMX)."""
+    """Which kernels run here: "amx" (AMX tiles), "avx512" (vdpbf16ps; MTPLM_FEWROW_ISA=avx512 keeps to it on
+    a CPU with AMX) or "avx2" (AVX2 + FMA in float32: a CPU without avx512_bf16, or MTPLM_FEWROW_ISA=avx2)."""
     return torch.ops.mtplm_fewrow.isa()
 
 
 def use_isa(name: str) -> str:
-    """Run `linear` with "avx512", "amx" (AVX-512 where the CPU lacks AMX) or "auto"; the one now in use."""
+    """Run the kernels with "avx2", "avx512", "amx" (each the next one down where this build or CPU lacks it)
+    or "auto"; the one now in use. The AVX-512 build's "avx2" gives an AVX2 CPU's bits."""
     return torch.ops.mtplm_fewrow.use_isa(name)
+
+
+def has_int4() -> bool:
+    """Whether the loaded build has the int4 kernel and the greedy int8 head (the AVX-512 build's)."""
+    return build_kind() == "avx512"
 
 
 def linear(inputs: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -78,6 +78,8 @@ def for_head(weight: torch.Tensor, packed: torch.Tensor | None, mask_id: int) ->
         return None
     if packed is None or packed.dim() != 3 or weight.dtype != torch.bfloat16:
         return None
-    if torch.ops.mtplm_fewrow.isa() != "amx" and "avx512_vnni" not in fewrow.cpu_flags():
+    if not fewrow.has_int4() or fewrow.isa() == "avx2":
+        return None  # the AVX2 build has no int8 head
+    if fewrow.isa() == "avx512" and "avx512_vnni" not in fewrow.cpu_flags():
         return None
     return GreedyHead(weight, packed, mask_id)

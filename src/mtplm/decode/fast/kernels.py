@@ -104,7 +104,7 @@ def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.
     scales = ((high - low) / 15).clamp(min=1e-12)
     q = torch.round((groups - low) / scales).clamp(0, 15).to(torch.int32).view_as(padded)
     zeros = low + 8 * scales  # the kernels dequantize (q - 8) * scale + zero
-    if weight.dtype == torch.bfloat16 and group == 32 and fewrow.load():
+    if weight.dtype == torch.bfloat16 and group == 32 and fewrow.load() and fewrow.has_int4():
         return _few_row_int4(q, scales.squeeze(-1), zeros.squeeze(-1), m)
     scales_and_zeros = torch.cat([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(weight.dtype)
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scales_and_zeros

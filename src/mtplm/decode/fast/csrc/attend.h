@@ -1,5 +1,5 @@
-// What attend.cpp (the op, the AVX-512 path) and attend_amx.cpp (AMX tiles) share: the loads, the exp,
-// the prefetch, one KV head's view and the AMX entry.
+// What attend.cpp (the op) and its kernels per ISA (attend_avx512.cpp, attend_avx2.cpp, attend_amx.cpp) share:
+// one KV head's view, the prefetch, the kernels' entries, and on AVX-512 the loads and the exp.
 #pragma once
 
 #include <immintrin.h>
@@ -10,6 +10,34 @@ namespace mtplm::attend {
 
 constexpr int kRowsPerTask = 16;  // at most this many query rows of one KV head per parallel task
 
+// The store's rows stream from memory (a layer's K and V leave the cache while the weights pass through);
+// the hardware prefetcher alone left attention inside a pass 2-3x slower than with a warm cache. A prefetch
+// past the store's end is a hint that never faults.
+constexpr int kPrefetchKeys = 32;
+template <typename T>
+inline void ahead(const T* row, int64_t d) {  // one key's or value's d elements towards L1
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < d * int64_t(sizeof(T)); b += 64) _mm_prefetch(bytes + b, _MM_HINT_T0);
+}
+
+template <typename T>
+struct Head {  // one sequence's KV head, over the first t keys
+  const T* keys;    // [C, d]
+  const T* values;  // [C, d]
+  int64_t t, d;
+  float scaling;
+};
+
+// Keys [0, n) hold every key a mask row lets its row read (mask above float32's lowest); all T where it
+// reads none. The keys after it would add exactly +0 to every sum: skipping them (the pass's key count is
+// bucketed, so often a third of them) changes no bit.
+inline int64_t readable(const float* mask, int64_t t) {
+  for (int64_t j = t; j > 0; --j)
+    if (mask[j - 1] > -__FLT_MAX__) return j;
+  return t;
+}
+
+#if defined(__AVX512F__)
 // 16 elements as float32, and back; bf16 is held as uint16_t
 inline __m512 load16(const uint16_t* from) {
   const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from));
@@ -37,34 +65,18 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_maskz_scalef_ps(live, p, n);
 }
 
-// The store's rows stream from memory (a layer's K and V leave the cache while the weights pass through);
-// the hardware prefetcher alone left attention inside a pass 2-3x slower than with a warm cache. A prefetch
-// past the store's end is a hint that never faults.
-constexpr int kPrefetchKeys = 32;
-template <typename T>
-inline void ahead(const T* row, int64_t d) {  // one key's or value's d elements towards L1
-  const char* bytes = reinterpret_cast<const char*>(row);
-  for (int64_t b = 0; b < d * int64_t(sizeof(T)); b += 64) _mm_prefetch(bytes + b, _MM_HINT_T0);
-}
-
 inline __mmask16 lanes(int64_t count) { return count >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1); }
+#endif
 
+// One task's rows (<= kRowsPerTask of one KV head, t <= T keys each): the probabilities into p[r] (t floats),
+// then the outputs into o[r], on AVX-512 (attend_avx512.cpp, the AVX-512 build) or AVX2 + FMA
+// (attend_avx2.cpp, every build).
 template <typename T>
-struct Head {  // one sequence's KV head, over the first t keys
-  const T* keys;    // [C, d]
-  const T* values;  // [C, d]
-  int64_t t, d;
-  float scaling;
-};
-
-// Keys [0, n) hold every key a mask row lets its row read (mask above float32's lowest); all T where it
-// reads none. The keys after it would add exactly +0 to every sum: skipping them (the pass's key count is
-// bucketed, so often a third of them) changes no bit.
-inline int64_t readable(const float* mask, int64_t t) {
-  for (int64_t j = t; j > 0; --j)
-    if (mask[j - 1] > -__FLT_MAX__) return j;
-  return t;
-}
+void avx512_task(const Head<T>& h, const T* const* q, const float* const* mask, float* const* p, T* const* o,
+                 int rows);
+template <typename T>
+void avx2_task(const Head<T>& h, const T* const* q, const float* const* mask, float* const* p, T* const* o,
+               int rows);
 
 // One task's rows (<= kRowsPerTask of one KV head, bf16, d = 64) through AMX tiles; scratch holds at least
 // 16 * (t + 32) floats.

@@ -1,5 +1,5 @@
-// What fewrow.cpp (the bf16 few-row products) lends the other kernels: the problem it solves, its block loop,
-// its ISA choice and the AMX tile config and load barrier.
+// What fewrow.cpp (the bf16 few-row products) lends the other kernels: the problem it solves, its kernels per
+// ISA and the choice among them, and the AMX tile config and load barrier.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -35,8 +35,14 @@ struct Problem {
   int64_t ktail = 0, ts = 0;
 };
 
-// Output blocks [begin, end) of p on the calling thread: AMX tiles where isa() says so, else AVX-512.
+// Output blocks [begin, end) of p on the calling thread, by the kernel isa() names (fewrow.cpp).
 void products(const Problem& p, int64_t begin, int64_t end);
+
+// The kernels products() chooses from: AVX2 + FMA (every build), AVX-512 and AMX tiles (the AVX-512 build).
+void avx2_blocks(const Problem& p, int64_t begin, int64_t end);
+void avx512_blocks(const Problem& p, int64_t begin, int64_t end);
+void amx_blocks(const Problem& p, int64_t begin, int64_t end);
+bool amx_usable();  // the CPU has AMX-BF16 and the kernel let this process use its tiles
 
 at::Tensor pack(const at::Tensor& weight);  // W [M, K] -> pack()'s layout
 
@@ -44,6 +50,7 @@ at::Tensor pack(const at::Tensor& weight);  // W [M, K] -> pack()'s layout
 // `rows` (<= 32) rows (tiles 0, 1 rows 0-15 and 16-31, 2, 3 two blocks' weights, 4-7 the sums); accumulator
 // tile 4-7 of output block `block`, rows [row, row + rows), stored with the bias (scratch: 16 x 16 floats).
 bool amx();
+bool avx2();  // whether isa() is AVX2 (the other kernels then take their AVX2 paths too)
 void configure_tiles(int rows);
 void store_tile(const Problem& p, int tile, int64_t row, int rows, int64_t block, float* scratch);
 

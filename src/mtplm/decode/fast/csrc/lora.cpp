@@ -64,19 +64,21 @@ void low_block(Call& call, int64_t j) {
   const Problem p{call.inputs(), call.a, nullptr, nullptr, call.n, stride, call.kp, call.kp, call.low.data()};
   mtplm::fewrow::products(p, j, j + 1);  // float32 sums into call.low
   const int64_t first = j * kBlock, last = std::min(call.total, first + kBlock);
-  const bool whole = call.rank % kBlock == 0;  // the block lies in one part: a vector a row
+  [[maybe_unused]] const bool whole = call.rank % kBlock == 0;  // the block lies in one part: a vector a row
   for (int64_t row = 0; row < call.n; ++row) {
     const float gate = call.gate[row];
     if (gate == 0.f) continue;
     const float* from = call.low.data() + row * stride;
     uint16_t* to = call.tail.data() + row * width;
-    if (whole) {
+#if defined(__AVX512BF16__)
+    if (whole && !mtplm::fewrow::avx2()) {  // 16 at once; the loop below rounds the same way
       const __m512 scaled = _mm512_mul_ps(_mm512_loadu_ps(from + first), _mm512_set1_ps(gate));
       const int64_t part = first / call.rank;
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + part * call.rp + first - part * call.rank),
                           (__m256i)_mm512_cvtneps_pbh(scaled));
       continue;
     }
+#endif
     for (int64_t c = first; c < last; ++c) {
       const c10::BFloat16 value(gate * from[c]);
       std::memcpy(to + (c / call.rank) * call.rp + c % call.rank, &value, 2);
