@@ -76,7 +76,7 @@ class Registry(Generic[T]):
 
 
 # decoding
-STRATEGIES: Registry = Registry("decoding mode", "mtplm.decode.strategies", "mtplm.decode.verified")
+STRATEGIES: Registry = Registry("decoding mode", "mtplm.decode.modes")  # the built-ins: one composition root
 CONFIDENCE: Registry = Registry("confidence measure", "mtplm.decode.sampling")
 WINDOWS: Registry = Registry("window policy", "mtplm.decode.windows")
 BACKENDS: Registry = Registry("backend", "mtplm.decode.backends", "mtplm.decode.fast.variants")

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from mtplm.bench import llama_server
+from mtplm.config import PLAIN_MODE
 from mtplm.errors import UserError
 
 
@@ -28,16 +29,16 @@ def hf_baselines(args, model, stops: list[int]) -> dict:
 
         return wrapped
 
-    runs = {"hf-generate": (pristine(runner(model.hf)), "ntp")}
+    runs = {"hf-generate": (pristine(runner(model.hf)), PLAIN_MODE)}
     if args.lookup_tokens:
         runs["hf-prompt-lookup"] = (
             pristine(runner(model.hf, prompt_lookup_num_tokens=args.lookup_tokens)),
-            "ntp",
+            PLAIN_MODE,
         )
     if getattr(args, "llama_cpp", False):
         run = llama_cpp_runner(model, args.max_new_tokens, stops)
         if run is not None:
-            runs["llama.cpp"] = (run, "ntp")
+            runs["llama.cpp"] = (run, PLAIN_MODE)
     if args.assisted:
         runs |= _assisted(args, model, runner)
     return runs

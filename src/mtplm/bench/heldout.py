@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mtplm.config import Thresholds
+from mtplm.config import PLAIN_MODE, Thresholds
+from mtplm.config.modes import mode_entry
 from mtplm.errors import UserError
 
 
@@ -82,26 +83,26 @@ def _decode_modes(
 
     k_max = model.meta.k_max
     thresholds = Thresholds(k_max=k_max, tau_per_position=tuple(taus))
+    configs = {name: parse_mode(name, "fixed", k_max) for name in [PLAIN_MODE, *settings.mode_list()]}
     totals: dict[str, Any] = {
-        name: {"tokens": 0, "passes": 0, "seconds": 0.0, "agreeing": 0}
-        for name in ["ntp", *settings.mode_list()]
+        # agreeing: tokens that agree with plain decoding, counted for a thresholded mode (ConfAdapt) only
+        name: {"tokens": 0, "passes": 0, "seconds": 0.0, "agreeing": 0 if entry.thresholded else None}
+        for name, entry in ((name, mode_entry(cfg.mode)) for name, cfg in configs.items())
     }
     answers = []
     for ids in prompts:
-        for name in totals:
-            cfg = parse_mode(name, "fixed", k_max)
-            cfg.max_new_tokens = settings.max_new_tokens
-            if name == "ntp":
+        for name, total in totals.items():
+            cfg = dataclasses.replace(configs[name], max_new_tokens=settings.max_new_tokens)
+            if name == PLAIN_MODE:  # the baseline row: its answers are what the replay reads
                 with model.pristine():
                     out = generate(model, ids, cfg, backend=backend)
                 answers.append(out.tokens)
             else:
                 out = generate(model, ids, cfg, strategy=make_strategy(cfg, thresholds), backend=backend)
-            total = totals[name]
             total["tokens"] += len(out.tokens)
             total["passes"] += out.forwards
             total["seconds"] += out.elapsed_s
-            if cfg.mode == "confadapt":
+            if total["agreeing"] is not None:
                 total["agreeing"] += token_agreement(model, ids, out.tokens)[0]
     totals["answers"] = answers
     return totals
@@ -158,23 +159,21 @@ def score(checkpoint: str, settings: ScoreSettings, progress: bool = True) -> di
         "training_predicted": final.get("predicted"),
         "plain_tokens_per_s": plain_rate,
         "commit": machine()["commit"],
-        "tokens": totals["ntp"]["tokens"],
+        "tokens": totals[PLAIN_MODE]["tokens"],
         "prompts": len(held),
     }
 
 
 def _rates(totals: dict) -> tuple[float, dict, dict, dict]:
     """Plain tokens/s, and per mode: tokens/pass, speedup over plain, ConfAdapt's token agreement."""
-    plain_rate = totals["ntp"]["tokens"] / max(1e-9, totals["ntp"]["seconds"])
-    measured = {name: t["tokens"] / max(1, t["passes"]) for name, t in totals.items() if name != "ntp"}
+    plain_rate = totals[PLAIN_MODE]["tokens"] / max(1e-9, totals[PLAIN_MODE]["seconds"])
+    measured = {name: t["tokens"] / max(1, t["passes"]) for name, t in totals.items() if name != PLAIN_MODE}
     speedup = {
         name: t["tokens"] / max(1e-9, t["seconds"]) / max(1e-9, plain_rate)
         for name, t in totals.items()
-        if name != "ntp"
+        if name != PLAIN_MODE
     }
     agreement = {
-        name: t["agreeing"] / max(1, t["tokens"])
-        for name, t in totals.items()
-        if name.startswith("confadapt")
+        name: t["agreeing"] / max(1, t["tokens"]) for name, t in totals.items() if t["agreeing"] is not None
     }
     return plain_rate, measured, speedup, agreement

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mtplm.assets.models import SOURCE_FILE, base_model_dir, say
+from mtplm.config import PLAIN_MODE
 from mtplm.errors import UserError
 from mtplm.llamacpp import converter, server_binary
 from mtplm.llamacpp.server import EAGLE3, LlamaServer, f16_gguf
@@ -148,7 +149,9 @@ class ServerBaselines:
         def runner(server: LlamaServer):
             return lambda ids: server.complete(ids, self.max_new_tokens, self.stops)
 
-        return {v.name: (runner(s), v.plain.name if v.drafter else "ntp") for v, s in self.servers.items()}
+        return {
+            v.name: (runner(s), v.plain.name if v.drafter else PLAIN_MODE) for v, s in self.servers.items()
+        }
 
     def summary(self) -> dict:
         return {variant.name: summarize_timings(server) for variant, server in self.servers.items()}

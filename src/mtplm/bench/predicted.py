@@ -13,17 +13,19 @@ is replayed on the greedy text (after a confident wrong token the real decoder d
 from __future__ import annotations
 
 from mtplm.config import DecodeConfig, Thresholds
+from mtplm.config.modes import mode_entry
 
 CURVE_ROWS = (1, 2, 4, 8, 16)  # buckets the compiled backend compiles anyway for the common modes
 
 
 def replayable(item: str, cfg: DecodeConfig) -> bool:
-    """Whether the replay models this bench row (its item string, parsed as `cfg`)."""
+    """Whether the replay models this bench row (its item string, parsed as `cfg`): a greedy row on the
+    bench's own backend of a mode the replay models (its entry's `replayed`), whose thresholds, if it has
+    them, apply to the top-1 confidence the records hold."""
     if "[" in item or cfg.temperature > 0:
         return False
-    if cfg.mode == "verified":
-        return True
-    return cfg.mode in ("static", "confadapt") and cfg.confidence == "top1"
+    entry = mode_entry(cfg.mode)
+    return entry.replayed and (not entry.thresholded or cfg.confidence == "top1")
 
 
 def predicted_rows(
@@ -41,7 +43,7 @@ def predicted_rows(
     from mtplm.decode.passcost import measure
     from mtplm.train.predict import answer_records, replay
 
-    chosen = [item for item, cfg in modes if cfg.mode != "ntp" and replayable(item, cfg)]
+    chosen = [item for item, cfg in modes if replayable(item, cfg)]
     if model.meta is None or model.mask_id is None or not chosen:
         return {}
     k_max = max(model.meta.k_max, *(cfg.k_max or 0 for _, cfg in modes))

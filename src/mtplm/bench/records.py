@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mtplm.config import PLAIN_MODE
+
 
 @dataclass(frozen=True)
 class Record:
@@ -54,9 +56,9 @@ def summarize_all(
 ) -> tuple[list[dict], dict[str, list[dict]]]:
     """A row per mode over every prompt, and the same rows per prompt source; each mode is compared with
     `compared_with[mode]`, plain (`ntp`) where it names none."""
-    reference = {name: records[compared_with.get(name, "ntp")] for name in records}
+    reference = {name: records[compared_with.get(name, PLAIN_MODE)] for name in records}
     rows = [summarize(name, recs, reference[name]) for name, recs in records.items()]
-    sources = sorted({r.source for r in records["ntp"]})
+    sources = sorted({r.source for r in records[PLAIN_MODE]})
     by_source = {
         src: [
             summarize(

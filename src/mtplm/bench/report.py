@@ -9,6 +9,7 @@ from pathlib import Path
 from mtplm.bench import llama_server
 from mtplm.bench.cost import Assumptions, cost_markdown
 from mtplm.bench.predicted import markdown as predicted_markdown
+from mtplm.config import PLAIN_MODE
 from mtplm.plots import bench_plot
 
 
@@ -44,7 +45,7 @@ def write_report(report: dict, out: Path) -> None:
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     text = _summary_lines(report)
     for name, ref in report.get("compared_with", {}).items():
-        if ref != "ntp" and ref != name:
+        if ref != PLAIN_MODE and ref != name:
             text += [f"`{name}` is compared with `{ref}` (same target model), not with plain.", ""]
     for source, rows in report["by_source"].items():
         text += [f"### {source} ({rows[0]['prompts']} prompts)", "", markdown_table(rows), ""]

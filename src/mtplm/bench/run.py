@@ -24,7 +24,8 @@ from mtplm.bench.predicted import predicted_rows
 from mtplm.bench.records import Record, histogram, summarize, summarize_all
 from mtplm.bench.report import markdown_table, write_report
 from mtplm.bench.tasks import Scorer
-from mtplm.config import DecodeConfig, mode_grammar, parse_mode
+from mtplm.config import PLAIN_MODE, DecodeConfig, mode_grammar, parse_mode
+from mtplm.config.modes import mode_entry
 from mtplm.errors import UserError
 from mtplm.llamacpp.server import BaselineOutput
 from mtplm.options import add_backend_argument, add_dtype_argument
@@ -168,8 +169,8 @@ def parse_modes(spec: str, default_k_max: int | None, confidence: str) -> list[t
     plain decoding always comes first, as every speedup's baseline."""
     items = [s.strip() for s in spec.split(",") if s.strip()]
     modes = [(item, parse_mode(_on_backend(item)[0], "fixed", default_k_max, confidence)) for item in items]
-    if not modes or modes[0][0] != "ntp":
-        modes = [("ntp", DecodeConfig(mode="ntp"))] + [m for m in modes if m[0] != "ntp"]
+    if not modes or modes[0][0] != PLAIN_MODE:  # the baseline row, named as its records are
+        modes = [(PLAIN_MODE, DecodeConfig(mode=PLAIN_MODE))] + [m for m in modes if m[0] != PLAIN_MODE]
     return modes
 
 
@@ -274,7 +275,7 @@ def _predicted(args, model, modes, prompts, records, rows, backend_name: str, ba
     """Every replayable row's prediction from the plain answers, beside what the run measured."""
     measured = {r["mode"]: r for r in rows}
     return predicted_rows(
-        model, modes, prompts, records["ntp"], measured, backend, backend_name, args.max_new_tokens
+        model, modes, prompts, records[PLAIN_MODE], measured, backend, backend_name, args.max_new_tokens
     )
 
 
@@ -311,7 +312,7 @@ def _runners(args, model, modes: list) -> tuple[str, object, dict]:
 
     name = resolve_backend(args.backend, model)
     if name != "eager" and not args.no_eager_baseline:
-        modes.append(("ntp[eager]", DecodeConfig(mode="ntp")))
+        modes.append((f"{PLAIN_MODE}[eager]", DecodeConfig(mode=PLAIN_MODE)))
     backends = {
         each: make_backend(each, model, slots=1)
         for each in {name} | {_on_backend(item)[1] or name for item, _ in modes}
@@ -336,7 +337,7 @@ def _one_prompt(
 
     source = example.id.split("/")[0]
     for name, cfg in modes:
-        baseline = model.pristine() if cfg.mode == "ntp" else nullcontext()
+        baseline = model.pristine() if mode_entry(cfg.mode).plain else nullcontext()
         with baseline, PeakMemory() as mem:
             full = DecodeConfig(**{**asdict(cfg), "max_new_tokens": max_new_tokens})
             out = untimed_compiles(partial(generate, model, ids, full, backend=runners[name]), runners[name])

@@ -19,6 +19,7 @@ from functools import partial
 from pathlib import Path
 
 from mtplm.bench.structured_set import CASES, Case, spec_of, valid
+from mtplm.config import PLAIN_MODE
 
 # constrained plain decoding spending a pass on every token, forced ones too (no jump-forward): what a
 # constrained server without jump-forward does
@@ -93,7 +94,7 @@ def run_structured(
 ) -> dict:
     """Rows for every (mode, constrained) pair over `cases` (default: the whole set) on `backend` (a name,
     `auto` as the product resolves it); `modes` is a list of (name, DecodeConfig) with plain decoding
-    ("ntp") among them."""
+    (PLAIN_MODE) among them."""
     from mtplm.decode.backends import make_backend, resolve_backend
     from mtplm.decode.constraint import compile
     from mtplm.decode.loop import generate, stop_ids
@@ -105,7 +106,7 @@ def run_structured(
     grammars = [compile(spec_of(case), model.tokenizer, stops) for case in cases]
     prompts = [chat_prompt_ids(model.tokenizer, case.prompt) for case in cases]
     rows = [(name, _with_limit(cfg, max_new_tokens), c) for name, cfg in modes for c in (False, True)]
-    rows += [(NO_JUMP, cfg, True) for name, cfg, c in rows if name == "ntp" and c]  # the baseline
+    rows += [(NO_JUMP, cfg, True) for name, cfg, c in rows if name == PLAIN_MODE and c]  # the baseline
     totals = {(name, c): _empty() for name, _, c in rows}
     answers: dict = {(name, c): [] for name, _, c in rows}
     runner = make_backend(backend, model, slots=1)
@@ -126,12 +127,12 @@ def run_structured(
             )
     # lossless modes write plain decoding's answer under the same constraint
     for (name, c), written in answers.items():
-        reference = answers.get(("ntp", c))
+        reference = answers.get((PLAIN_MODE, c))
         if reference is not None:
             totals[(name, c)]["identical"] = sum(
                 a["text"] == b["text"] for a, b in zip(written, reference, strict=True)
             )
-    plain = totals.get(("ntp", True)), totals.get(("ntp", False))
+    plain = totals.get((PLAIN_MODE, True)), totals.get((PLAIN_MODE, False))
     table = [_row(name, c, totals[(name, c)], *plain) for name, _, c in rows]
     return {
         "rows": table,

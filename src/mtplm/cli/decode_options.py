@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from mtplm.config import DEFAULT_MODE, LOOKUP_TOKENS, DecodeConfig, parse_mode
+from mtplm.config import DEFAULT_MODE, LOOKUP_TOKENS, DecodeConfig, ModeDefaults, parse_mode, read_mode
 from mtplm.errors import UserError
 from mtplm.options import add_backend_argument, add_dtype_argument
 from mtplm.registry import CONFIDENCE, STRATEGIES, WINDOWS
@@ -72,28 +72,27 @@ def add_decode_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def decode_config(args) -> DecodeConfig:
-    """The options as a DecodeConfig: no --mode and no --drafting decodes with DEFAULT_MODE; --drafting alone
-    means verified. A --mode written whole (`verified:quadratic+lookup@3`, as `mtplm bench --modes` and the
-    server's `mode` field take it) is parsed by config.parse_mode, with --k-max as its default k_max and the
-    sampling options applied; the flags that shape a mode then cannot be given beside it."""
+    """The options as a DecodeConfig, through the one mode grammar (config.read_mode / parse_mode) that
+    `mtplm bench --modes` and the server's `mode` field use: no --mode and no --drafting decodes with
+    DEFAULT_MODE, --drafting alone means verified. A --mode written whole (`verified:quadratic+lookup@3`) is
+    parsed as the bench and the server parse it, with --k-max as its default k_max; the flags that shape a
+    mode then cannot be given beside it. A bare name (or none) is read by its mode's own parser and the
+    shaping flags given override what it read; the sampling options apply either way."""
+    flags = _shaping(args)
     if args.mode is not None and any(mark in args.mode for mark in ":+@"):  # more than a bare name
-        return _whole_mode(args)
-    default = parse_mode(DEFAULT_MODE)
-    mode = args.mode or ("verified" if args.drafting else default.mode)
-    drafting = args.drafting or (default.drafting if args.mode is None else DecodeConfig.drafting)
-    return DecodeConfig(
-        mode=mode,
-        k=args.k,
-        k_max=args.k_max,
-        tau=args.tau,
-        confidence=args.confidence,
-        backoff=args.backoff,
-        drafting=drafting,
-        tree_widths=args.tree_widths,
-        lookup=args.lookup,
-        window=args.window,
-        **_sampling(args),
-    ).validate()
+        if flags:
+            given = ", ".join("--" + name.replace("_", "-") for name in flags)
+            bare = args.mode.split(":")[0].split("@")[0]
+            raise UserError(
+                f"--mode {args.mode!r} is a whole mode string: write {given} into it, or --mode {bare}"
+            )
+        cfg = parse_mode(args.mode, k_max=args.k_max)  # a bad string says "bad decoding mode"
+    else:  # an unknown bare name says "unknown decoding mode"; a bad flag value names the flag
+        spec = args.mode or (FLAG_DRAFTING_MODE if args.drafting else DEFAULT_MODE)
+        cfg = read_mode(spec, ModeDefaults(args.window, args.k_max, args.confidence))
+        if args.k_max is not None:  # a flag beside a bare name, whether or not its parser reads a k_max
+            cfg = dataclasses.replace(cfg, k_max=args.k_max)
+    return dataclasses.replace(cfg, **flags, **_sampling(args)).validate()
 
 
 def _sampling(args) -> dict:
@@ -103,15 +102,14 @@ def _sampling(args) -> dict:
 
 
 SHAPING = ("k", "drafting", "tree_widths", "lookup", "window", "tau", "confidence", "backoff")
+FLAG_DRAFTING_MODE = "verified"  # what --drafting without --mode drafts for (the mode whose grammar it is)
 
 
-def _whole_mode(args) -> DecodeConfig:
+def _shaping(args) -> dict:
+    """The flags that shape a mode that were given (away from DecodeConfig's defaults), as its fields."""
     d = DecodeConfig()
-    given = [name for name in SHAPING if getattr(args, name) not in (getattr(d, name), None, False)]
-    if given:
-        flags = ", ".join("--" + name.replace("_", "-") for name in given)
-        bare = args.mode.split(":")[0].split("@")[0]
-        raise UserError(
-            f"--mode {args.mode!r} is a whole mode string: write {flags} into it, or --mode {bare}"
-        )
-    return dataclasses.replace(parse_mode(args.mode, k_max=args.k_max), **_sampling(args)).validate()
+    return {
+        name: getattr(args, name)
+        for name in SHAPING
+        if getattr(args, name) not in (getattr(d, name), None, False)
+    }

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from mtplm.cli.decode_options import add_decode_arguments, decode_config
 from mtplm.cli.defaults import DEFAULT_CHECKPOINT
+from mtplm.config import PLAIN_MODE, DecodeConfig
 from mtplm.decode.constraint_args import constraint_spec
 from mtplm.errors import UserError
 from mtplm.options import add_constraint_arguments
@@ -89,11 +90,11 @@ def _generate(args) -> None:
         and is_lossless(cfg)
     ):
         print(
-            f"mtplm: decoding plainly (--mode ntp): the default mode is lossless only where a pass's rows do "
-            f"not change each other's results, and here {backend.row_dependence}",
+            f"mtplm: decoding plainly (--mode {PLAIN_MODE}): the default mode is lossless only where a "
+            f"pass's rows do not change each other's results, and here {backend.row_dependence}",
             file=sys.stderr,
         )
-        cfg = dataclasses.replace(cfg, mode="ntp", drafting="linear", lookup=0)
+        cfg = dataclasses.replace(cfg, mode=PLAIN_MODE, drafting=DecodeConfig.drafting, lookup=0)
     warm_up(backend, model, [cfg], (len(ids), len(ids)), cfg.max_new_tokens)  # compiles before the answer
     if args.no_stream:
         out = generate(model, ids, cfg, backend=backend, constraint=constraint)

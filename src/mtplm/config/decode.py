@@ -3,8 +3,9 @@ string grammar (parse_mode), with their defaults."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from mtplm.config.modes import mode_entry, mode_named
 from mtplm.errors import UserError
 from mtplm.registry import CONFIDENCE, STRATEGIES, WINDOWS
 
@@ -23,6 +24,9 @@ LOOKUP_TOKENS = 7
 # CLI and server mode when not told: the fastest that keeps quality as measured (README: 1.54x plain alone);
 # server load policy: plain passes from 2 sequences on (batched, copied drafts measured 0.67-0.95x of plain)
 DEFAULT_MODE, DEFAULT_LOAD_POLICY = "verified:lookup", "2:1"
+# plain decoding (its entry declares `plain`): DecodeConfig's mode, the bench's baseline row, and what the CLI
+# and the server decode with where the default mode cannot be lossless
+PLAIN_MODE = "ntp"
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,7 @@ class Thresholds:
 class DecodeConfig:
     # a STRATEGIES registry name: ntp | static | confadapt | verified (lossless);
     # the CLI and server: DEFAULT_MODE
-    mode: str = "ntp"
+    mode: str = PLAIN_MODE
     k: int = 4  # static mode: tokens emitted per forward
     k_max: int | None = (
         None  # confadapt: block size; verified: most tokens per pass; None -> the checkpoint's
@@ -85,12 +89,14 @@ class DecodeConfig:
     seed: int = 0
 
     def needs_conversion(self) -> bool:
-        """Whether the mode needs mask slots or heads (every mode but plain, and lookup drafting alone)."""
-        return self.mode != "ntp" and not (self.mode == "verified" and self.drafting == "lookup")
+        """Whether the mode needs mask slots or heads (its entry says: every built-in mode but plain, and
+        verified with lookup drafting alone)."""
+        return mode_entry(self.mode).needs_conversion(self)
 
     def block_tokens(self) -> int | None:
-        """The most tokens the mode asks one pass for (static's k, else k_max; None: the checkpoint's)."""
-        return self.k if self.mode == "static" else self.k_max
+        """The most tokens the mode asks one pass for (its entry says: static's k, else k_max; None: the
+        checkpoint's)."""
+        return mode_entry(self.mode).block_tokens(self)
 
     def lookup_tokens(self) -> int:
         """Copied drafts per pass: `lookup`, or LOOKUP_TOKENS for drafting=lookup (alone: any model) left
@@ -100,19 +106,15 @@ class DecodeConfig:
     def sized_by_cost(self) -> bool:
         """Whether the mode sizes each pass by what its rows cost here (decode/budget.py): copied drafts, or
         a mode registered as priced (ConfAdapt's mask slots)."""
-        return bool(self.lookup_tokens()) or bool(getattr(STRATEGIES.get(self.mode), "priced", False))
+        return bool(self.lookup_tokens()) or mode_entry(self.mode).priced
 
     def verifies_rest(self) -> bool:
-        """ConfAdapt that keeps its unconfident slots as drafts, verified next pass
-        (strategies.ConfidentVerified)."""
-        return self.mode == "confadapt" and (self.drafting == "quadratic" or self.lookup > 0)
+        """A lossy mode that keeps its unconfident slots as drafts, verified next pass (its entry says:
+        ConfAdapt with quadratic or lookup drafting, strategies.ConfidentVerified)."""
+        return mode_entry(self.mode).verifies_rest(self)
 
     def _check_lookup(self) -> None:
-        if self.mode == "confadapt" and self.drafting not in ("linear", "quadratic"):
-            raise UserError(
-                f"confadapt verifies its leftover slots with linear or quadratic drafting, not "
-                f"{self.drafting!r}: use confadapt+quadratic, confadapt+lookup or confadapt"
-            )
+        mode_entry(self.mode).check(self)  # what only this mode refuses (ConfAdapt's drafting)
         if self.lookup < 0:
             raise UserError(f"lookup must be >= 0 (copied drafts per pass; 0: none), got {self.lookup}")
         if self.lookup and self.drafting == "tree":
@@ -161,11 +163,11 @@ class DecodeConfig:
 
 
 def mode_grammar() -> str:
-    """How a decoding mode is written as one string (CLI --modes, the server's `mode` field): each registered
-    strategy's own fragment (protocol.ModeEntry.grammar), in registry order."""
+    """How a decoding mode is written as one string (CLI --mode and --modes, the server's `mode` field): each
+    registered strategy's own fragment (config.modes.ModeEntry.grammar), in registry order."""
     parts = []
     for name in STRATEGIES.names():
-        grammar = getattr(STRATEGIES.get(name), "grammar", None)
+        grammar = mode_entry(name).grammar
         parts.append(grammar() if grammar is not None else name)
     return ", ".join(parts[:-1]) + " or " + parts[-1] if len(parts) > 1 else "".join(parts)
 
@@ -182,24 +184,34 @@ class ModeDefaults:
     confidence: str = "top1"
 
 
+def read_mode(spec: str, defaults: ModeDefaults) -> DecodeConfig:
+    """A mode string read by its registered strategy's parser, not validated (parse_mode validates it; the
+    CLI applies its flags first). The name (up to the first `:` or `+`, a name or an alias) picks the
+    strategy, whose parser reads the rest (config.modes.ModeEntry.parse); an `@K` is the k_max default.
+    A UserError for an unknown name, a ValueError for a rest its strategy does not take."""
+    body, at, k = spec.strip().partition("@")
+    name = body.split(":", 1)[0].split("+", 1)[0]
+    if at:
+        defaults = replace(defaults, k_max=int(k))
+    mode = mode_named(name)
+    parse = mode_entry(mode).parse
+    if parse is None:
+        if body != name:
+            raise ValueError(spec)
+        return DecodeConfig(mode=mode)
+    return parse(body[len(name) :], defaults)
+
+
 def parse_mode(
     spec: str, window: str = "adaptive", k_max: int | None = None, confidence: str = "top1"
 ) -> DecodeConfig:
-    """A decoding mode written as one string (mode_grammar()), e.g. `confadapt:0.9@8` or `verified:tree`.
+    """A decoding mode written as one string (mode_grammar()), e.g. `confadapt:0.9@8` or `verified:tree`,
+    read (read_mode) and validated: the one parse path of the CLI, the bench and the server.
 
-    The name (up to the first `:` or `+`) picks the registered strategy, whose own parser reads the rest
-    (protocol.ModeEntry.parse). Parts left out keep DecodeConfig's defaults (a confadapt tau or k_max left
-    out: the checkpoint's calibrated values); `window`, `k_max` and `confidence` are the caller's defaults.
+    Parts left out keep DecodeConfig's defaults (a confadapt tau or k_max left out: the checkpoint's
+    calibrated values); `window`, `k_max` and `confidence` are the caller's defaults.
     """
-    body, at, k = spec.strip().partition("@")
-    name = body.split(":", 1)[0].split("+", 1)[0]
     try:
-        defaults = ModeDefaults(window, int(k) if at else k_max, confidence)
-        entry = next(e for e in STRATEGIES.names() if name in (e, *getattr(STRATEGIES.get(e), "aliases", ())))
-        parse = getattr(STRATEGIES.get(entry), "parse", None)
-        if parse is None and body != name:
-            raise ValueError
-        cfg = parse(body[len(name) :], defaults) if parse is not None else DecodeConfig(mode=entry)
-        return cfg.validate()
-    except (ValueError, UserError, StopIteration):  # StopIteration: no strategy of that name or alias
+        return read_mode(spec, ModeDefaults(window, k_max, confidence)).validate()
+    except (ValueError, UserError):
         raise UserError(f"bad decoding mode {spec!r}: use {mode_grammar()}") from None

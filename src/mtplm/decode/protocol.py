@@ -26,10 +26,27 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from mtplm.config import DecodeConfig, Thresholds
+from mtplm.config import Thresholds
+from mtplm.config.modes import ModeEntry, mode_entry, register_mode
 from mtplm.decode.sampling import greedy
 from mtplm.masks import block_anchors, step_layout
-from mtplm.registry import STRATEGIES
+
+# a strategy's registration (ModeEntry, register_mode, mode_entry) lives in config/modes.py, where config
+# validation reads it; it is named here too, beside the types a strategy is written against
+__all__ = [
+    "DecodeModel",
+    "Drafter",
+    "Drafting",
+    "Feed",
+    "ModeEntry",
+    "Outcome",
+    "PassLogits",
+    "Plan",
+    "Priced",
+    "Strategy",
+    "mode_entry",
+    "register_mode",
+]
 
 
 @dataclass(frozen=True)
@@ -234,41 +251,6 @@ class Drafting(Strategy, Protocol):
     ) -> Outcome:
         """`room`: tokens this pass may still emit beyond outcome's (a strategy that emits block tokens)."""
         ...
-
-
-@dataclass(frozen=True)
-class ModeEntry:
-    """A STRATEGIES entry (register_mode): how a decoding mode is built, written as a string, and served."""
-
-    build: Callable[..., Strategy]  # (cfg: DecodeConfig, calibrated taus or None) -> Strategy
-    # the mode string after its name and any @K (e.g. ":0.9:top1"), with the caller's defaults
-    # (config.ModeDefaults) -> DecodeConfig; ValueError or UserError when it is not one of this mode's
-    parse: Callable[..., DecodeConfig] | None = None  # None: the bare name only
-    grammar: Callable[[], str] | None = None  # how the mode is written (config.mode_grammar); None: the name
-    capped: bool = False  # the engine's load policy may cap its tokens per pass (it adapts how many it emits)
-    defaults: tuple[str, ...] = ()  # DecodeConfig fields ("k_max", "tau") the checkpoint fills when unset
-    aliases: tuple[str, ...] = ()  # other names the mode string accepts
-    priced: bool = False  # it sizes its blocks by the machine's row cost (Priced) whatever its drafting
-
-    def __call__(self, cfg: DecodeConfig, taus: tuple[float, ...] | None) -> Strategy:
-        return self.build(cfg, taus)
-
-
-def register_mode(name: str, description: str, **entry) -> Callable[[Callable[..., Strategy]], Callable]:
-    """Decorator for a strategy factory `(cfg, taus) -> Strategy`: registers it in STRATEGIES with the
-    ModeEntry fields in `entry` (parse, grammar, capped, defaults, aliases, priced)."""
-
-    def add(build: Callable[..., Strategy]) -> Callable[..., Strategy]:
-        STRATEGIES.register(name, description)(ModeEntry(build, **entry))
-        return build
-
-    return add
-
-
-def mode_entry(name: str) -> ModeEntry:
-    """The registered mode `name` (a bare factory registered with STRATEGIES.register counts as one)."""
-    entry = STRATEGIES.get(name)
-    return entry if isinstance(entry, ModeEntry) else ModeEntry(entry)
 
 
 @dataclass(frozen=True)

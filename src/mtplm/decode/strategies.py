@@ -1,9 +1,10 @@
-"""The lossy decoding strategies (plain, static k, ConfAdapt), the built-in modes' registration, and
-`make_strategy`, which builds any registered one.
+"""The lossy decoding strategies (plain, static k, ConfAdapt), and `make_strategy`, which builds any
+registered one.
 
 Strategies plug in through protocol.py's interface (plan, choose, and draft for one that drafts) and one
-STRATEGIES entry (protocol.register_mode: the factory, its mode-string parser and grammar); the loop
-(loop.py) never asks which strategy it runs. The lossy strategies (static k, ConfAdapt)
+STRATEGIES entry (config.modes.register_mode: the factory, its mode-string parser and grammar, its
+capabilities; the built-in ones are registered in modes.py); the loop (loop.py) never asks which strategy
+it runs. The lossy strategies (static k, ConfAdapt)
 draft nothing and emit mask-slot tokens directly; the lossless one (verified.py) keeps only drafts that
 the model's own next-token path confirms. ConfAdapt over verified drafting (ConfidentVerified) does both:
 it emits a block's confident run directly and verifies the rest as drafts.
@@ -16,18 +17,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from mtplm.config import DecodeConfig, ModeDefaults, Thresholds
+from mtplm.config import DecodeConfig, Thresholds
 from mtplm.decode.budget import DraftBudget
-from mtplm.decode.protocol import Outcome, PassLogits, Plan, Strategy, mode_entry, register_mode
+from mtplm.decode.protocol import Outcome, PassLogits, Plan, Strategy, mode_entry
 from mtplm.decode.sampling import greedy, leading_run, sample, warp
-from mtplm.decode.verified import (
-    Verified,
-    build_verified,
-    mode_parts,
-    parse_drafting,
-    parse_verified,
-    verified_grammar,
-)
+from mtplm.decode.verified import Verified
 from mtplm.errors import UserError
 from mtplm.registry import CONFIDENCE
 
@@ -169,68 +163,6 @@ def block_taus(cfg: DecodeConfig, taus: list[float] | None) -> torch.Tensor:
     return torch.tensor((list(taus or []) + [tau] * k_max)[:k_max])
 
 
-def parse_static(tail: str, defaults: ModeDefaults) -> DecodeConfig:
-    plus, _, value, measure = mode_parts(tail)
-    if plus or measure:
-        raise ValueError(tail)
-    return DecodeConfig(mode="static", k=int(value) if value else DecodeConfig.k)
-
-
-def parse_confadapt(tail: str, defaults: ModeDefaults) -> DecodeConfig:
-    plus, drafts, value, measure = mode_parts(tail)
-    if drafts == "linear":
-        raise ValueError(tail)
-    drafting, lookup = parse_drafting(drafts or "linear", plus)
-    return DecodeConfig(
-        mode="confadapt",
-        tau=float(value) if value else None,
-        k_max=defaults.k_max,
-        confidence=measure or defaults.confidence,
-        drafting=drafting,
-        lookup=lookup,
-    )
-
-
-def confadapt_grammar() -> str:
-    return f"confadapt[+quadratic|+lookup|+quadratic+lookup][:TAU[:{'|'.join(CONFIDENCE.names())}]][@K]"
-
-
-# the built-in modes, in the order mode_grammar() and the CLI list them
-@register_mode("ntp", "plain decoding, one token per pass", aliases=("plain",))
-def _next_token(cfg: DecodeConfig, taus: tuple[float, ...] | None) -> Strategy:
-    return NextToken(cfg)
-
-
-@register_mode("static", "always emit k tokens (lossy)", parse=parse_static, grammar=lambda: "static:K")
-def _static(cfg: DecodeConfig, taus: tuple[float, ...] | None) -> Strategy:
-    return StaticK(cfg)
-
-
-@register_mode(
-    "confadapt",
-    "emit the confident leading run of a k_max block (lossy; +quadratic or +lookup: "
-    "verify the rest as drafts)",
-    parse=parse_confadapt,
-    grammar=confadapt_grammar,
-    capped=True,
-    defaults=("k_max", "tau"),
-    priced=True,
-)
-def _confadapt(cfg: DecodeConfig, taus: tuple[float, ...] | None) -> Strategy:
-    hybrid = ConfidentVerified if cfg.verifies_rest() else ConfAdapt
-    return hybrid(cfg, list(taus) if taus else None)
-
-
-register_mode(
-    "verified",
-    "lossless: drafts from mask slots or heads, kept where the model agrees",
-    parse=parse_verified,
-    grammar=verified_grammar,
-    capped=True,
-    defaults=("k_max", "tau"),
-)(build_verified)
-
-
 def make_strategy(cfg: DecodeConfig, thresholds: Thresholds | None = None) -> Strategy:
     """Build the registered strategy for `cfg`; the knobs it takes from the checkpoint (ModeEntry.defaults:
     k_max, tau), when unset, come from the checkpoint's thresholds.
@@ -253,9 +185,10 @@ def make_strategy(cfg: DecodeConfig, thresholds: Thresholds | None = None) -> St
 
 
 def is_lossless(cfg: DecodeConfig, thresholds: Thresholds | None = None) -> bool:
-    """Whether `cfg`'s strategy gives plain decoding's output (its `lossless`); False where it cannot be
-    built for this model."""
+    """Whether `cfg`'s mode gives plain decoding's output (its entry's `lossless`); False where it cannot
+    run on this model (`thresholds` None: not a converted one) or `cfg` is not valid."""
     try:
-        return bool(getattr(make_strategy(cfg, thresholds), "lossless", False))
+        cfg.validate()
     except UserError:
         return False
+    return mode_entry(cfg.mode).lossless and not (cfg.needs_conversion() and thresholds is None)

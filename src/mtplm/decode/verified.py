@@ -23,10 +23,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from mtplm.config import DRAFTING, LOOKUP_TOKENS, DecodeConfig, ModeDefaults
+from mtplm.config import DecodeConfig
 from mtplm.decode.budget import DraftBudget
 from mtplm.decode.lookup import NgramLookup, merge_chain
-from mtplm.decode.protocol import Feed, Outcome, PassLogits, Plan, Strategy
+from mtplm.decode.protocol import Feed, Outcome, PassLogits, Plan
 from mtplm.decode.sampling import greedy, sample, speculative_accept, warp
 from mtplm.masks import block_anchors
 from mtplm.registry import WINDOWS
@@ -282,42 +282,3 @@ def mask_tree_depth(widths: list[int], most: int) -> int:
     nodes, fits MAX_TREE_ROWS; one level at least."""
     fits = [d for d in range(1, most + 1) if 1 + tree_nodes(widths, d) * (d + 1) + d <= MAX_TREE_ROWS]
     return max(fits, default=1)
-
-
-def mode_parts(tail: str) -> tuple[bool, str, str, str]:
-    """A mode string after its name, e.g. `+quadratic:0.9:top1` -> (True, "quadratic", "0.9", "top1")."""
-    head, _, rest = tail.partition(":")
-    value, _, measure = rest.partition(":")
-    return head.startswith("+"), head[1:], value, measure
-
-
-def parse_drafting(spec: str, after_plus: bool = False) -> tuple[str, int]:
-    """(drafting, lookup) of e.g. `quadratic+lookup`; after a `+`, `lookup` alone means linear + copies."""
-    drafting, plus, extra = spec.partition("+")
-    if after_plus and drafting == "lookup" and not plus:
-        return "linear", LOOKUP_TOKENS
-    if plus and (extra != "lookup" or drafting == "lookup"):
-        raise ValueError(spec)
-    return drafting, LOOKUP_TOKENS if plus else 0
-
-
-def parse_verified(tail: str, defaults: ModeDefaults) -> DecodeConfig:
-    plus, _, value, window = mode_parts(tail)
-    if plus:
-        raise ValueError(tail)
-    drafting, lookup = parse_drafting(value or "linear")
-    return DecodeConfig(
-        mode="verified",
-        k_max=defaults.k_max,
-        drafting=drafting,
-        window=window or defaults.window,
-        lookup=lookup,
-    )
-
-
-def verified_grammar() -> str:
-    return f"verified[:{'|'.join(DRAFTING)}[+lookup][:{'|'.join(WINDOWS.names())}]][@K]"
-
-
-def build_verified(cfg: DecodeConfig, taus: tuple[float, ...] | None) -> Strategy:
-    return TreeVerified(cfg) if cfg.drafting == "tree" else Verified(cfg)

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar, runtime_checkable
 
 from mtplm.config import BACKEND_ENV, DecodeConfig
+from mtplm.config.modes import mode_entry
 from mtplm.decode.backends import Backend, resolve_backend
 from mtplm.decode.chunked import PREFILL_CHUNK
 from mtplm.decode.fast import fewrow
@@ -80,7 +81,7 @@ def buckets(
     capacity = longest + max_new_tokens + MARGIN
     gated = model.gate is not None and model.meta is not None and model.meta.mask_id is not None
     masks = [False] + ([True] if gated and any(cfg.needs_conversion() for cfg in cfgs) else [])
-    plain_only = all(cfg.mode == "ntp" for cfg in cfgs)
+    plain_only = all(mode_entry(cfg.mode).plain for cfg in cfgs)
     one_row: tuple[int, ...] = (1,)
     if plain_only and shortest == longest:  # one known prompt, decoded plainly: its first pass, then 1 row
         first = (shortest - 1) % PREFILL_CHUNK + 1 if shortest > ROW_BUCKETS[-1] else shortest

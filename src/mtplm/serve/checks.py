@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import uuid
 
-from mtplm.config import DecodeConfig, Limits, mode_grammar, parse_mode
+from mtplm.config import PLAIN_MODE, DecodeConfig, Limits, mode_grammar, parse_mode
 from mtplm.decode.protocol import DecodeModel
 from mtplm.decode.strategies import is_lossless
 from mtplm.errors import UserError
@@ -72,11 +72,11 @@ def _mode(mode: str | None, spec: DecodeModel, default_mode: str) -> DecodeConfi
         raise APIError(400, str(exc), "mode", "invalid_mode") from None
     if spec.row_dependence is not None and is_lossless(cfg, spec.thresholds):
         if mode is None:  # the server's default mode: plain decoding where it cannot be lossless
-            return parse_mode("ntp")
+            return parse_mode(PLAIN_MODE)
         raise APIError(
             400,
             f"mode {cfg.mode!r} is lossless only where a pass's rows do not change each other's results, and "
-            f"on this server {spec.row_dependence}: use mode ntp",
+            f"on this server {spec.row_dependence}: use mode {PLAIN_MODE}",
             "mode",
             "invalid_mode",
         )
@@ -86,7 +86,7 @@ def _mode(mode: str | None, spec: DecodeModel, default_mode: str) -> DecodeConfi
         raise APIError(
             400,
             f"mode {cfg.mode!r} needs a converted model (one with an <mtp> token or heads): "
-            "this model decodes with mode ntp only",
+            f"this model decodes with mode {PLAIN_MODE} only",
             "mode",
             "invalid_mode",
         )
