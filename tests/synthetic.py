@@ -32,10 +32,15 @@ def chain_rows(n: int, seed: int, length: int = 24) -> list[dict]:
     return rows
 
 
-def pretrained_tiny_model(directory: Path, steps: int = 150, seed: int = 0, layers: int = 2) -> Path:
-    """A tiny Llama taught the language by plain next-token training, saved as an HF directory."""
+def pretrained_tiny_model(
+    directory: Path, steps: int = 150, seed: int = 0, layers: int = 2, hidden: int = 64, rows: int = 0
+) -> Path:
+    """A tiny Llama taught the language by plain next-token training, saved as an HF directory; with `rows`,
+    its vocabulary padded to that many embedding rows (as real models pad theirs)."""
     tokenizer = tiny_tokenizer()
-    model = tiny_llama(seed=seed, layers=layers, hidden=64)
+    model = tiny_llama(seed=seed, layers=layers, hidden=hidden)
+    if rows:
+        model.resize_token_embeddings(rows, mean_resizing=False)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rows = chain_rows(2000, seed)

