@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
+
+from mtplm.config.modes import mode_entry, mode_named
+from mtplm.errors import UserError
+from mtplm.registry import STRATEGIES
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +80,8 @@ def bench_plot(report: dict, out: Path) -> Path | None:
         ax.set(xlabel=xlabel, ylabel="wall-clock speedup over plain", title="speed vs quality")
     hist_ax = axes[-1]
     for name, hist in report["histograms"].items():
-        if name.startswith(("confadapt", "verified")):
+        mode = _mode_of(name)
+        if mode is not None and mode_entry(mode).capped:  # a mode that adapts its tokens per pass
             hist_ax.plot([int(k) for k in hist], list(hist.values()), marker="o", label=name)
     hist_ax.set(
         xlabel="tokens emitted per forward pass", ylabel="share of steps", title="tokens/forward histogram"
@@ -85,19 +91,41 @@ def bench_plot(report: dict, out: Path) -> Path | None:
     return save(plt, fig, out / "bench.png")
 
 
+OUTSIDE = (("hf-", "x"), ("llama", "v"))  # baselines that are not mtplm modes, by row-name prefix
+MARKERS = ("s", "o", "D", "^", "P", "h", "X")  # the registered modes in registry order (plain decoding: "*")
+
+
+def _mode_of(row: str) -> str | None:
+    """The registered mode a bench row runs (its name up to the first `:`, `+`, `@` or `[`); None for a row
+    that is not an mtplm mode (hf-generate, llama-server)."""
+    try:
+        return mode_named(re.split(r"[:+@\[]", row, maxsplit=1)[0])
+    except UserError:
+        return None
+
+
+def _families() -> list[tuple[str, str, bool]]:
+    """(family, marker, joined into a curve) per family of rows: the registered modes, plain decoding last,
+    with the outside baselines before it; a lossy mode's rows are a sweep of its knob (static k, ConfAdapt's
+    threshold), the other points separate methods."""
+    modes = [name for name in STRATEGIES.names() if not mode_entry(name).plain]
+    marked = [
+        (name, MARKERS[i % len(MARKERS)], not mode_entry(name).lossless) for i, name in enumerate(modes)
+    ]
+    plain = [(name, "*", False) for name in STRATEGIES.names() if mode_entry(name).plain]
+    return marked + [(prefix, marker, False) for prefix, marker in OUTSIDE] + plain
+
+
+def _in_family(row: str, family: str) -> bool:
+    outside = any(family == prefix for prefix, _ in OUTSIDE)
+    return row.startswith(family) if outside else _mode_of(row) == family
+
+
 def _speed_vs(ax, rows: list[dict], key: str) -> None:
-    for family, marker in (
-        ("static", "s"),
-        ("confadapt", "o"),
-        ("verified", "D"),
-        ("hf-", "x"),
-        ("llama", "v"),
-        ("ntp", "*"),
-    ):
-        pts = sorted((r for r in rows if r["mode"].startswith(family)), key=lambda r: r[key])
+    for family, marker, curve in _families():
+        pts = sorted((r for r in rows if _in_family(r["mode"], family)), key=lambda r: r[key])
         if not pts:
             continue
-        curve = family in ("static", "confadapt")  # threshold sweeps; the other points are separate methods
         ax.plot(
             [100 * r[key] for r in pts],
             [r["speedup"] for r in pts],
@@ -106,11 +134,9 @@ def _speed_vs(ax, rows: list[dict], key: str) -> None:
             label=family.rstrip("-"),
         )
         for r in pts:
-            label = r["mode"].removeprefix("verified").removeprefix(":") or "linear"
+            outside = any(family == prefix for prefix, _ in OUTSIDE)
             ax.annotate(
-                label.split(":")[-1] if family not in ("hf-", "llama") else r["mode"],
-                (100 * r[key], r["speedup"]),
-                fontsize=8,
+                r["mode"] if outside else r["mode"].split(":")[-1], (100 * r[key], r["speedup"]), fontsize=8
             )
     ax.legend(fontsize=8)
 

@@ -8,7 +8,8 @@ import dataclasses
 from contextlib import nullcontext
 from functools import partial
 
-from mtplm.config import DecodeConfig
+from mtplm.config import PLAIN_MODE, DecodeConfig
+from mtplm.config.modes import mode_entry
 from mtplm.decode.backends import make_backend, resolve_backend
 from mtplm.decode.loop import generate
 from mtplm.decode.warm import untimed_compiles, warm_up
@@ -36,7 +37,7 @@ def run_demo(
         )
     tok = model.tokenizer
     modes = {
-        "plain": DecodeConfig(mode="ntp", max_new_tokens=max_new_tokens),
+        "plain": DecodeConfig(mode=PLAIN_MODE, max_new_tokens=max_new_tokens),
         "confadapt": DecodeConfig(mode="confadapt", tau=tau, max_new_tokens=max_new_tokens),
         "verified": DecodeConfig(mode="verified", max_new_tokens=max_new_tokens),
         "lookup": DecodeConfig(mode="verified", drafting="lookup", max_new_tokens=max_new_tokens),
@@ -45,7 +46,7 @@ def run_demo(
     prompts = [chat_prompt_ids(tok, prompt) for prompt in PROMPTS]
     _warm(model, backend, modes, prompts, max_new_tokens)
     totals = {name: [0, 0.0, 0] for name in modes}
-    identical = {"verified": 0, "lookup": 0}
+    identical = {name: 0 for name, cfg in modes.items() if mode_entry(cfg.mode).lossless}
     threshold = tau if tau is not None else model.meta.decode_thresholds().tau
     print(
         f"model: {spec} ({dtype}, {resolve_backend(backend_name, model)} backend); "
@@ -53,10 +54,11 @@ def run_demo(
     )
     for prompt, ids in zip(PROMPTS, prompts, strict=True):
         print("=" * 100 + f"\nPROMPT: {prompt}\n")
-        for name, cfg in modes.items():
-            with model.pristine() if name == "plain" else nullcontext():
+        for name, cfg in modes.items():  # plain first: the others are compared with its answer
+            plain = mode_entry(cfg.mode).plain
+            with model.pristine() if plain else nullcontext():
                 out = untimed_compiles(partial(generate, model, ids, cfg, backend=backend), backend)
-            if name == "plain":
+            if plain:
                 plain_tokens = out.tokens
             if name in identical:
                 identical[name] += out.tokens == plain_tokens
@@ -95,7 +97,7 @@ def _print_totals(totals: dict[str, list], identical: dict[str, int]) -> None:
     print("=" * 100)
     for name in totals:
         print(f"{name:>10}: {rate[name]:6.1f} tokens/s  {per_forward[name]:.2f} tokens/forward")
-    for name in ("confadapt", "verified", "lookup"):
+    for name in list(totals)[1:]:  # the first row is plain decoding
         print(f"   {name} speedup: {rate[name] / rate['plain']:.2f}x wall-clock over plain (same run)")
     for name, same in identical.items():
         print(

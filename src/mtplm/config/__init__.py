@@ -1,7 +1,8 @@
 """Every default of mtplm, as dataclasses, and the one way to override them (key=value strings).
 
-The records live in decode.py, train.py and serve.py, the override machinery in overrides.py; this
-package re-exports their public names, so `from mtplm.config import ...` is unchanged.
+The records live in decode.py, train.py and serve.py, the override machinery in overrides.py, a decoding
+mode's registry entry (ModeEntry, register_mode) in modes.py; this package re-exports the public names of
+the records, so `from mtplm.config import ...` is unchanged.
 """
 
 from dataclasses import field
