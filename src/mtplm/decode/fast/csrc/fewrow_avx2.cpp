@@ -3,13 +3,12 @@
 //
 // The packed weights stay bf16 in memory (the bytes a memory-bound pass reads); a 256-bit load holds 8
 // outputs' input pairs, one per 32-bit lane, and two integer ops make float32 of them: the lane shifted
-// left 16 bits is input 2i's weight, the lane with its low half cleared is input 2i + 1's. The row's pair
-// is broadcast and split the same way, and two FMAs per half-block add the pair to 8 outputs' sums. So an
-// output's sum runs over the inputs in index order, one FMA each, whatever the rows: a row's results do not
-// depend on the rows beside it. A group of 4 output blocks is streamed once while every tile of up to 4 rows
-// reads it from cache (a tile's 8 accumulators, the 4 weight vectors and the row's pair fill the 16
-// registers). Sums are float32 like the other kernels', but not bitwise theirs (vdpbf16ps and AMX round
-// their pairs otherwise): each ISA is lossless against itself.
+// left 16 bits is input 2i's weight, the lane with its low half cleared is input 2i + 1's. The rows are
+// widened to float32 once a call; each row's two inputs are broadcast, and two FMAs per half-block add the
+// pair to 8 outputs' sums. So an output's sum runs over the inputs in index order, one FMA each, whatever
+// the rows: a row's results do not depend on the rows beside it. A group of 4 output blocks is streamed once
+// while every tile of up to 4 rows reads it from cache. Sums are float32 like the other kernels', but not
+// bitwise theirs (vdpbf16ps and AMX round their pairs otherwise): each ISA is lossless against itself.
 
 #include "fewrow.h"
 
@@ -20,6 +19,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #define MTPLM_AVX2 __attribute__((target("avx2,fma")))
 
@@ -36,29 +37,39 @@ MTPLM_AVX2 inline __m256 odd_half(__m256i pairs) {
   return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// acc += rows [0, R) of x (row stride xs) over input pairs [k0, k1) of the block at w; x's column 0 is
-// input pair k0. acc[r][h]: row r's outputs 8h .. 8h + 7 of the block.
-template <int R>
-MTPLM_AVX2 inline void accumulate(__m256 (&acc)[R][2], const uint16_t* w, int64_t k0, int64_t k1,
-                                  const uint16_t* x, int64_t xs) {
-  for (int64_t k = k0; k < k1; ++k) {
-    __m256 even_w[2], odd_w[2];
-    for (int h = 0; h < 2; ++h) {
-      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k * 2 * kBlock + h * kBlock));
-      even_w[h] = even_half(pairs);
-      odd_w[h] = odd_half(pairs);
-    }
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, x + r * xs + 2 * (k - k0), sizeof(pair));
-      const __m256i both = _mm256_set1_epi32(pair);
-      const __m256 even = even_half(both), odd = odd_half(both);
-      for (int h = 0; h < 2; ++h) {
-        acc[r][h] = _mm256_fmadd_ps(even, even_w[h], acc[r][h]);
-        acc[r][h] = _mm256_fmadd_ps(odd, odd_w[h], acc[r][h]);
+// acc += rows [0, R) of x (float32, row stride xs) over the input pairs [0, pairs) of B blocks from w.
+// acc[r][h]: row r's outputs 8h .. 8h + 7 of the blocks. Every output's sum is one chain of FMAs, two a pair;
+// R x 2B chains hide the FMA's latency (one row alone reads 4 blocks at once: 8 chains).
+template <int R, int B>
+MTPLM_AVX2 inline void accumulate(__m256 (&acc)[R][2 * B], const uint16_t* w, int64_t pairs, const float* x,
+                                  int64_t xs) {
+  for (int64_t k = 0; k < pairs; ++k) {
+    for (int h = 0; h < 2 * B; ++h) {
+      const uint16_t* half = w + (h / 2 * pairs + k) * 2 * kBlock + h % 2 * kBlock;
+      const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(half));
+      const __m256 even_w = even_half(both), odd_w = odd_half(both);
+      for (int r = 0; r < R; ++r) {
+        acc[r][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * xs + 2 * k), even_w, acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * xs + 2 * k + 1), odd_w, acc[r][h]);
       }
     }
   }
+}
+
+// The rows of p as float32 [n, kp] (exact): x's columns, then the tail's. Broadcasting a float32 is a load;
+// a bf16 pair would cost the FMA ports a shift and a mask for every row at every pair.
+MTPLM_AVX2 std::vector<float> widened(const Problem& p) {
+  std::vector<float> wide(p.n * p.kp);
+  const int64_t main = p.tail != nullptr ? p.ktail : p.kp;
+  for (int64_t r = 0; r < p.n; ++r) {
+    float* to = wide.data() + r * p.kp;
+    for (int64_t e = 0; e < p.kp; e += 8) {
+      const uint16_t* from = e < main ? p.x + r * p.xs + e : p.tail + r * p.ts + (e - main);
+      const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(from));
+      _mm256_storeu_ps(to + e, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16)));
+    }
+  }
+  return wide;
 }
 
 // Row `row`'s 16 sums of output block `block`: float32 as they are, or plus the bias and rounded to bf16 (to
@@ -87,22 +98,25 @@ MTPLM_AVX2 void store(const Problem& p, int64_t row, int64_t block, const __m256
   }
 }
 
-// Rows [row, row + R) x output block `block`: the whole K loop (x's columns, then the tail's).
-template <int R>
-MTPLM_AVX2 void tile(const Problem& p, int64_t row, int64_t block) {
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  const uint16_t* w = p.w + (block - p.first) * p.kp * kBlock;
-  const int64_t pairs = p.kp / 2, main = p.tail != nullptr ? p.ktail / 2 : pairs;
-  accumulate<R>(acc, w, 0, main, p.x + row * p.xs, p.xs);
-  if (p.tail != nullptr) accumulate<R>(acc, w, main, pairs, p.tail + row * p.ts, p.ts);
-  for (int r = 0; r < R; ++r) store(p, row + r, block, acc[r]);
+// Rows [row, row + R) x output blocks [block, block + B): the whole K loop.
+template <int R, int B>
+MTPLM_AVX2 void tile(const Problem& p, const float* wide, int64_t row, int64_t block) {
+  __m256 acc[R][2 * B];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2 * B; ++h) acc[r][h] = _mm256_setzero_ps();
+  accumulate<R, B>(acc, p.w + (block - p.first) * p.kp * kBlock, p.kp / 2, wide + row * p.kp, p.kp);
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) store(p, row + r, block + b, {acc[r][2 * b], acc[r][2 * b + 1]});
 }
 
-using TileFn = void (*)(const Problem&, int64_t, int64_t);
+using TileFn = void (*)(const Problem&, const float*, int64_t, int64_t);
 
-TileFn tile_fn(int64_t rows) {
-  return rows == 1 ? tile<1> : rows == 2 ? tile<2> : rows == 3 ? tile<3> : tile<4>;
+// The tile for `rows` rows over up to `blocks` blocks, and how many blocks it takes.
+std::pair<TileFn, int64_t> tile_fn(int64_t rows, int64_t blocks) {
+  if (rows == 1) return blocks >= 4 ? std::make_pair(tile<1, 4>, 4) : blocks >= 2 ? std::make_pair(tile<1, 2>, 2)
+                                                                                  : std::make_pair(tile<1, 1>, 1);
+  if (rows == 2) return blocks >= 2 ? std::make_pair(tile<2, 2>, 2) : std::make_pair(tile<2, 1>, 1);
+  return {rows == 3 ? tile<3, 1> : tile<4, 1>, 1};
 }
 
 }  // namespace
@@ -110,13 +124,17 @@ TileFn tile_fn(int64_t rows) {
 // Output blocks [begin, end): groups of up to kGroup blocks, each read by every row tile in turn.
 void mtplm::fewrow::avx2_blocks(const Problem& p, int64_t begin, int64_t end) {
   const int64_t tiles = (p.n + kTileRows - 1) / kTileRows;
+  const std::vector<float> wide = widened(p);
   for (int64_t group = begin; group < end; group += kGroup) {
     const int64_t last = std::min<int64_t>(group + kGroup, end);
     int64_t row = 0;
     for (int64_t t = 0; t < tiles; ++t) {  // rows split evenly over the tiles: 6 rows are 3 + 3
       const int64_t rows = (p.n - row) / (tiles - t) + ((p.n - row) % (tiles - t) != 0);
-      const TileFn fn = tile_fn(rows);
-      for (int64_t block = group; block < last; ++block) fn(p, row, block);
+      for (int64_t block = group; block < last;) {
+        const auto [fn, blocks] = tile_fn(rows, last - block);
+        fn(p, wide.data(), row, block);
+        block += blocks;
+      }
       row += rows;
     }
   }
