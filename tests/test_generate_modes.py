@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 
 import pytest
+import torch
 from serving import tiny_converted
 
 from mtplm.cli import _parser as cli_parser
@@ -69,6 +70,20 @@ def test_generate_parses_every_registered_mode_string_as_the_bench_and_the_serve
     for spec in specs:
         args = parser.parse_args(["generate", "hi", "--mode", spec, "--max-new-tokens", "5"])
         assert decode_config(args) == dataclasses.replace(parse_mode(spec), max_new_tokens=5), spec
+
+
+def test_the_bench_and_the_server_read_every_registered_mode_string_as_generate_does():
+    from mtplm.bench.run import parse_modes
+    from mtplm.decode.protocol import DecodeModel
+    from mtplm.serve.checks import _mode as server_mode
+
+    served = DecodeModel(
+        head=torch.nn.Identity(), mask_id=5, drafter=None, stop_ids=frozenset(), thresholds=Thresholds()
+    )
+    for spec in registered_mode_strings():
+        assert server_mode(spec, served, DEFAULT_MODE) == parse_mode(spec), spec
+        bench = dict(parse_modes(spec, None, "top1"))[spec]
+        assert bench == parse_mode(spec, "fixed"), spec  # the bench's one default: a fixed window
 
 
 def test_the_old_flags_are_the_strings_they_stand_for():
