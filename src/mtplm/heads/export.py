@@ -28,6 +28,7 @@ gguf-eagle3  that export converted by the installed llama.cpp (mtplm.llamacpp) i
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -46,6 +47,7 @@ from mtplm.model import MTPMeta, load_model
 from mtplm.modelio import MASK_TOKEN, checkpoint_dir, read_meta
 
 WEIGHTS = "model.safetensors"
+log = logging.getLogger(__name__)
 
 
 def export_medusa(checkpoint: str, out: str | os.PathLike) -> Path:
@@ -313,7 +315,14 @@ def export_pard(checkpoint: str, out: str | os.PathLike, target_dir: str | os.Pa
     spec = {"method": "draft_model", "num_speculative_tokens": meta.k_max, "parallel_drafting": True}
     if vocab != rows:  # `<mtp>` took a row of its own: vLLM then maps the two vocabularies by token
         spec["use_heterogeneous_vocab"] = True
-    merge_gated_adapters(model.hf)
+    if model.gate is not None:
+        log.warning(
+            "%s: its gated adapters are merged into every row, so the drafter's own next-token rows change "
+            "too and it drafts poorly (docs/vllm.md); for a parallel drafter, convert with trainable=lora "
+            "ntp_weight=1",
+            checkpoint,
+        )
+        merge_gated_adapters(model.hf)
 
     def write(tmp: Path) -> None:
         with lora.unwrapped(model.hf):
