@@ -85,7 +85,7 @@ class StaticBackend:
         quantize: bool | str = False,
         prefill_chunk: int = PREFILL_CHUNK,
     ) -> None:
-        self.model, self.slots, self.compile = model, slots, compile
+        self.model, self.slots, self.compile, self.decode_rows = model, slots, compile, ROW_BUCKETS[-1]
         self.pass_cost: Callable[[int], float] | None = None  # by rows, relative; pricing.py measures it
         self.prefill_chunk = prefill_chunk
         self.key_buckets = key_buckets
