@@ -215,10 +215,11 @@ def read_bytes(model, backend: str, head: str = "full") -> int:
     a weight (its int8 copy)."""
     lm_head = model.hf.get_output_embeddings().weight
     total = 0.0 if head == "full" else lm_head.numel() * (1.0 - lm_head.element_size())
-    for name, p in model.hf.named_parameters():
+    packed = [(name, b) for name, b in model.hf.named_buffers() if name.endswith(".packed")]  # shared weights
+    for name, p in [*model.hf.named_parameters(), *packed]:
         if "lora_" in name:
             continue
-        projection = p.dim() == 2 and ".layers." in name
+        projection = p.dim() >= 2 and ".layers." in name
         size = (
             {"int8": 1, "int4": 5 / 8}.get(backend[-4:], p.element_size()) if projection else p.element_size()
         )

@@ -147,10 +147,10 @@ def isa(request):
 
 @pytest.fixture(params=["avx512", "amx"])
 def avx512_isa(request):
-    """The kernels only the AVX-512 build has (the int4 product, the int8 greedy head), on its ISAs."""
+    """The kernel only the AVX-512 build has (the int4 product), on its ISAs."""
     from mtplm.decode.fast import fewrow
 
     if not fewrow.has_int4():
-        pytest.skip(f"the {fewrow.build_kind()} build has no int4 kernel or int8 greedy head")
+        pytest.skip(f"the {fewrow.build_kind()} build has no int4 kernel")
     yield _forced_isa(request.param)
     fewrow.use_isa("auto")

@@ -46,7 +46,7 @@ def rows(n: int, width: int, weight: torch.Tensor, seed: int) -> torch.Tensor:
 
 @needs_kernel
 @pytest.mark.parametrize("vocab, width", [(1000, 70), (4099, 576), (300, 64)])
-def test_the_tokens_are_the_full_heads_argmax(vocab, width, avx512_isa):
+def test_the_tokens_are_the_full_heads_argmax(vocab, width, isa):
     weight = head(vocab, width, seed=vocab)
     packed = torch.ops.mtplm_fewrow.pack(weight)
     for mask_id in (-1, 7):
@@ -57,7 +57,7 @@ def test_the_tokens_are_the_full_heads_argmax(vocab, width, avx512_isa):
 
 
 @needs_kernel
-def test_the_mask_token_is_never_chosen_and_a_nan_row_goes_to_the_full_head(avx512_isa):
+def test_the_mask_token_is_never_chosen_and_a_nan_row_goes_to_the_full_head(isa):
     weight = head(500, 96, seed=1)
     weight[11] = weight[11] * 50  # every row's best token, were it not the mask
     packed = torch.ops.mtplm_fewrow.pack(weight)
@@ -72,7 +72,7 @@ def test_the_mask_token_is_never_chosen_and_a_nan_row_goes_to_the_full_head(avx5
 @pytest.mark.parametrize(
     "mode", ["ntp", "verified:lookup", "verified@3", "verified:quadratic+lookup@3", "confadapt@3"]
 )
-def test_greedy_decoding_reads_the_int8_copy_and_emits_the_same_tokens(mode, avx512_isa, monkeypatch):
+def test_greedy_decoding_reads_the_int8_copy_and_emits_the_same_tokens(mode, isa, monkeypatch):
     torch._dynamo.reset()
     model = tiny_mtp(gated=True)
     model.hf.to(torch.bfloat16)
@@ -94,7 +94,7 @@ def test_greedy_decoding_reads_the_int8_copy_and_emits_the_same_tokens(mode, avx
 
 
 @needs_kernel
-def test_sampling_still_reads_the_full_head(avx512_isa):
+def test_sampling_still_reads_the_full_head(isa):
     model = tiny_mtp()
     model.hf.to(torch.bfloat16)
     backend = StaticBackend(model, 1, capacity=64, compile=False)
@@ -107,7 +107,7 @@ def test_sampling_still_reads_the_full_head(avx512_isa):
 
 
 @needs_kernel
-def test_two_logits_that_round_to_one_bf16_value_go_to_the_first_token(avx512_isa):
+def test_two_logits_that_round_to_one_bf16_value_go_to_the_first_token(isa):
     """Weights and row exact in int8 (bounds then as tight as float32 allows): tokens 10 and 20 sum to
     16 + 2^-9 and 16 + 2^-8 in float32, one bf16 value (16.0), so the full head takes token 10."""
     codes = torch.zeros(64, 64)
@@ -125,7 +125,7 @@ def test_two_logits_that_round_to_one_bf16_value_go_to_the_first_token(avx512_is
 
 
 @needs_kernel
-def test_the_batch_engine_reads_the_copy_and_decodes_what_each_sequence_decodes_alone(avx512_isa):
+def test_the_batch_engine_reads_the_copy_and_decodes_what_each_sequence_decodes_alone(isa):
     from test_engine import run_batched
 
     model = tiny_mtp(gated=True)

@@ -3,6 +3,7 @@ the peak memory of what it measured."""
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import threading
@@ -10,6 +11,9 @@ from pathlib import Path
 
 import psutil
 import torch
+
+from mtplm.decode.fast import fewrow
+from mtplm.decode.pricing import cpu_identity
 
 
 def machine() -> dict:
@@ -22,7 +26,8 @@ def machine() -> dict:
     import transformers
 
     return {
-        "cpu": _cpu_name(),
+        "cpu": cpu_identity() if Path("/proc/cpuinfo").exists() else platform.processor(),
+        "kernels": _kernels(),
         "cores": psutil.cpu_count(),
         "threads": torch.get_num_threads(),
         "ram_gb": round(psutil.virtual_memory().total / 2**30, 1),
@@ -33,14 +38,12 @@ def machine() -> dict:
     }
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+def _kernels() -> str:
+    """Which of mtplm's kernels the compiled pass ran: their ISA (and how it was forced), or the fallback."""
+    if not fewrow.load():
+        return f"oneDNN ({fewrow.unavailable() or 'the kernels failed to build'})"
+    forced = os.environ.get("MTPLM_FEWROW_ISA")
+    return fewrow.isa() + (f" (MTPLM_FEWROW_ISA={forced})" if forced else "")
 
 
 class PeakMemory:

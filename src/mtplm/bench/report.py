@@ -77,7 +77,8 @@ def _summary_lines(report: dict) -> list[str]:
         f"{report['max_new_tokens']} new tokens, greedy, the `{report.get('backend', 'eager')}` backend "
         f"(warm-up incl. first compiles {report.get('warm_up_s', 0)} s). "
         f"Machine: {m['cpu']}, {m['cores']} cores "
-        f"({m['threads']} torch threads), {m['ram_gb']} GB RAM; torch {m['torch']}, transformers "
+        f"({m['threads']} torch threads), {m['ram_gb']} GB RAM; kernels {m.get('kernels', '–')}; torch "
+        f"{m['torch']}, transformers "
         f"{m['transformers']}, commit {m['commit']}.",
         "",
         markdown_table(report["rows"]),

@@ -71,15 +71,13 @@ class GreedyHead:
 
 
 def for_head(weight: torch.Tensor, packed: torch.Tensor | None, mask_id: int) -> GreedyHead | None:
-    """A GreedyHead for a head packed in fewrow's layout (`packed` from kernels.pack) on a CPU with AMX or
-    AVX-512 VNNI (head.cpp), else None: greedy tokens then come from the full head's logits (as with
-    MTPLM_GREEDY_HEAD=0, for comparisons)."""
+    """A GreedyHead for a head packed in fewrow's layout (`packed` from kernels.pack) where the kernels run on
+    AMX, AVX-512 with VNNI or AVX2 (csrc/head*.cpp), else None: greedy tokens then come from the full head's
+    logits (as with MTPLM_GREEDY_HEAD=0, for comparisons)."""
     if os.environ.get("MTPLM_GREEDY_HEAD", "1") == "0":
         return None
     if packed is None or packed.dim() != 3 or weight.dtype != torch.bfloat16:
         return None
-    if not fewrow.has_int4() or fewrow.isa() == "avx2":
-        return None  # the AVX2 build has no int8 head
     if fewrow.isa() == "avx512" and "avx512_vnni" not in fewrow.cpu_flags():
         return None
     return GreedyHead(weight, packed, mask_id)

@@ -19,9 +19,11 @@
 //
 // Codes are packed [Vp / 16][Dp / 4][16][4] int8 (Dp a multiple of 64): 64 contiguous bytes per quad of
 // inputs of a 16-token block, which is AMX's int8 B-tile layout. Without AMX, the row is one int16 level and
-// each 64-byte group is widened and added by vpdpwssd, two pairs at a time.
+// each 64-byte group is widened and added two pairs at a time: vpdpwssd on AVX-512 VNNI (head_avx512.cpp,
+// with the AMX tiles), vpmaddwd on AVX2 (head_avx2.cpp). The dots are exact integers either way.
 
 #include "fewrow.h"
+#include "head.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -43,18 +45,11 @@
 
 namespace {
 
-using mtplm::fewrow::TileConfig;
-
-constexpr int kBlock = 16;
-constexpr int kMaxRows = 16;  // rows one call takes (greedy.py gives more to the full head)
+using mtplm::head::Head;
+using mtplm::head::kBlock;
+using mtplm::head::kMaxRows;
+using mtplm::head::Rows;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-struct Rows {  // the hidden rows quantized: [N, Dp] codes per level, and per row s1, s2, e_h, |h|_1
-  std::vector<int8_t> high, low;     // AMX: two int8 levels
-  std::vector<int16_t> wide;         // AVX-512: one int16 level (scale in s1, s2 = 0)
-  float s1[kMaxRows], s2[kMaxRows], residual[kMaxRows], l1[kMaxRows];
-  int64_t n, dp;
-};
 
 inline float clamped(float x, float limit) { return std::min(limit, std::max(-limit, std::nearbyint(x))); }
 
@@ -94,126 +89,6 @@ Rows quantize(const at::Tensor& hidden, int64_t dp, bool amx) {
   return rows;
 }
 
-struct Head {  // the int8 copy: codes and per token [4, Vp] float32 stats; v real tokens, mask_id never chosen
-  const int8_t* codes;
-  const float *scale, *residual, *spread, *largest;  // s_t, r_t, a_t, 127 s_t + r_t (>= max_k |W_tk|)
-  int64_t vp, dp, v, mask_id;
-};
-
-// Block `block`'s bounds for every row from its int32 dots (dot1: level one, dot2: level two or null):
-// upper bounds stored to upper [N, Vp], each row's largest lower and upper bounds kept.
-void bound_block(const Rows& x, const Head& hd, int64_t block, const int32_t* dot1, const int32_t* dot2,
-                 float* upper, __m512* lower, __m512* higher) {
-  const int64_t col = block * kBlock;
-  const __m512 scale = _mm512_loadu_ps(hd.scale + col), residual = _mm512_loadu_ps(hd.residual + col);
-  const __m512 spread = _mm512_loadu_ps(hd.spread + col), largest = _mm512_loadu_ps(hd.largest + col);
-  const __m512i token = _mm512_add_epi32(_mm512_set1_epi32(int32_t(col)),
-                                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  const __mmask16 valid = _mm512_cmplt_epi32_mask(token, _mm512_set1_epi32(int32_t(hd.v))) &
-                          _mm512_cmpneq_epi32_mask(token, _mm512_set1_epi32(int32_t(hd.mask_id)));
-  const __m512 inf = _mm512_set1_ps(kNegInf), sums = _mm512_set1_ps(float(hd.dp) / 4194304.f);  // D 2^-22
-  for (int64_t r = 0; r < x.n; ++r) {
-    __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(dot1 + r * kBlock)), _mm512_set1_ps(x.s1[r]));
-    if (dot2 != nullptr)
-      dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(dot2 + r * kBlock)), _mm512_set1_ps(x.s2[r]), dot);
-    const __m512 approx = _mm512_mul_ps(dot, scale), l1 = _mm512_set1_ps(x.l1[r]);
-    __m512 bound = _mm512_fmadd_ps(l1, residual, _mm512_mul_ps(_mm512_set1_ps(x.residual[r]), spread));
-    bound = _mm512_fmadd_ps(_mm512_mul_ps(l1, sums), largest, bound);
-    bound = _mm512_fmadd_ps(_mm512_abs_ps(approx), _mm512_set1_ps(1.f / 1048576.f), bound);
-    const __m512 high = _mm512_mask_blend_ps(valid, inf, _mm512_add_ps(approx, bound));
-    _mm512_storeu_ps(upper + r * hd.vp + col, high);
-    lower[r] = _mm512_max_ps(lower[r], _mm512_mask_blend_ps(valid, inf, _mm512_sub_ps(approx, bound)));
-    higher[r] = _mm512_max_ps(higher[r], high);
-  }
-}
-
-// AMX: tiles 0, 1 the row's two levels, 2 a block's codes, 4, 5 the dots by level. Codes two blocks on are
-// prefetched (the tile loads stall on memory otherwise; two blocks a step measured slower).
-__attribute__((target("amx-tile,amx-int8")))
-void amx_bounds(const Rows& x, const Head& hd, int64_t begin, int64_t end, float* upper, __m512* lower,
-                __m512* higher) {
-  TileConfig config{};
-  config.palette = 1;
-  for (int t : {0, 1, 4, 5}) config.rows[t] = uint8_t(x.n), config.colsb[t] = 64;
-  config.rows[2] = 16, config.colsb[2] = 64;
-  asm volatile("" : : "r"(&config) : "memory");  // see fewrow.cpp's amx_configure
-  _tile_loadconfig(&config);
-  alignas(64) int32_t dot1[kMaxRows * kBlock], dot2[kMaxRows * kBlock];
-  for (int64_t block = begin; block < end; ++block) {
-    const int8_t* w = hd.codes + block * hd.dp * kBlock;
-    const char* ahead = reinterpret_cast<const char*>(w + 2 * hd.dp * kBlock);
-    _tile_zero(4);
-    _tile_zero(5);
-    for (int64_t k = 0; k < hd.dp; k += 64) {
-      if (block + 2 < end)
-        for (int line = 0; line < 16; ++line) _mm_prefetch(ahead + k * kBlock + line * 64, _MM_HINT_T0);
-      _tile_loadd(0, x.high.data() + k, x.dp);
-      _tile_loadd(1, x.low.data() + k, x.dp);
-      _tile_loadd(2, w + k * kBlock, 64);
-      _tile_dpbssd(4, 0, 2);
-      _tile_dpbssd(5, 1, 2);
-    }
-    _tile_stored(4, dot1, 64);
-    _tile_stored(5, dot2, 64);
-    bound_block(x, hd, block, dot1, dot2, upper, lower, higher);
-  }
-  _tile_release();
-}
-
-// AVX-512: per 64 bytes (16 tokens x 4 inputs) the codes widened to int16 once, in two halves (tokens 0-7,
-// 8-15 as [8][4]), then per row of a tile one vpdpwssd per half with the row's four inputs: lanes (token,
-// input pair) come out two per token, summed at the end.
-template <int R>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-void avx512_dots(const Rows& x, int64_t row, const int8_t* w, int64_t dp, int32_t* dot) {
-  __m512i lo[R], hi[R];
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
-  for (int64_t k = 0; k < dp; k += 4) {
-    const __m512i codes = _mm512_loadu_si512(w + k * kBlock);
-    const __m512i first = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(codes));
-    const __m512i second = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(codes, 1));
-    for (int r = 0; r < R; ++r) {
-      int64_t quad;
-      std::memcpy(&quad, x.wide.data() + (row + r) * x.dp + k, 8);
-      const __m512i pairs = _mm512_set1_epi64(quad);  // lanes alternate the inputs' first and second pair
-      lo[r] = _mm512_dpwssd_epi32(lo[r], pairs, first);
-      hi[r] = _mm512_dpwssd_epi32(hi[r], pairs, second);
-    }
-  }
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  for (int r = 0; r < R; ++r) {  // lanes 0-7 of each sum: its half's 8 tokens
-    const __m512i a = _mm512_add_epi32(_mm512_permutexvar_epi32(even, lo[r]), _mm512_permutexvar_epi32(odd, lo[r]));
-    const __m512i b = _mm512_add_epi32(_mm512_permutexvar_epi32(even, hi[r]), _mm512_permutexvar_epi32(odd, hi[r]));
-    _mm512_storeu_si512(dot + (row + r) * kBlock, _mm512_inserti64x4(a, _mm512_castsi512_si256(b), 1));
-  }
-}
-
-using DotsFn = void (*)(const Rows&, int64_t, const int8_t*, int64_t, int32_t*);
-
-DotsFn avx512_tile(int64_t rows) {
-  switch (rows) {
-    case 1: return avx512_dots<1>;
-    case 2: return avx512_dots<2>;
-    case 3: return avx512_dots<3>;
-    case 4: return avx512_dots<4>;
-    case 5: return avx512_dots<5>;
-    case 6: return avx512_dots<6>;
-    case 7: return avx512_dots<7>;
-    default: return avx512_dots<8>;
-  }
-}
-
-void avx512_bounds(const Rows& x, const Head& hd, int64_t begin, int64_t end, float* upper, __m512* lower,
-                   __m512* higher) {
-  alignas(64) int32_t dot[kMaxRows * kBlock];
-  for (int64_t block = begin; block < end; ++block) {
-    const int8_t* w = hd.codes + block * hd.dp * kBlock;
-    for (int64_t row = 0; row < x.n; row += 8) avx512_tile(std::min<int64_t>(8, x.n - row))(x, row, w, hd.dp, dot);
-    bound_block(x, hd, block, dot, nullptr, upper, lower, higher);
-  }
-}
-
 at::Tensor fewrow_linear(const at::Tensor& x, const at::Tensor& packed) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("mtplm_fewrow::linear", "")
@@ -221,13 +96,15 @@ at::Tensor fewrow_linear(const at::Tensor& x, const at::Tensor& packed) {
   return op.call(x, packed, std::nullopt);
 }
 
-// Each row's candidates (upper bound >= its threshold), 16 bounds a compare.
-std::vector<std::vector<int64_t>> candidates(const float* upper, const float* threshold, int64_t n, int64_t vp) {
+// Each row's candidates (upper bound >= its threshold), 8 bounds a compare.
+__attribute__((target("avx2"))) std::vector<std::vector<int64_t>> candidates(const float* upper,
+                                                                             const float* threshold, int64_t n,
+                                                                             int64_t vp) {
   std::vector<std::vector<int64_t>> found(n);
   for (int64_t r = 0; r < n; ++r) {
-    const __m512 cut = _mm512_set1_ps(threshold[r]);
-    for (int64_t t = 0; t < vp; t += kBlock) {
-      __mmask16 hits = _mm512_cmp_ps_mask(_mm512_loadu_ps(upper + r * vp + t), cut, _CMP_GE_OQ);
+    const __m256 cut = _mm256_set1_ps(threshold[r]);
+    for (int64_t t = 0; t < vp; t += 8) {
+      unsigned hits = unsigned(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(upper + r * vp + t), cut, _CMP_GE_OQ)));
       for (; hits != 0; hits &= hits - 1) found[r].push_back(t + __builtin_ctz(hits));
     }
   }
@@ -290,16 +167,15 @@ at::Tensor head_argmax(const at::Tensor& hidden, const at::Tensor& codes, const 
   std::unique_ptr<float[]> upper(new float[n * vp]);  // every element is written before it is read
   const int threads = at::get_num_threads();
   std::vector<float> extremes(threads * 2 * kMaxRows, kNegInf);  // per thread: rows' largest lower, upper
+#if defined(__AVX512BF16__)
+  const auto bounds = amx ? mtplm::head::amx_bounds : mtplm::fewrow::avx2() ? mtplm::head::avx2_bounds
+                                                                           : mtplm::head::avx512_bounds;
+#else
+  const auto bounds = mtplm::head::avx2_bounds;
+#endif
   at::parallel_for(0, vp / kBlock, 64, [&](int64_t begin, int64_t end) {
-    __m512 lower[kMaxRows], higher[kMaxRows];
-    for (int64_t r = 0; r < n; ++r) lower[r] = higher[r] = _mm512_set1_ps(kNegInf);
-    amx ? amx_bounds(x, hd, begin, end, upper.get(), lower, higher)
-        : avx512_bounds(x, hd, begin, end, upper.get(), lower, higher);
     float* mine = extremes.data() + at::get_thread_num() * 2 * kMaxRows;
-    for (int64_t r = 0; r < n; ++r) {
-      mine[r] = std::max(mine[r], _mm512_reduce_max_ps(lower[r]));
-      mine[kMaxRows + r] = std::max(mine[kMaxRows + r], _mm512_reduce_max_ps(higher[r]));
-    }
+    bounds(x, hd, begin, end, upper.get(), mine, mine + kMaxRows);
   });
   float threshold[kMaxRows];
   bool finite = true;
