@@ -209,7 +209,7 @@ def test_a_mask_slot_tree_stays_within_the_row_budget(chain_checkpoint):
     """Deep windows and wide trees: every pass feeds at most MAX_TREE_ROWS rows from its last pending token
     on."""
     from mtplm.decode.backends import EagerBackend
-    from mtplm.decode.verified import MAX_TREE_ROWS
+    from mtplm.decode.protocol import DECODE_ROWS as MAX_TREE_ROWS
 
     class Recording(EagerBackend):
         rows: list[int] = []

@@ -7,14 +7,11 @@ from dataclasses import dataclass, replace
 
 from mtplm.config.modes import mode_entry, mode_named
 from mtplm.errors import UserError
-from mtplm.registry import CONFIDENCE, STRATEGIES, WINDOWS
+from mtplm.registry import CONFIDENCE, PROPOSERS, STRATEGIES, WINDOWS
 
-DRAFTING = (
-    "linear",
-    "quadratic",
-    "tree",
-    "lookup",
-)  # lookup: drafts copied from the text alone (decode/lookup.py)
+# how mask slots (or heads) draft; a drafting may also name a registered draft source (PROPOSERS: lookup,
+# decode/proposers.py), whose drafts then go alone (drafting_names)
+DRAFTING = ("linear", "quadratic", "tree")
 # copied drafts per pass when a mode asks for lookup without a number: 7 beside the pending token fill an
 # 8-row pass, where an 8th would pad it to the compiled backend's 16-row bucket (measured on a 2-vCPU AMD
 # EPYC without AMX, 12 train-split prompts, 256 tokens: verified:lookup 1.58x plain with 7, 1.39x with 8)
@@ -81,6 +78,7 @@ class DecodeConfig:
     drafting: str = "linear"
     tree_widths: str = "2,2"  # tree drafting: candidates per depth from the top choices; deeper depths 1
     lookup: int = 0  # drafts copied from the text per pass (decode/lookup.py) beside mask drafts; 0: none
+    proposer: str = "lookup"  # the draft source (PROPOSERS) of those drafts (a drafting may name one)
     window: str = "adaptive"  # a WINDOWS registry name (decode/windows.py)
     temperature: float = 0.0  # 0 = greedy; > 0 samples (verified: exactly the model's distribution)
     top_k: int = 0
@@ -99,9 +97,18 @@ class DecodeConfig:
         return mode_entry(self.mode).block_tokens(self)
 
     def lookup_tokens(self) -> int:
-        """Copied drafts per pass: `lookup`, or LOOKUP_TOKENS for drafting=lookup (alone: any model) left
-        at 0."""
-        return self.lookup or (LOOKUP_TOKENS if self.drafting == "lookup" else 0)
+        """Copied drafts per pass: `lookup`, or LOOKUP_TOKENS for a drafting that names a draft source
+        (drafts_alone: any model) left at 0."""
+        return self.lookup or (LOOKUP_TOKENS if self.drafts_alone() else 0)
+
+    def drafts_alone(self) -> bool:
+        """The drafting names a draft source (drafting lookup): its drafts alone, no mask slots or heads."""
+        return self.drafting in PROPOSERS.names()
+
+    def draft_source(self) -> str:
+        """The draft source (PROPOSERS) of the copied drafts: the drafting's when it names one, else
+        `proposer`."""
+        return self.drafting if self.drafts_alone() else self.proposer
 
     def sized_by_cost(self) -> bool:
         """Whether the mode sizes each pass by what its rows cost here (decode/budget.py): copied drafts, or
@@ -122,7 +129,8 @@ class DecodeConfig:
                 "lookup drafts join linear or quadratic drafting, not tree: use --drafting quadratic "
                 "--lookup N, or drop --lookup"
             )
-        if self.lookup and self.drafting != "lookup" and self.temperature > 0:
+        PROPOSERS.check(self.proposer)
+        if self.lookup and not self.drafts_alone() and self.temperature > 0:
             raise UserError(
                 "lookup beside mask drafts verifies greedy decoding only: send temperature 0, or "
                 "sample with drafting lookup alone"
@@ -139,8 +147,10 @@ class DecodeConfig:
         if self.tau is not None and not 0.0 < self.tau <= 1.0:
             raise UserError(f"tau must lie in (0, 1], got {self.tau}")
         CONFIDENCE.check(self.confidence)
-        if self.drafting not in DRAFTING:
-            raise UserError(f"unknown drafting {self.drafting!r}: choose one of {', '.join(DRAFTING)}")
+        if self.drafting not in drafting_names():
+            raise UserError(
+                f"unknown drafting {self.drafting!r}: choose one of {', '.join(drafting_names())}"
+            )
         if self.drafting == "tree":
             try:
                 widths = [int(w) for w in self.tree_widths.split(",")]
@@ -160,6 +170,11 @@ class DecodeConfig:
         if self.max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         return self
+
+
+def drafting_names() -> tuple[str, ...]:
+    """Every drafting: how mask slots draft (DRAFTING), then the registered draft sources (alone)."""
+    return DRAFTING + PROPOSERS.names()
 
 
 def mode_grammar() -> str:

@@ -22,7 +22,7 @@ import torch
 
 from mtplm.config import BACKEND_ENV
 from mtplm.decode.chunked import PREFILL_CHUNK, run_chunked
-from mtplm.decode.protocol import DecodeModel, Feed
+from mtplm.decode.protocol import DECODE_ROWS, DecodeModel, Feed, PassLimits
 from mtplm.decode.ragged import RaggedCache, ragged_pass
 from mtplm.errors import UserError
 from mtplm.model import MTPModel
@@ -63,6 +63,9 @@ class Backend(Protocol):
     slots: int
     # n -> its pass of n rows' cost relative to one row, on this machine, once measured (pricing.py)
     pass_cost: Callable[[int], float] | None
+    # its widest decode pass (rows): a wider one rounds otherwise (the compiled backend's largest row bucket);
+    # strategies keep their trees and copied drafts within it (protocol.PassLimits, describe)
+    decode_rows: int
 
     def run(self, start: int, feeds: Sequence[Feed], lengths: Sequence[int]) -> torch.Tensor:
         """Slots [start, start + len(feeds)) in one pass -> hidden states [b, Q, D]; sequence i's rows are
@@ -101,6 +104,7 @@ class EagerBackend:
     prefill_chunk = (
         PREFILL_CHUNK  # a wider feed (a prompt) runs in chunks of this many rows (decode/chunked.py)
     )
+    decode_rows = DECODE_ROWS  # wider passes attend with grouped KV heads on a CPU (ragged.py)
 
     def __init__(self, model: MTPModel, slots: int = 1) -> None:
         self.model, self.slots = model, slots
@@ -182,7 +186,7 @@ def require_compiler() -> None:
 
 def describe(model: MTPModel, backend: Backend) -> DecodeModel:
     """What decoding needs of `model` run by `backend`: the backend's LM head, the mask token, the head
-    drafter, stop ids and thresholds.
+    drafter, stop ids, thresholds and the limits of its passes.
 
     A drafter that reads inner layers (EAGLE-3) gets rows [final state | features] from the backend; the LM
     head then reads the first D columns (a contiguous copy: the same values and the same GEMM as plain
@@ -204,7 +208,7 @@ def describe(model: MTPModel, backend: Backend) -> DecodeModel:
         thresholds,
         argmax,
         backend.pass_cost,
-        backend.row_dependence,
+        PassLimits(backend.decode_rows, backend.row_dependence),
     )
 
 

@@ -1,5 +1,6 @@
-"""Drafts from the grammar itself: the bytes it forces where its tokens are not forced (`forced_plan`), and
-a JSON schema's own strings, its property names and its string `enum` / `const` values (`literal_plan`).
+"""Drafts from the grammar itself, as two proposers (proposers.py): the bytes it forces where its tokens are
+not forced (`ForcedRun`), and a JSON schema's own strings, its property names and its string `enum` /
+`const` values (`SchemaLiterals`); `grammar_drafts` offers them to a plan with nothing to verify.
 
 Where the grammar lets the model choose (an enum value, an optional property's key), the choice is often
 one of the schema's strings, and the text the grammar forces after it follows for free (loop.py's
@@ -21,6 +22,7 @@ from dataclasses import replace
 from functools import lru_cache
 from typing import Any
 
+from mtplm.decode.proposers import Context, Drafts, first_offer
 from mtplm.decode.protocol import Plan
 
 MAX_STRINGS = 64  # schema strings kept (the first found): trying them costs a grammar check each
@@ -109,32 +111,49 @@ def pruned(constraint, plan: Plan, budget: int, stop_ids: Collection[int]) -> Pl
     return replace(plan, k=max(plan.k, 1 + len(kept)), drafts=kept)
 
 
-def forced_plan(constraint, plan: Plan, budget: int) -> Plan:
-    """A verifying chain plan with nothing to propose gets the tokens spelling the bytes the grammar forces
-    next (` "` before a string value, ` ` before a number: the text is certain but its tokens are not,
-    since a longer token could start it) and what it forces after them, as drafts the model verifies (so
-    its token lands after them); any other plan as it is."""
-    if plan.drafts or plan.k < 2 or plan.slots or plan.parents is not None or plan.emits_block:
-        return plan
-    drafts = constraint.forced_after((), likely=True)[: max(0, budget - 1)]
-    return replace(plan, k=max(plan.k, 1 + len(drafts)), drafts=tuple(drafts)) if drafts else plan
+class ForcedRun:
+    """Proposer: the tokens spelling the bytes the grammar forces next (` "` before a string value, ` `
+    before a number: the text is certain but its tokens are not, since a longer token could start it) and
+    what it forces after them, as drafts the model verifies (so its token lands after them)."""
+
+    def __init__(self, constraint) -> None:
+        self.constraint = constraint
+
+    def propose(self, context: Context, room: int) -> Drafts:
+        return Drafts(tuple(self.constraint.forced_after((), likely=True)[: max(0, room)]))
+
+    def observe(self, kept: int) -> None:
+        return None
 
 
-def literal_plan(constraint, plan: Plan, text: Sequence[int], budget: int) -> Plan:
-    """A verifying chain plan with nothing to propose, at a choice point (the grammar allows at most
-    NARROW tokens next: an enum value, a key; not the middle of a free string), gets one of the schema's
-    strings the grammar accepts here, then the tokens it forces after it, as drafts (kept only where the
-    model agrees); any other plan as it is."""
-    literals = constraint.grammar.literals
-    if plan.drafts or plan.k < 2 or plan.slots or plan.parents is not None or not literals:
-        return plan
-    if int(constraint.mask().sum()) > NARROW:
-        return plan
-    drafts = list(pick(constraint, literals, text))[: max(0, budget - 1)]
-    if not drafts:
-        return plan
-    drafts += constraint.forced_after(drafts, likely=True)[: max(0, budget - 1 - len(drafts))]
-    return replace(plan, k=max(plan.k, 1 + len(drafts)), drafts=tuple(drafts))
+class SchemaLiterals:
+    """Proposer: at a choice point (the grammar allows at most NARROW tokens next: an enum value, a key; not
+    the middle of a free string), one of the schema's strings the grammar accepts here, then the tokens it
+    forces after it, as drafts (kept only where the model agrees)."""
+
+    def __init__(self, constraint) -> None:
+        self.constraint = constraint
+
+    def propose(self, context: Context, room: int) -> Drafts:
+        constraint, room = self.constraint, max(0, room)
+        literals = constraint.grammar.literals
+        if not literals or int(constraint.mask().sum()) > NARROW:
+            return Drafts()
+        drafts = list(pick(constraint, literals, context.text))[:room]
+        if not drafts:
+            return Drafts()
+        drafts += constraint.forced_after(drafts, likely=True)[: max(0, room - len(drafts))]
+        return Drafts(tuple(drafts))
+
+    def observe(self, kept: int) -> None:
+        return None
+
+
+def grammar_drafts(constraint, plan: Plan, text: Sequence[int], budget: int) -> Plan:
+    """A verifying chain plan with nothing to propose gets the grammar's drafts: the spelling of the bytes
+    it forces, else one of the schema's strings (proposers.first_offer); any other plan as it is."""
+    proposers = (ForcedRun(constraint), SchemaLiterals(constraint))
+    return first_offer(plan, proposers, Context(text), budget)
 
 
 def pick(constraint, literals: Sequence[tuple[int, ...]], text: Sequence[int]) -> tuple[int, ...]:

@@ -5,12 +5,17 @@ Answers repeat their prompts and themselves: a function signature, a JSON key li
 number carried from line to line. The tokens that followed the latest earlier occurrence of the text's
 last n tokens are a free draft, verified like any other (verified.py), so the output stays the model's.
 They cost no forward of their own, only rows in the verifying pass, and on a model without mask slots
-(a base model) they are the whole drafter.
+(a base model) they are the whole drafter. Registered as the draft source `lookup` (proposers.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from mtplm.config import DecodeConfig
+from mtplm.decode.proposers import Context, Drafts
+from mtplm.decode.proposers import merge_chain as merge_chain
+from mtplm.registry import PROPOSERS
 
 LONGEST, SHORTEST = 3, 1  # n-gram sizes matched, longest first (vLLM's prompt_lookup_max / _min)
 
@@ -48,16 +53,16 @@ class NgramLookup:
         self.indexed = max(self.indexed, len(text))
 
 
-def merge_chain(chain: Sequence[int], copied: Sequence[int]) -> tuple[list[int], list[int]]:
-    """A draft tree of the chain (node i's parent i-1) and the copied tokens as a second branch, sharing
-    the chain's nodes while they agree: (tokens, parents) of the copied branch's new nodes, numbered after
-    the chain's (-1: the last committed token)."""
-    parent, shared = -1, 0
-    while shared < min(len(chain), len(copied)) and chain[shared] == copied[shared]:
-        parent, shared = shared, shared + 1
-    tokens, parents = [], []
-    for token in copied[shared:]:
-        tokens.append(token)
-        parents.append(parent)
-        parent = len(chain) + len(tokens) - 1
-    return tokens, parents
+@PROPOSERS.register("lookup", "tokens that followed the latest earlier occurrence of the text's last n-gram")
+class Lookup:
+    """NgramLookup as a proposer: its drafts' kind is the length of the n-gram that matched."""
+
+    def __init__(self, cfg: DecodeConfig) -> None:
+        self.index = NgramLookup()
+
+    def propose(self, context: Context, room: int) -> Drafts:
+        tokens, matched = self.index.match(context.text, room)
+        return Drafts(tuple(tokens), matched)
+
+    def observe(self, kept: int) -> None:
+        return None  # the index grows with the text itself

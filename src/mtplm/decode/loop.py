@@ -23,9 +23,9 @@ from mtplm.config import DecodeConfig
 from mtplm.decode.backends import KV, Backend, EagerBackend, describe
 from mtplm.decode.backends import stop_ids as stop_ids
 from mtplm.decode.constraint import ConstrainedLogits, Constraint, trim
-from mtplm.decode.constraint_drafts import forced_plan, literal_plan, pruned
+from mtplm.decode.constraint_drafts import grammar_drafts, pruned
 from mtplm.decode.logprobs import TokenLogprob, prompt_logprobs, rows_logprobs, step_logprobs
-from mtplm.decode.protocol import DecodeModel, Drafting, Feed, Outcome, PassLogits, Plan, Priced, Strategy
+from mtplm.decode.protocol import DecodeModel, Drafting, Feed, Outcome, PassLogits, Plan, Strategy, fit
 from mtplm.decode.sampling import greedy
 from mtplm.decode.steps import Generation, Step
 from mtplm.decode.strategies import make_strategy
@@ -64,8 +64,7 @@ class Decoding:
                 "a lossless mode needs a pass whose rows do not change each other's results, and here "
                 f"{model.row_dependence}: decode with --mode ntp, or --dtype fp32"
             )
-        if model.pass_cost is not None and isinstance(strategy, Priced):
-            strategy.price(model.pass_cost)  # drafts sized by what rows cost on this machine (budget.py)
+        fit(strategy, model)  # drafts sized by what rows cost here (budget.py) and what the backend allows
         self.max_new_tokens = max_new_tokens
         self.generator = torch.Generator().manual_seed(seed)
         self.past = 0  # positions in the cache
@@ -152,8 +151,7 @@ class Decoding:
             if self.last is not None:  # they followed the text before the forced run: none can be kept now
                 self.last = self.last.replace(drafts=(), proposal=None, block=None)
             plan = Plan(1) if alone else self._prune(self.strategy.plan(self.text, self.budget, self.last))
-        plan = forced_plan(self.constraint, plan, self.budget)
-        return literal_plan(self.constraint, plan, self.text, self.budget)
+        return grammar_drafts(self.constraint, plan, self.text, self.budget)
 
     def _prune(self, plan: Plan) -> Plan:
         assert self.constraint is not None

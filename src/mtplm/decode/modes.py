@@ -10,13 +10,13 @@ itself the same way (`register_mode`, tests/decode/test_toy_strategy.py).
 
 from __future__ import annotations
 
-from mtplm.config import DRAFTING, LOOKUP_TOKENS, DecodeConfig, ModeDefaults
+from mtplm.config import LOOKUP_TOKENS, DecodeConfig, ModeDefaults, drafting_names
 from mtplm.config.modes import register_mode
 from mtplm.decode.protocol import Strategy
 from mtplm.decode.strategies import ConfAdapt, ConfidentVerified, NextToken, StaticK
 from mtplm.decode.verified import TreeVerified, Verified
 from mtplm.errors import UserError
-from mtplm.registry import CONFIDENCE, WINDOWS
+from mtplm.registry import CONFIDENCE, PROPOSERS, WINDOWS
 
 
 def mode_parts(tail: str) -> tuple[bool, str, str, str]:
@@ -26,14 +26,19 @@ def mode_parts(tail: str) -> tuple[bool, str, str, str]:
     return head.startswith("+"), head[1:], value, measure
 
 
-def parse_drafting(spec: str, after_plus: bool = False) -> tuple[str, int]:
-    """(drafting, lookup) of e.g. `quadratic+lookup`; after a `+`, `lookup` alone means linear + copies."""
+def parse_drafting(spec: str, after_plus: bool = False) -> dict:
+    """The DecodeConfig fields (drafting, lookup, proposer) of e.g. `quadratic+lookup`: after the `+` a
+    registered draft source (PROPOSERS), whose drafts join the mask drafts; after a `+`, a draft source alone
+    means linear drafting beside its drafts."""
     drafting, plus, extra = spec.partition("+")
-    if after_plus and drafting == "lookup" and not plus:
-        return "linear", LOOKUP_TOKENS
-    if plus and (extra != "lookup" or drafting == "lookup"):
+    sources = PROPOSERS.names()
+    if after_plus and drafting in sources and not plus:
+        return {"drafting": "linear", "lookup": LOOKUP_TOKENS, "proposer": drafting}
+    if plus and (extra not in sources or drafting in sources):
         raise ValueError(spec)
-    return drafting, LOOKUP_TOKENS if plus else 0
+    if plus:
+        return {"drafting": drafting, "lookup": LOOKUP_TOKENS, "proposer": extra}
+    return {"drafting": drafting, "lookup": 0}
 
 
 def parse_static(tail: str, defaults: ModeDefaults) -> DecodeConfig:
@@ -47,14 +52,12 @@ def parse_confadapt(tail: str, defaults: ModeDefaults) -> DecodeConfig:
     plus, drafts, value, measure = mode_parts(tail)
     if drafts == "linear":
         raise ValueError(tail)
-    drafting, lookup = parse_drafting(drafts or "linear", plus)
     return DecodeConfig(
         mode="confadapt",
         tau=float(value) if value else None,
         k_max=defaults.k_max,
         confidence=measure or defaults.confidence,
-        drafting=drafting,
-        lookup=lookup,
+        **parse_drafting(drafts or "linear", plus),
     )
 
 
@@ -62,22 +65,29 @@ def parse_verified(tail: str, defaults: ModeDefaults) -> DecodeConfig:
     plus, _, value, window = mode_parts(tail)
     if plus:
         raise ValueError(tail)
-    drafting, lookup = parse_drafting(value or "linear")
     return DecodeConfig(
         mode="verified",
         k_max=defaults.k_max,
-        drafting=drafting,
         window=window or defaults.window,
-        lookup=lookup,
+        **parse_drafting(value or "linear"),
     )
 
 
+def draft_sources() -> str:
+    """The registered draft sources as a grammar alternative: `lookup`, or `(lookup|NAME)`."""
+    names = PROPOSERS.names()
+    return names[0] if len(names) == 1 else f"({'|'.join(names)})"
+
+
 def confadapt_grammar() -> str:
-    return f"confadapt[+quadratic|+lookup|+quadratic+lookup][:TAU[:{'|'.join(CONFIDENCE.names())}]][@K]"
+    sources = draft_sources()
+    drafts = f"+quadratic|+{sources}|+quadratic+{sources}"
+    return f"confadapt[{drafts}][:TAU[:{'|'.join(CONFIDENCE.names())}]][@K]"
 
 
 def verified_grammar() -> str:
-    return f"verified[:{'|'.join(DRAFTING)}[+lookup][:{'|'.join(WINDOWS.names())}]][@K]"
+    sources = draft_sources()
+    return f"verified[:{'|'.join(drafting_names())}[+{sources}][:{'|'.join(WINDOWS.names())}]][@K]"
 
 
 def check_confadapt(cfg: DecodeConfig) -> None:
@@ -154,7 +164,7 @@ def _confadapt(cfg: DecodeConfig, taus: tuple[float, ...] | None) -> Strategy:
     defaults=("k_max", "tau"),
     lossless=True,
     replayed=True,
-    needs_conversion=lambda cfg: cfg.drafting != "lookup",  # copied drafts alone: any model
+    needs_conversion=lambda cfg: not cfg.drafts_alone(),  # a draft source's drafts alone: any model
 )
 def _verified(cfg: DecodeConfig, taus: tuple[float, ...] | None) -> Strategy:
     return TreeVerified(cfg) if cfg.drafting == "tree" else Verified(cfg)

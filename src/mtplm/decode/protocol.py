@@ -34,6 +34,7 @@ from mtplm.masks import block_anchors, step_layout
 # a strategy's registration (ModeEntry, register_mode, mode_entry) lives in config/modes.py, where config
 # validation reads it; it is named here too, beside the types a strategy is written against
 __all__ = [
+    "Bounded",
     "DecodeModel",
     "Drafter",
     "Drafting",
@@ -42,8 +43,10 @@ __all__ = [
     "Outcome",
     "PassLogits",
     "Plan",
+    "PassLimits",
     "Priced",
     "Strategy",
+    "fit",
     "mode_entry",
     "register_mode",
 ]
@@ -229,6 +232,26 @@ class PassLogits:
         return self.next_token if block is None else torch.cat([self.next_token[-1:], block])
 
 
+# the widest pass every backend runs as a decode pass: the compiled backend's largest row bucket (and the
+# eager backend's widest pass before grouped heads, ragged.py); what a strategy no backend told assumes
+DECODE_ROWS = 32
+
+
+@dataclass(frozen=True)
+class PassLimits:
+    """What a backend's passes allow (backends.Backend reports them, DecodeModel carries them): strategies
+    size their passes by these instead of knowing which backend runs them."""
+
+    rows: int = DECODE_ROWS  # its widest decode pass: wider prompt passes round otherwise (verified.py)
+    row_dependence: str | None = (
+        None  # why a row's result may depend on the rows beside it (None: it does not)
+    )
+
+    @property
+    def independent_rows(self) -> bool:
+        return self.row_dependence is None
+
+
 class Strategy(Protocol):
     def plan(self, text: Sequence[int], budget: int, last: Outcome | None) -> Plan: ...
 
@@ -240,6 +263,13 @@ class Priced(Protocol):
     """A strategy that sizes its drafts by what a pass of n rows costs on this machine (budget.py)."""
 
     def price(self, cost: Callable[[int], float]) -> None: ...
+
+
+@runtime_checkable
+class Bounded(Protocol):
+    """A strategy that sizes its passes by the backend's limits (the loop tells it before the first pass)."""
+
+    def bound(self, limits: PassLimits) -> None: ...
 
 
 class Drafting(Strategy, Protocol):
@@ -268,8 +298,23 @@ class DecodeModel:
     # n -> the cost of a pass of n plain rows relative to one row, measured on this machine (pricing.py);
     # None where nobody measured it (the strategies then feed every draft they offer)
     pass_cost: Callable[[int], float] | None = None
-    # why a row's result may depend on the rows beside it (backends.Backend.row_dependence; None: it does not)
-    row_dependence: str | None = None
+    # what the backend's passes allow: its widest decode pass, whether rows are independent
+    limits: PassLimits = field(default_factory=PassLimits)
+
+    @property
+    def row_dependence(self) -> str | None:
+        """Why a row's result may depend on the rows beside it (backends.Backend.row_dependence; None: it
+        does not)."""
+        return self.limits.row_dependence
+
+
+def fit(strategy: Strategy, model: DecodeModel) -> None:
+    """Tell a new sequence's strategy what this machine and backend allow: what a pass of n rows costs
+    (Priced, once measured) and the backend's limits (Bounded)."""
+    if model.pass_cost is not None and isinstance(strategy, Priced):
+        strategy.price(model.pass_cost)
+    if isinstance(strategy, Bounded):
+        strategy.bound(model.limits)
 
 
 def _anchors(

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 import torch
 from transformers.cache_utils import Cache
 
+from mtplm.decode.protocol import DECODE_ROWS
 from mtplm.model import MTPModel
 
 
@@ -111,16 +112,15 @@ def ragged_pass(
         allowed[i, :q, :past] = True
         allowed[i, :q, past : past + q] = local
     mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-    with _grouped_heads(width > WIDE_ROWS and model.hf.device.type == "cpu"):
+    with _grouped_heads(width > DECODE_ROWS and model.hf.device.type == "cpu"):
         return model.decoder_states(ids, positions, cache, mask.unsqueeze(1), layers=model.feature_layers)
-
-
-WIDE_ROWS = 32  # passes wider than this (prompt chunks) attend with grouped KV heads on a CPU
 
 
 @contextmanager
 def _grouped_heads(wide: bool):
-    """Hugging Face's SDPA attention copies each KV head once per query head of its group whenever a mask
+    """Passes wider than a decode pass (DECODE_ROWS: prompt chunks) attend with grouped KV heads on a CPU.
+
+    Hugging Face's SDPA attention copies each KV head once per query head of its group whenever a mask
     is given (CUDA's kernels need that); PyTorch's CPU flash kernel takes the grouped heads and the mask as
     they are (`enable_gqa`), the same product without the copies: at a 512-row chunk behind 6k cached
     keys, two [H, T, d] copies a layer. Transformers' own switch for that, for the pass only (unless the
