@@ -11,9 +11,9 @@ eagle3  the speculators format (Eagle3Speculator, speculators 0.9): what vLLM lo
         draft_vocab_size, target_hidden_size, eagle_aux_hidden_state_layer_ids and the norm flags (all false:
         vLLM's default for a missing norm_before_residual is true); `model.safetensors` holds the drafter's
         state dict under speculators' names (fc.weight, layers.0.*, norm.weight, lm_head.weight) plus, for a
-        draft vocabulary smaller than the target's, d2t (int64 offsets: target id = i + d2t[i]) and t2d (bool
-        over the target vocabulary). The token embedding
-        is the target's (not written; vLLM and llama.cpp then share the target's).
+        draft vocabulary smaller than the target's (and always on the way to gguf-eagle3), d2t (int64
+        offsets: target id = i + d2t[i]) and t2d (bool over the target vocabulary). The token embedding is
+        the target's (not written; vLLM and llama.cpp then share the target's).
 pard    a converted `<mtp>` model as a parallel draft model (vLLM's method "draft_model" with
         parallel_drafting, after PARD): an ordinary HF model directory, the gated adapters merged into the
         base weights (so they act on every row, not only on `<mtp>` rows: no engine has gated adapters), its
@@ -111,17 +111,18 @@ def load_medusa(directory: str | os.PathLike) -> tuple[Heads, torch.Tensor]:
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose Eagle3Speculator format this follows
 
 
-def export_eagle3(checkpoint: str, out: str | os.PathLike, verifier: str | None = None) -> Path:
+def export_eagle3(
+    checkpoint: str, out: str | os.PathLike, verifier: str | None = None, identity_mapping: bool = False
+) -> Path:
     """Write an eagle3-form checkpoint in the speculators format (module docstring); `verifier` names the
-    target for vLLM (an HF id or path; default: the checkpoint's base model spec)."""
+    target for vLLM (an HF id or path; default: the checkpoint's base model spec). A draft vocabulary equal
+    to the target's is written without d2t/t2d unless `identity_mapping`: vLLM creates no
+    draft_id_to_target_id then and refuses to load one ("no module or parameter named ...")."""
     meta = eagle3_meta(checkpoint)
     model = load_model(checkpoint, "fp32")
     drafter = model.heads
     tensors = {name: value.detach().contiguous() for name, value in drafter.state_dict().items()}
-    if drafter.settings["draft_vocab"] == drafter.settings["vocab"]:
-        # the identity mapping is not written: vLLM creates no draft_id_to_target_id for a draft vocabulary
-        # equal to the target's and refuses to load one ("no module or parameter named ..."); llama.cpp's
-        # converter needs the mapping only for a reduced vocabulary
+    if drafter.settings["draft_vocab"] == drafter.settings["vocab"] and not identity_mapping:
         del tensors["d2t"], tensors["t2d"]
     config = speculators_config(
         drafter.config(),
@@ -161,7 +162,8 @@ def export_gguf_eagle3(
     check_target(target, meta.heads)
     converter()  # before any work: a missing install is one line
     with tempfile.TemporaryDirectory(prefix="mtplm-eagle3-") as tmp:
-        spec = export_eagle3(checkpoint, Path(tmp) / "speculators")
+        # the mapping as before for llama.cpp, whose converter reads it (identity or not) into the GGUF
+        spec = export_eagle3(checkpoint, Path(tmp) / "speculators", identity_mapping=True)
         return convert(spec, Path(out), "--target-model-dir", str(target), "--outtype", "f16")
 
 
