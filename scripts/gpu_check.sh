@@ -3,7 +3,7 @@
 #   1. `pytest -m gpu`: training and decoding on the GPU, the compiled backend (CUDA graphs) == eager tokens;
 #   2. the decode pass's cost on the GPU (scripts/pass_cost.py on random weights of SmolLM2-135M's and
 #      Qwen2.5-Coder-0.5B's shapes: eager vs compiled, 1 row vs 1 + k-1 <mtp> rows);
-#   3. vLLM serving an exported EAGLE-3 drafter (scripts/vllm_eagle3.py), when vLLM and the models are there.
+#   3. vLLM serving an exported EAGLE-3 drafter (scripts/probes/vllm_eagle3.py), when vLLM and the models are there.
 # usage: scripts/gpu_check.sh [OUT_DIR]      env: PYTHON (default python3), TARGET and DRAFTER for step 3
 set -uo pipefail
 out=${1:-${OUT:-gpu-check}}
@@ -26,6 +26,6 @@ if ! $py -c "import vllm" 2>/dev/null; then
 elif [ -z "${TARGET:-}" ] || [ -z "${DRAFTER:-}" ]; then
     echo "set TARGET (an HF model folder) and DRAFTER (mtplm export --format eagle3) for the vLLM check" | tee "$out/vllm.txt"
 else
-    $py scripts/vllm_eagle3.py --target "$TARGET" --drafter "$DRAFTER" 2>&1 | tee "$out/vllm.txt"
+    $py scripts/probes/vllm_eagle3.py --target "$TARGET" --drafter "$DRAFTER" 2>&1 | tee "$out/vllm.txt"
 fi
 exit $tests

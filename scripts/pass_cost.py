@@ -1,4 +1,4 @@
-"""The cost curve t(batch, rows per sequence) of one decode pass on this machine, per backend (SPEC §5), and
+"""The cost curve t(batch, rows per sequence) of one decode pass on this machine, per backend, and
 the roofline ratio of a 1-row pass.
 
 Each pass feeds `rows` rows per sequence behind `context` cached positions through a backend

@@ -4,7 +4,8 @@ wall-clock hours, log x, with the fitted trend tokens/pass = a + b * log10(hours
 decode measured on the final checkpoint (a `mtplm bench` report.json) beside it, and what the trend says
 about the hours needed to reach a target (an extrapolation: an estimate, not a measurement).
 
-    python scripts/acceptance_vs_compute.py runs/m2 --bench docs/results/smollm2-135m-recipe/report.json \
+    python scripts/probes/acceptance_vs_compute.py runs/m2 \
+        --bench docs/results/smollm2-135m-recipe/report.json \
         --out docs/results/smollm2-135m-recipe/acceptance-vs-compute --extra-hours 0.15
 
 The x axis is the run's elapsed_s (metrics.jsonl; since this release it runs on over resumed sessions,

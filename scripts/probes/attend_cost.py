@@ -2,7 +2,7 @@
 through mtplm's kernel (fewrow.attend) and torch's float32 products (forward.attend without the kernel): mean
 milliseconds per call over a grid of fed rows and key counts, 1 sequence, eager.
 
-    python scripts/attend_cost.py --rows 1,8,16,32 --keys 300,2000 --calls 200
+    python scripts/probes/attend_cost.py --rows 1,8,16,32 --keys 300,2000 --calls 200
 
 Timings are on whatever else the machine runs: take them under a lock on a shared machine.
 """

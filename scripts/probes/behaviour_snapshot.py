@@ -1,4 +1,4 @@
-"""Record what decoding does, to compare a refactor's before and after (issue 30: behaviour must not change).
+"""Record what decoding does, to compare a refactor's before and after.
 
 Runs `mtplm bench` (fp32, eager backend, the default modes plus a lookup tree, tree drafting and ConfAdapt
 over verified drafting, no outside baselines, no task scoring) and keeps each mode's tokens and
@@ -6,8 +6,8 @@ tokens per pass for every prompt, the bench's deterministic aggregates (tokens/p
 prefix agreement) and its predicted tokens/pass; then a few sampled generations (temperature 0.8) of the
 verifying modes, which the bench never runs. Timings are dropped: they are not behaviour.
 
-    python scripts/behaviour_snapshot.py OUT.json [--prompts 20] [--max-new-tokens 128]
-    python scripts/behaviour_snapshot.py --compare BEFORE.json AFTER.json
+    python scripts/probes/behaviour_snapshot.py OUT.json [--prompts 20] [--max-new-tokens 128]
+    python scripts/probes/behaviour_snapshot.py --compare BEFORE.json AFTER.json
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Which pass buckets a decoding mode feeds, and what each costs (issue 29: `<mtp>` rows at the price of plain
+"""Which pass buckets a decoding mode feeds, and what each costs (`<mtp>` rows at the price of plain
 rows). Decodes the bench's held-out prompts (eval split) on one warm compiled backend (every bucket compiled
 and each prompt decoded once untimed first), timing every decode pass by its (rows bucket, `<mtp>` rows or
 not): how many passes each bucket ran, its share of the pass time, and ms per pass (backend.run plus the LM
 head of the same pass; the prompt's pass apart).
 
-    python scripts/bucket_mix.py --prompts 5 --max-new-tokens 128 --mode "verified:quadratic+lookup@4"
+    python scripts/probes/bucket_mix.py --prompts 5 --max-new-tokens 128 --mode "verified:quadratic+lookup@4"
 
 Timings are on whatever else the machine runs: take them under a lock on a shared machine.
 """

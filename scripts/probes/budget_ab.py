@@ -3,7 +3,7 @@
 prompt on one compiled backend, on the bench's held-out prompts and on prompts of kinds the bench does not
 hold (JSON, SQL, code, open questions, arithmetic). Measures, never asserts.
 
-    python scripts/budget_ab.py --prompts 20 --max-new-tokens 128
+    python scripts/probes/budget_ab.py --prompts 20 --max-new-tokens 128
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Where the compiled 1-row decode pass spends its time against its memory-bound floor (issue 29 item 1).
+"""Where the compiled 1-row decode pass spends its time against its memory-bound floor.
 
 On the compiled backend (what `pass_cost.py --backends compiled` times), one plain row behind `--context`
 cached positions:
@@ -12,7 +12,7 @@ cached positions:
     one-thread read bandwidth beside it, measured in the same run (the floor moves with the machine).
 Run under the shared lock:
 
-    flock /tmp/mtplm-heavy.lock python scripts/floor_probe.py --repeats 30
+    flock /tmp/mtplm-heavy.lock python scripts/probes/floor_probe.py --repeats 30
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from mtplm.decode.fast import fewrow
 from mtplm.decode.protocol import Feed
 from mtplm.model import load_model
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))  # scripts/, where pass_cost.py is
 from pass_cost import bandwidth, read_bytes  # noqa: E402
 
 GROUPS = {  # profiler op name -> group; first match wins

@@ -1,4 +1,4 @@
-"""Few-row bf16 products at the memory bound (issue 29 item 1): one decode pass's GEMMs, timed per kernel
+"""Few-row bf16 products at the memory bound: one decode pass's GEMMs, timed per kernel
 path.
 
 A chain with the shapes of one pass of a Llama-family model (default SmolLM2-135M: per layer the fused qkv
@@ -22,7 +22,7 @@ The floor: the weight bytes over numpy's read bandwidth (a sum over a 512 MB arr
 Every path's output is checked against eager F.linear (bf16 tolerance); compile seconds are printed apart
 and never timed. Run under the shared lock:
 
-    flock /tmp/mtplm-heavy.lock python scripts/gemm_probe.py --rows 1,8,32 --paths eager,packed,fewrow
+    flock /tmp/mtplm-heavy.lock python scripts/probes/gemm_probe.py --rows 1,8,32 --paths eager,packed,fewrow
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Compare llguidance and xgrammar on the SmolLM2 tokenizer (plus <mtp>): compile time, per-token mask time,
 and forced tokens along a valid output. Usage (under the shared lock; timings are a shared machine's):
 
-    flock /tmp/mtplm-heavy.lock python scripts/grammar_engines.py [--model DIR]
+    flock /tmp/mtplm-heavy.lock python scripts/probes/grammar_engines.py [--model DIR]
 
 Each grammar is compiled fresh (no cache: xgrammar's cache is cleared, llguidance compiles per matcher);
 the walk feeds a valid output's tokens one at a time, timing the mask before each token and the

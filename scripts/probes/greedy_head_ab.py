@@ -2,8 +2,8 @@
 decoding paired prompt by prompt on one compiled backend (the copy switched on and off, alternating which
 goes first), with the share of outputs identical between the two. Measures; asserts nothing.
 
-    flock /tmp/mtplm-bench.lock python scripts/greedy_head_ab.py --model qwen2.5-coder-0.5b --prompts 12 \
-        --max-new-tokens 128
+    flock /tmp/mtplm-bench.lock python scripts/probes/greedy_head_ab.py --model qwen2.5-coder-0.5b \
+        --prompts 12 --max-new-tokens 128
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Ablation of doc 002's training devices for head-based MTP, on one frozen trunk and one data set.
+"""Ablation of the training devices for head-based MTP, on one frozen trunk and one data set.
 
 Each variant changes one setting of the baseline recipe and trains the same number of steps on the same
 cached trunk states; the table reports held-out acceptance (per-head agreement with the trunk's greedy
 token, and the verified tokens-per-pass estimate). It measures; it asserts nothing.
 
-    python scripts/heads_ablation.py --model smollm2-135m --data jsonl:runs/main1/selfgen.jsonl \
+    python scripts/probes/heads_ablation.py --model smollm2-135m --data jsonl:runs/main1/selfgen.jsonl \
         --steps 100 --k 4 --out docs/results/smollm2-135m-heads-ablation
 """
 
@@ -65,7 +65,7 @@ def main() -> int:
     lines = [
         f"# Head-based MTP ablation: {args.model}, {args.form} heads, K = {args.k}, {args.steps} steps each",
         "",
-        f"`python scripts/heads_ablation.py {' '.join(sys.argv[1:])}`",
+        f"`python scripts/probes/heads_ablation.py {' '.join(sys.argv[1:])}`",
         "",
         "| variant | "
         + " | ".join(f"head {k} agreement" for k in heads)

@@ -6,7 +6,7 @@ layer (norms, qkv, rope, attention, o, mlp), so kernel effects show apart from i
 the compiled backend's hidden states and logits (1-row bucket: the whole pass as one graph; the others: a
 graph per layer).
 
-    python scripts/invariance_probe.py --rows 2,8 --context 100
+    python scripts/probes/invariance_probe.py --rows 2,8 --context 100
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ per-T graphs one per T), then the contexts take turns pass by pass, best of `rep
 cached positions reads the key bucket n + rows rounds up to (128, 256, ...): contexts 100, 300, 1500, 6000
 read 128, 512, 2048 and 8192 keys. The store is zeros (timing does not depend on what the keys hold).
 
-    TORCHINDUCTOR_CACHE_DIR=/tmp/fresh python scripts/key_length_probe.py --contexts 100,300,1500,6000
+    TORCHINDUCTOR_CACHE_DIR=/tmp/fresh python scripts/probes/key_length_probe.py --contexts 100,300,1500,6000
 """
 
 from __future__ import annotations

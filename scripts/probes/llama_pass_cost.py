@@ -5,7 +5,7 @@ tokens).
 A drafter's verification pass feeds 1 + drafts rows, so this curve, beside the bench's ms per pass of a
 drafted row (`mtplm bench --llama-server f16,f16+eagle3`), splits that pass into verification and drafting.
 
-    python scripts/llama_pass_cost.py ~/.cache/mtplm/gguf/smollm2-135m-f16.gguf --rows 1,2,3,4,5,8
+    python scripts/probes/llama_pass_cost.py ~/.cache/mtplm/gguf/smollm2-135m-f16.gguf --rows 1,2,3,4,5,8
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The load test's workload on the batch engine alone, in this process (no HTTP, no tokenizer round trip
-beyond the prompt): what `mtplm serve` could deliver at best. scripts/load_test.py --engine uses it.
+beyond the prompt): what `mtplm serve` could deliver at best. scripts/probes/load_test.py --engine uses it.
 
 Each of N client threads submits its prompts one after another as engine jobs (greedy, the chat template,
 the same max_tokens and mode as the HTTP clients) and waits for each to finish; completion tokens are

@@ -5,13 +5,13 @@ throughput (completion tokens/s across all clients), its ratio to plain decoding
 request latency and time to first token (p50/p99), tokens per forward pass and errors; JSON, Markdown
 and a PNG. Modes run in rounds, in alternating order, so slow drift on a shared machine hits all of them.
 
-    python scripts/load_test.py --start --clients 8 --modes ntp,static:4,confadapt,verified
-    python scripts/load_test.py --url http://127.0.0.1:8000 --model smollm2-135m-mtp
+    python scripts/probes/load_test.py --start --clients 8 --modes ntp,static:4,confadapt,verified
+    python scripts/probes/load_test.py --url http://127.0.0.1:8000 --model smollm2-135m-mtp
     # beside the engine alone:
-    python scripts/load_test.py --start --engine --clients 1 --modes ntp,verified:lookup
+    python scripts/probes/load_test.py --start --engine --clients 1 --modes ntp,verified:lookup
 
---engine first runs the same workload on the batch engine in this process (scripts/load_engine.py), then
-the HTTP test, and reports each mode's server throughput over the engine's.
+--engine first runs the same workload on the batch engine in this process (load_engine.py beside this file),
+then the HTTP test, and reports each mode's server throughput over the engine's.
 """
 
 from __future__ import annotations

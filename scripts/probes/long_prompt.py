@@ -9,7 +9,7 @@ token ids, and how long it stalls a client that is decoding meanwhile.
    sent. Reported: the decoding client's median gap between streamed tokens before the long prompt,
    its longest gap while the long prompt is admitted (sent -> its first token), and that prompt's TTFT.
 
-    python scripts/long_prompt.py --start --length 6144 --context 8192 --out runs/long-prompt.json
+    python scripts/probes/long_prompt.py --start --length 6144 --context 8192 --out runs/long-prompt.json
 """
 
 from __future__ import annotations

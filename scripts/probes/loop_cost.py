@@ -1,4 +1,4 @@
-"""Where a generated token's time goes outside the decode pass (issue 29: no time lost outside the pass).
+"""Where a generated token's time goes outside the decode pass.
 
 Decodes the bench's held-out prompts (eval split, the chat prompt's last tokens, as `mtplm bench` does) in
 each mode, modes interleaved prompt by prompt, on one warm backend (every bucket compiled before anything is
@@ -10,8 +10,8 @@ and detokenization, timed apart (the tokenizer's incremental decode of each step
 `mtplm generate` streams them; `generate` itself never detokenizes). `--profile N` then runs one more
 round under cProfile and prints the N functions with the most own time outside the pass and the head.
 
-    python scripts/loop_cost.py --prompts 6 --max-new-tokens 128 --rounds 2
-    python scripts/loop_cost.py --modes ntp,verified:lookup --profile 25 --json runs/loop-cost.json
+    python scripts/probes/loop_cost.py --prompts 6 --max-new-tokens 128 --rounds 2
+    python scripts/probes/loop_cost.py --modes ntp,verified:lookup --profile 25 --json runs/loop-cost.json
 
 Timings are on whatever else the machine runs: take them under a lock on a shared machine.
 """

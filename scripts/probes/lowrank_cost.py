@@ -1,4 +1,4 @@
-"""What the gated adapters' low-rank product adds to a `<mtp>` pass, per row count (issue 29 item 2).
+"""What the gated adapters' low-rank product adds to a `<mtp>` pass, per row count.
 
 One pass's fused-adapter products (fewrow.lora_linear) with SmolLM2-135M's shapes and rank 32 (per layer:
 qkv with three adapters, o, gate/up with two, down; 30 layers), timed twice per repeat, alternated: with
@@ -9,7 +9,7 @@ so this times the kernel's work, not memory (pass_cost.py times whole passes). W
 tiles for up to 32 rows where the CPU has them, else AVX-512 register tiles (MTPLM_FEWROW_ISA=avx512 keeps
 an AMX CPU to those). Run under the shared lock:
 
-    flock /tmp/mtplm-heavy.lock python scripts/lowrank_cost.py --rows 1,2,4,8,16,32
+    flock /tmp/mtplm-heavy.lock python scripts/probes/lowrank_cost.py --rows 1,2,4,8,16,32
 """
 
 from __future__ import annotations

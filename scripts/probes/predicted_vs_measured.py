@@ -2,7 +2,7 @@
 calibrate ConfAdapt to 99 % token agreement, decode each mode, replay the same modes over the plain answers
 (train/predict.py), and put both beside the packed training estimate the checkpoint recorded.
 
-    python scripts/predicted_vs_measured.py smollm2-135m-mtp --prompts 16 --calibration 8 \\
+    python scripts/probes/predicted_vs_measured.py smollm2-135m-mtp --prompts 16 --calibration 8 \\
         --max-new-tokens 96 --modes verified,verified:linear:adaptive,verified:quadratic,confadapt \\
         --out docs/results/smollm2-135m-predictor
 """
@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "README.md").write_text(
         report(
             result,
-            "python scripts/predicted_vs_measured.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "python scripts/probes/predicted_vs_measured.py "
+            + " ".join(argv if argv is not None else sys.argv[1:]),
         )
     )
     print((args.out / "README.md").read_text())

@@ -5,7 +5,7 @@ op, grouped: matmuls, attention, norms/RoPE/elementwise, KV-cache traffic, compi
 time no op accounts for (Python and dispatch). A copy benchmark measures this machine's memory
 bandwidth, so the roofline ratio = ms per pass / (bytes of weights one pass reads / bandwidth).
 
-    flock /tmp/mtplm-bench.lock python scripts/profile_pass.py --dtype bf16 --rows 1 --context 200
+    flock /tmp/mtplm-bench.lock python scripts/probes/profile_pass.py --dtype bf16 --rows 1 --context 200
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ lone prompt), in milliseconds per prompt token (flat: linear time), and as the r
 `compiled@N` is the compiled backend with prompts chunked N rows at a time (32: the compiled row buckets;
 larger: uncompiled wide passes with fused attention, decode/fast/prefill.py).
 
-    python scripts/prompt_sweep.py --lengths 512,1024,2048,4096,8192 --backends eager,compiled,compiled@32 \\
-        --out runs/prompt-sweep.md
+    python scripts/probes/prompt_sweep.py --lengths 512,1024,2048,4096,8192 \\
+        --backends eager,compiled,compiled@32 --out runs/prompt-sweep.md
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`mtplm serve` at its defaults on an empty compile cache: seconds to /health ok, then the same chat answer
 twice while its graphs compile in the background and twice after, with tokens/s and whether the four are
-identical. Usage: `python scripts/serve_during_compile.py [--port 8765] [-- extra serve arguments]`."""
+identical. Usage: `python scripts/probes/serve_during_compile.py [--port 8765] [-- extra serve arguments]`."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ schemas with nested objects, enums, arrays and numbers, a SQL Lark grammar, rege
 pass split into forced and model tokens, speed, grammar ms per pass, speed vs constrained plain, per mode.
 The same rows as `mtplm bench --prompt-set structured --constrained`. Usage (under the shared lock):
 
-    flock /tmp/mtplm-heavy.lock python scripts/structured_bench.py [--model smollm2-135m-mtp] [--n 128]
+    flock /tmp/mtplm-heavy.lock python scripts/probes/structured_bench.py [--model smollm2-135m-mtp] [--n 128]
         [--dtype bf16] [--backend auto]
 
 The defaults are the product's: bf16 on the `auto` backend (the compiled pass for Llama models, warmed

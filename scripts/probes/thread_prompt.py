@@ -7,7 +7,7 @@ on the main thread, then on a new thread. `--all-in-thread` loads the model and 
 thread (the main thread runs no torch op), so only one thread ever starts OpenMP teams. Measures, never
 asserts; run under the shared lock:
 
-    flock /tmp/mtplm-heavy.lock python scripts/thread_prompt.py --length 3072
+    flock /tmp/mtplm-heavy.lock python scripts/probes/thread_prompt.py --length 3072
 """
 
 from __future__ import annotations

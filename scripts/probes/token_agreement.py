@@ -3,7 +3,7 @@ greedy choice for their prefix (calibrate.token_agreement, teacher-forced, the m
 targets), on the bench's eval prompts. A lossless mode scores 100 % in fp32; in bf16 its score is the floor
 that rounding alone gives, so a lossy mode's own cost is its distance below that floor.
 
-    python scripts/token_agreement.py --model smollm2-135m-mtp --prompts 24 --max-new-tokens 256 \
+    python scripts/probes/token_agreement.py --model smollm2-135m-mtp --prompts 24 --max-new-tokens 256 \
         --modes verified:quadratic+lookup@4,confadapt,confadapt+quadratic+lookup@4 --out agreement.json
 """
 

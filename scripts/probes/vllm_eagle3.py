@@ -5,7 +5,7 @@ the target with `speculative_config={"method": "eagle3", ...}`. Prints tokens/s 
 whole batch, and one prompt at a time), the speedup, vLLM's own acceptance counters (mean tokens per
 verification pass = 1 + accepted / drafts), and how many outputs are identical.
 
-    python scripts/vllm_eagle3.py --target ~/.cache/mtplm/models/smollm2-135m --drafter runs/e3c/eagle3
+    python scripts/probes/vllm_eagle3.py --target ~/.cache/mtplm/models/smollm2-135m --drafter runs/e3c/eagle3
 
 scripts/gpu_check.sh calls it when vLLM is importable. Needs vLLM (not an mtplm dependency) and the data
 package of `mtplm setup` for the prompts.

@@ -1,7 +1,7 @@
 """The constrained structured bench (`mtplm bench --prompt-set structured --constrained`,
-scripts/structured_bench.py): every mode with and without each case's constraint (bench/structured_set.py),
-per row the share of answers that validate, tokens per pass split into forced and model-chosen tokens,
-speed, the grammar engine's share of a pass, and speed against constrained plain decoding.
+scripts/probes/structured_bench.py): every mode with and without each case's constraint
+(bench/structured_set.py), per row the share of answers that validate, tokens per pass split into forced and
+model-chosen tokens, speed, the grammar's share of a pass, and speed against plain constrained decoding.
 
 Cases run interleaved (case 1 in every row, then case 2, ...) after one untimed warm-up generation per row,
 so machine noise spreads over the rows. On a compiled backend every bucket the rows can meet is compiled

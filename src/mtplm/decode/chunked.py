@@ -18,7 +18,7 @@ import torch
 from mtplm.decode.protocol import Feed
 
 PREFILL_CHUNK = (
-    512  # rows per run: measured best of 32 (compiled buckets), 256, 512 (scripts/prompt_sweep.py)
+    512  # rows per run: measured best of 32 (compiled buckets), 256, 512 (scripts/probes/prompt_sweep.py)
 )
 
 

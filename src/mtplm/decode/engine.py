@@ -18,7 +18,7 @@ Callers talk to the engine from other threads: `submit` (validates the job, rais
 `cancel`, `close`. Results go to each job's `emit(step, error)` callback, called on the engine thread.
 `Engine.on_own_thread` also loads and warms the model on that thread, so one thread runs every torch op:
 a second thread's OpenMP teams, once another thread has started its own, run short ops 25-45 % slower on
-two cores (scripts/thread_prompt.py, docs/serving.md).
+two cores (scripts/probes/thread_prompt.py, docs/serving.md).
 """
 
 from __future__ import annotations
