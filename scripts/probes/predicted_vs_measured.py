@@ -4,7 +4,7 @@ calibrate ConfAdapt to 99 % token agreement, decode each mode, replay the same m
 
     python scripts/probes/predicted_vs_measured.py smollm2-135m-mtp --prompts 16 --calibration 8 \\
         --max-new-tokens 96 --modes verified,verified:linear:adaptive,verified:quadratic,confadapt \\
-        --out docs/results/smollm2-135m-predictor
+        --out runs/predictor
 """
 
 from __future__ import annotations
