@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Optional: llama-cpp-python as the native CPU reference for `mtplm bench --llama-cpp` (about 4 min to compile).
 # The default build turns on GGML_NATIVE, whose AMX kernels crash in llama_decode on some CPUs, so this
-# builds the portable AVX2/AVX-512 kernels with AMX off (RESOURCES.md §1).
+# builds the portable AVX2/AVX-512 kernels with AMX off.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate

@@ -8,7 +8,7 @@
 #   convert_hf_to_gguf.py     the converter of the same llama.cpp, with conversion/ and gguf-py/ beside it
 #   INSTALLED                 what was built, with which flags, in how long
 # Portable kernels as in install_llama_cpp.sh: GGML_NATIVE off, AVX2/AVX-512(+BF16) on, AMX off (its kernels crash in
-# llama_decode on some CPUs, RESOURCES.md §1). Idempotent: a finished install with the same recipe is kept.
+# llama_decode on some CPUs). Idempotent: a finished install with the same recipe is kept.
 # Needs cmake and g++ (Debian: apt-get install -y cmake g++; installed here when missing and apt-get is allowed).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,4 +1,4 @@
-"""Doc 000 §4.3's cost table: machines and energy to serve a daily token volume at the measured speed.
+"""The bench's cost table: machines and energy to serve a daily token volume at the measured speed.
 
 Every number comes from a bench row's measured tokens/s and the printed assumptions; nothing else is
 estimated. The measured speed is one stream per machine (batch 1), so the table is the cost of serving

@@ -103,7 +103,7 @@ class Result:
 
 
 class CodeScore(NamedTuple):
-    """Doc 002's two correctness figures for one completion."""
+    """A completion's two correctness figures: its first code block and its last."""
 
     first_try: Result  # the first code block of the completion
     final: Result  # the last code block: credit for a model that corrects itself later in its answer
