@@ -37,6 +37,12 @@ inline int64_t readable(const float* mask, int64_t t) {
   return t;
 }
 
+// exp_nonpositive's constants (its AVX-512 form below, the AVX2 one in attend_avx2.cpp): x = n ln2 + r with
+// ln2 in two parts, e^r by Taylor to r^6 on |r| <= ln2 / 2 (Horner, highest term first), 0 below kExpFloor.
+constexpr float kExpFloor = -87.0f, kLog2E = 1.44269504f, kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
+constexpr int kExpTerms = 7;
+constexpr float kExpTaylor[kExpTerms] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+
 #if defined(__AVX512F__)
 // 16 elements as float32, and back; bf16 is held as uint16_t
 inline __m512 load16(const uint16_t* from) {
@@ -51,17 +57,12 @@ inline void store16(float* to, __m512 x) { _mm512_storeu_ps(to, x); }
 
 // e^x for x <= 0 in float32 (|relative error| ~1e-7); 0 below -87 (where float32 would go subnormal).
 inline __m512 exp_nonpositive(__m512 x) {
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // x - n ln2, ln2 in two parts
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);  // Taylor to r^6 on |r| <= ln2 / 2
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpFloor), _CMP_GE_OQ);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2E)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), r);
+  __m512 p = _mm512_set1_ps(kExpTaylor[0]);
+  for (int i = 1; i < kExpTerms; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpTaylor[i]));
   return _mm512_maskz_scalef_ps(live, p, n);
 }
 

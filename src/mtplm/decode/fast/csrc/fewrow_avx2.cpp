@@ -29,6 +29,7 @@ namespace {
 using mtplm::fewrow::kBlock;
 using mtplm::fewrow::Problem;
 constexpr int kGroup = 4;     // output blocks streamed together
+constexpr int64_t kGroupBytes = 256 << 10;  // at most this much of them while several row tiles read them
 constexpr int kTileRows = 4;  // rows whose accumulators share the registers
 
 // bf16 pairs (one per 32-bit lane) -> float32 of the low halves (the even inputs) and of the high halves
@@ -125,8 +126,11 @@ std::pair<TileFn, int64_t> tile_fn(int64_t rows, int64_t blocks) {
 void mtplm::fewrow::avx2_blocks(const Problem& p, int64_t begin, int64_t end) {
   const int64_t tiles = (p.n + kTileRows - 1) / kTileRows;
   const std::vector<float> wide = widened(p);
-  for (int64_t group = begin; group < end; group += kGroup) {
-    const int64_t last = std::min<int64_t>(group + kGroup, end);
+  // a group the second row tile reads from L2, not memory (a long K's block alone can be ~300 KB)
+  const int64_t fits = std::max<int64_t>(1, kGroupBytes / (p.kp * kBlock * 2));
+  const int64_t size = tiles > 1 ? std::min<int64_t>(kGroup, fits) : kGroup;
+  for (int64_t group = begin; group < end; group += size) {
+    const int64_t last = std::min<int64_t>(group + size, end);
     int64_t row = 0;
     for (int64_t t = 0; t < tiles; ++t) {  // rows split evenly over the tiles: 6 rows are 3 + 3
       const int64_t rows = (p.n - row) / (tiles - t) + ((p.n - row) % (tiles - t) != 0);
