@@ -28,6 +28,7 @@ from mtplm.config.overrides import (
     override,
     to_toml,
 )
+from mtplm.config.penalties import Penalties, SettingError
 from mtplm.config.serve import (
     Limits,
 )
@@ -51,6 +52,8 @@ __all__ = [
     "LOOKUP_TOKENS",
     "PLAIN_MODE",
     "ModeDefaults",
+    "Penalties",
+    "SettingError",
     "Thresholds",
     "drafting_names",
     "mode_grammar",

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from mtplm.config.modes import mode_entry, mode_named
+from mtplm.config.penalties import Penalties
 from mtplm.errors import UserError
 from mtplm.registry import CONFIDENCE, PROPOSERS, STRATEGIES, WINDOWS
 
@@ -85,6 +86,27 @@ class DecodeConfig:
     top_p: float = 1.0
     max_new_tokens: int = 256
     seed: int = 0
+    # applied to the target's next-token logits in every mode (config/penalties.py, decode/penalties.py)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+
+    def penalties(self) -> Penalties:
+        """The penalty fields as one checked record."""
+        return Penalties(
+            self.presence_penalty, self.frequency_penalty, self.repetition_penalty, self.logit_bias
+        ).check()
+
+    def with_penalties(self, penalties: Penalties) -> DecodeConfig:
+        """A copy whose penalty fields are `penalties`'."""
+        return replace(
+            self,
+            presence_penalty=penalties.presence,
+            frequency_penalty=penalties.frequency,
+            repetition_penalty=penalties.repetition,
+            logit_bias=penalties.logit_bias,
+        )
 
     def needs_conversion(self) -> bool:
         """Whether the mode needs mask slots or heads (its entry says: every built-in mode but plain, and
@@ -169,6 +191,7 @@ class DecodeConfig:
             raise UserError("temperature must be >= 0, top_p in (0, 1] and top_k >= 0")
         if self.max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        self.penalties()
         return self
 
 

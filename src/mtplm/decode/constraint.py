@@ -351,7 +351,7 @@ class ConstrainedLogits(PassLogits):
 
     @cached_property
     def next_token(self) -> torch.Tensor:
-        rows = self._rows(0, self.feed.drafts + 1).clone()
+        rows = self._next_rows().clone()  # penalized first, when the request has penalties
         masks = self.constraint.masks_along(self.draft_tokens, self.feed.parents)
         for i, mask in enumerate(masks):
             if mask is not None:

@@ -143,6 +143,7 @@ class Engine:
             logprobs=job.logprobs,
             echo=job.echo,
             constraint=job.constraint,
+            penalties=job.cfg.penalties(),
         )
         with self._wake:
             if self.closing:

@@ -19,12 +19,13 @@ from typing import cast
 
 import torch
 
-from mtplm.config import DecodeConfig
+from mtplm.config import DecodeConfig, Penalties
 from mtplm.decode.backends import KV, Backend, EagerBackend, describe
 from mtplm.decode.backends import stop_ids as stop_ids
 from mtplm.decode.constraint import ConstrainedLogits, Constraint, trim
 from mtplm.decode.constraint_drafts import grammar_drafts, pruned
 from mtplm.decode.logprobs import TokenLogprob, prompt_logprobs, rows_logprobs, step_logprobs
+from mtplm.decode.penalties import penalizer
 from mtplm.decode.protocol import DecodeModel, Drafting, Feed, Outcome, PassLogits, Plan, Strategy, fit
 from mtplm.decode.sampling import greedy
 from mtplm.decode.steps import Generation, Step
@@ -55,6 +56,7 @@ class Decoding:
         logprobs: int | None = None,
         echo: bool = False,
         constraint: Constraint | None = None,
+        penalties: Penalties | None = None,
     ) -> None:
         if not prompt_ids:
             raise UserError("the prompt is empty: give at least one token of input")
@@ -71,21 +73,18 @@ class Decoding:
         self.pending = list(prompt_ids)  # committed tokens not yet in the cache
         self.prompt_len = len(prompt_ids)
         self.text = list(prompt_ids)  # every committed token: the prompt, then what was emitted
-        self.produced = 0
-        self.done = False
+        self.produced, self.done = 0, False
         self.last: Outcome | None = None  # the previous pass's outcome: its drafts are the next pass's
         self.plan: Plan | None = None  # this pass's plan and rows (feed() sets them, advance() reads them)
         self.fed: Feed | None = None
         self.budget = 0  # tokens this pass may emit
-        self.cap: int | None = (
-            None  # most tokens one pass may emit, set from outside (the engine's load policy)
-        )
+        self.cap: int | None = None  # most tokens one pass may emit, set from outside (the load policy)
         # opt-in (decode/logprobs.py): top-N alternatives per emitted token (None: no logprobs at all),
         # and the prompt's own token logprobs from the prefill pass
         self.logprobs, self.echo = logprobs, echo
-        self.drafter = (
-            model.drafter() if model.drafter is not None else None
-        )  # head-based: this sequence's own
+        self.drafter = model.drafter() if model.drafter is not None else None  # head-based: its own
+        # the request's penalties on every next-token row, each as of its own position (decode/penalties.py)
+        self.penalizer = penalizer(penalties, self.text, self.prompt_len)
         # constraint.py: the grammar the output must match; the tokens it forces ride in the next pass as
         # committed tokens (no logprobs for them, so not when logprobs are asked for)
         self.constraint, self.forced = constraint, list[int]()
@@ -208,10 +207,13 @@ class Decoding:
         plan, feed = self.plan, self.fed
         assert plan is not None and feed is not None, "advance() follows feed()"
         tail = hidden[feed.pending - 1 :]
+        head, penalizer = self.model.head, self.penalizer
         rows = (
-            PassLogits(self.model.head, tail, feed, logits, tokens=tokens)
+            PassLogits(head, tail, feed, logits, tokens=tokens, penalizer=penalizer)
             if self.constraint is None
-            else ConstrainedLogits(self.constraint, plan.drafts, self.model.head, tail, feed, logits)
+            else ConstrainedLogits(
+                self.constraint, plan.drafts, head, tail, feed, logits, penalizer=penalizer
+            )
         )
         block = None  # the block whose tokens this pass emits or drafts from
         if plan.emits_block and plan.slots and self.drafter is not None:  # heads draft it before choose
@@ -225,8 +227,10 @@ class Decoding:
                 block = self._heads(hidden, path, outcome.new[0], plan.slots)
             else:  # given greedy tokens (greedy_only), the block as its tokens: no LM head over its rows
                 block = rows.block_tokens(anchor) if tokens is not None else rows.block(anchor)
+            chain = [plan.drafts[i] for i in path] + [outcome.new[0]]
+            if self.penalizer is not None and block is not None:  # drafts as the penalized target would
+                block = self.penalizer.chain(block, chain)
             if self.constraint is not None and block is not None:  # drafts the grammar rejects are not fed
-                chain = [plan.drafts[i] for i in path] + [outcome.new[0]]
                 block = self.constraint.mask_chain(block, chain)
             room = self.budget - outcome.accepted - len(outcome.new)
             outcome = cast(Drafting, self.strategy).draft(outcome, block, room, self.generator)
@@ -246,15 +250,12 @@ class Decoding:
             self.model.argmax is not None
             and sampling is not None
             and sampling.temperature == 0
-            and (feed.slots == 0 or self._greedy_blocks())
+            and (feed.slots == 0 or bool(getattr(self.strategy, "greedy_blocks", False)))
             and self.logprobs is None
             and self.constraint is None
             and self.drafter is None
+            and self.penalizer is None
         )
-
-    def _greedy_blocks(self) -> bool:
-        """The strategy drafts from its mask block's greedy tokens alone (Verified.greedy_blocks)."""
-        return bool(getattr(self.strategy, "greedy_blocks", False))
 
     def _heads(self, hidden: torch.Tensor, path: list[int], token: int, n: int) -> torch.Tensor:
         """The head drafter's block [n, V] after the pending tokens, drafts `path`, then `token`."""
@@ -338,13 +339,16 @@ def stream(
     seed: int = 0,
     backend: Backend | None = None,
     constraint: Constraint | None = None,
+    penalties: Penalties | None = None,
 ) -> Iterator[Step]:
     """Yield each step's emitted tokens as soon as they are chosen (one sequence in slot 0 of `backend`).
     A backend that warm_up (or pricing.price) priced lets the strategy size its drafts by this machine's
     row cost (budget.py); an unpriced one feeds every draft offered."""
     backend = backend or EagerBackend(model, slots=1)
     spec = describe(model, backend)
-    sequence = Decoding(spec, prompt_ids, strategy, max_new_tokens, stop_ids, seed, constraint=constraint)
+    sequence = Decoding(
+        spec, prompt_ids, strategy, max_new_tokens, stop_ids, seed, constraint=constraint, penalties=penalties
+    )
     kv = backend.kv(0)
     with torch.inference_mode():
         while not sequence.done:
@@ -377,8 +381,9 @@ def generate(
     )
     result = Generation(prompt_len=len(prompt_ids))
     start = time.perf_counter()
+    ids, most = prompt_ids, cfg.max_new_tokens
     steps = stream(
-        model, prompt_ids, strategy, cfg.max_new_tokens, stop_ids(model), cfg.seed, backend, constraint
+        model, ids, strategy, most, stop_ids(model), cfg.seed, backend, constraint, cfg.penalties()
     )
     for step in steps:
         if not result.tokens:

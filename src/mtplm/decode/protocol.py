@@ -44,6 +44,7 @@ __all__ = [
     "PassLogits",
     "Plan",
     "PassLimits",
+    "Penalizing",
     "Priced",
     "Strategy",
     "fit",
@@ -176,9 +177,10 @@ class PassLogits:
         logits: torch.Tensor | None = None,
         block: torch.Tensor | None = None,
         tokens: torch.Tensor | None = None,
+        penalizer: Penalizing | None = None,
     ) -> None:
         self._head, self._hidden, self.feed, self._logits, self._block = head, hidden, feed, logits, block
-        self._tokens = tokens
+        self._tokens, self.penalizer = tokens, penalizer
 
     def _rows(self, start: int, stop: int) -> torch.Tensor:
         if self._logits is not None and stop <= len(self._logits):
@@ -198,15 +200,34 @@ class PassLogits:
 
     @cached_property
     def next_token(self) -> torch.Tensor:
-        """[m+1, V]: the next-token logits at the last committed token and after each draft."""
-        return self._rows(0, self.feed.drafts + 1)
+        """[m+1, V]: the next-token logits at the last committed token and after each draft (penalized, each
+        row as of its own position, when the request has penalties)."""
+        return self._next_rows()
+
+    def _next_rows(self) -> torch.Tensor:
+        rows = self._rows(0, self.feed.drafts + 1)
+        if self.penalizer is None:
+            return rows
+        return self.penalizer.rows(rows, [self.draft_path(i) for i in range(-1, self.feed.drafts)])
+
+    def draft_path(self, anchor: int) -> list[int]:
+        """The drafts the committed text would end with if draft `anchor` were kept (-1: none)."""
+        drafts = self.feed.tokens[self.feed.pending : self.feed.pending + self.feed.drafts]
+        parents = self.feed.parents
+        if parents is None:
+            return drafts[: anchor + 1]
+        path: list[int] = []
+        while anchor >= 0:
+            path.insert(0, drafts[anchor])
+            anchor = parents[anchor]
+        return path
 
     @cached_property
     def next_tokens(self) -> torch.Tensor:
         """[m+1]: the greedy tokens of next_token's rows (its argmax, ties to the first index): the given
-        `tokens` where they cover them, else from the logits."""
+        `tokens` where they cover them (never under penalties), else from the logits."""
         stop = self.feed.drafts + 1
-        if self._tokens is not None and stop <= len(self._tokens):
+        if self._tokens is not None and stop <= len(self._tokens) and self.penalizer is None:
             return self._tokens[:stop]
         return greedy(self.next_token)
 
@@ -229,7 +250,12 @@ class PassLogits:
     def candidates(self) -> torch.Tensor:
         """[1 + slots, V]: next token and block of a draft-free pass (the lossy strategies' block)."""
         block = self._block if self._block is not None else self.block(self.feed.drafts - 1)
-        return self.next_token if block is None else torch.cat([self.next_token[-1:], block])
+        if block is None:
+            return self.next_token
+        if self.penalizer is not None and len(block):  # each slot penalized along the greedy chain before it
+            chain = [*self.draft_path(self.feed.drafts - 1), int(greedy(self.next_token[-1]))]
+            block = self.penalizer.chain(block, chain)
+        return torch.cat([self.next_token[-1:], block])
 
 
 # the widest pass every backend runs as a decode pass: the compiled backend's largest row bucket (and the
@@ -250,6 +276,18 @@ class PassLimits:
     @property
     def independent_rows(self) -> bool:
         return self.row_dependence is None
+
+
+class Penalizing(Protocol):
+    """A request's penalties over one sequence's committed text (decode/penalties.Penalizer)."""
+
+    def rows(self, logits: torch.Tensor, paths: Sequence[Sequence[int]]) -> torch.Tensor:
+        """logits [R, V] -> penalized: row r follows the committed text, then the tokens paths[r]."""
+        ...
+
+    def chain(self, block: torch.Tensor, path: Sequence[int]) -> torch.Tensor:
+        """A block's rows [n, V] penalized along their greedy chain after `path`."""
+        ...
 
 
 class Strategy(Protocol):
