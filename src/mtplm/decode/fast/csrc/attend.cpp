@@ -15,8 +15,9 @@
 //
 // The sums run where fewrow's isa() says: AVX-512 (attend_avx512.cpp), AVX2 + FMA (attend_avx2.cpp: 8 lanes,
 // a key's lanes summed in one fixed tree, the same orders otherwise), or, for bf16 stores with head dim 64
-// where the CPU has AMX, tile products (attend_amx.cpp): the same guarantees, other sums. 1 / 8 / 32 rows over 400 keys, one layer: 20 / 75 /
-// 265 us here, 20 / 34 / 94 us there (scripts/attend_cost.py, a 2-vCPU Xeon with AMX).
+// where the CPU has AMX, tile products (attend_amx.cpp): the same guarantees, other sums. 1 / 8 / 32 rows
+// over 400 keys, one layer: 20 / 75 / 265 us on AVX-512, 20 / 34 / 94 us on AMX
+// (scripts/probes/attend_cost.py, a 2-vCPU Xeon with AMX).
 //
 // Shapes: query [b, Q, H, d] and stores [S, KVH, C, d] of one dtype (bf16 or float32), slots [b] long, mask
 // [b, 1, 1, Q, T] float32 (additive), out [b, Q, H d] in the query's dtype; G = H / KVH query heads read KV
