@@ -246,7 +246,7 @@ def test_n_choices_and_prompt_lists(client):
             400,
             "unrecognized request argument",
         ),
-        (dict(model="chain", prompt="t1", presence_penalty=1.0), 400, "not supported"),
+        (dict(model="chain", prompt="t1", presence_penalty=5.0), 400, "presence_penalty must lie"),
         (dict(model="base", prompt="t1", extra_body={"mode": "confadapt"}), 400, "converted model"),
     ],
 )

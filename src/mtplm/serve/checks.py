@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import uuid
 
-from mtplm.config import PLAIN_MODE, DecodeConfig, Limits, mode_grammar, parse_mode
+from mtplm.config import PLAIN_MODE, DecodeConfig, Limits, Penalties, SettingError, mode_grammar, parse_mode
 from mtplm.decode.protocol import DecodeModel
 from mtplm.decode.strategies import is_lossless
 from mtplm.errors import UserError
@@ -26,9 +26,12 @@ SEED_LIMIT = 2**63  # seeds lie in [0, 2^63); choice j of n decodes with (seed +
 TOP_P_FLOOR = 1e-6  # smaller top_p values round to 0 in float32 sampling: send temperature 0 for greedy
 
 
-def decode_config(req: _Sampling, spec: DecodeModel, default_mode: str, max_tokens: int) -> DecodeConfig:
+def decode_config(
+    req: _Sampling, spec: DecodeModel, default_mode: str, max_tokens: int, vocab: int | None = None
+) -> DecodeConfig:
     """The request's sampling fields as a DecodeConfig the model can run; every refusal names the field."""
     refuse_unsupported(req)
+    penalties = _penalties(req, vocab)
     cfg = _mode(req.mode, spec, default_mode)
     temperature = 1.0 if req.temperature is None else req.temperature
     if not 0.0 <= temperature <= 2.0:
@@ -49,6 +52,7 @@ def decode_config(req: _Sampling, spec: DecodeModel, default_mode: str, max_toke
     seed = req.seed if req.seed is not None else uuid.uuid4().int % SEED_LIMIT
     cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed = temperature, top_p, req.top_k or 0, seed
     cfg.max_new_tokens = max_tokens
+    cfg = cfg.with_penalties(penalties)
     if cfg.drafting == "tree" and temperature > 0:
         raise APIError(
             400,
@@ -60,6 +64,17 @@ def decode_config(req: _Sampling, spec: DecodeModel, default_mode: str, max_toke
         return cfg.validate()
     except UserError as exc:
         raise APIError(400, str(exc)) from None
+
+
+def _penalties(req: _Sampling, vocab: int | None) -> Penalties:
+    """presence_penalty, frequency_penalty, repetition_penalty and logit_bias as one checked record."""
+    try:
+        penalties = Penalties.of(
+            req.presence_penalty, req.frequency_penalty, req.repetition_penalty, req.logit_bias
+        )
+        return penalties.check(vocab)
+    except SettingError as exc:
+        raise APIError(400, str(exc), exc.field) from None
 
 
 def _mode(mode: str | None, spec: DecodeModel, default_mode: str) -> DecodeConfig:
@@ -174,13 +189,6 @@ def logprobs(req: _Sampling) -> int | None:
 
 def refuse_unsupported(req: _Sampling) -> None:
     """Fields that would change the output and that mtplm does not implement: only neutral values pass."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise APIError(
-                400, f"{name} is not supported by mtplm: leave it out or send 0", name, "unsupported"
-            )
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported by mtplm: leave it out", "logit_bias", "unsupported")
     if isinstance(req, CompletionRequest):
         if req.suffix:
             raise APIError(400, "suffix is not supported by mtplm: leave it out", "suffix", "unsupported")

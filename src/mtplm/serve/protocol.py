@@ -7,9 +7,10 @@ JSON null for an optional field means unset, as OpenAI's schema allows (null_is_
 - OpenAI fields that cannot change what a local model decodes (IGNORED: `store`, `metadata`,
   `service_tier`, `user`, `parallel_tool_calls`, `reasoning_effort`, ...) are accepted and ignored; the
   response names them in the `X-Mtplm-Ignored-Fields` header and the server logs them.
-- OpenAI fields that would change the output and are not implemented (penalties, `logit_bias`,
-  `suffix`, tools, ...) are accepted only at their neutral values and otherwise refused, naming them
-  (checks.refuse_unsupported).
+- OpenAI fields that would change the output and are not implemented (`suffix`, tools, ...) are accepted
+  only at their neutral values and otherwise refused, naming them (checks.refuse_unsupported).
+- `presence_penalty`, `frequency_penalty`, `logit_bias` (OpenAI's) and `repetition_penalty` (vLLM's and
+  Hugging Face's) reshape the target model's next-token logits in every mode (config/penalties.py).
 mtplm's own field is `mode` (config.mode_grammar()), sent by the official client as
 `extra_body={"mode": "confadapt:0.9"}`.
 """
@@ -104,9 +105,10 @@ class _Sampling(HostedFields):
     mode: Optional[str] = Field(default=None, description=f"mtplm decoding mode: {mode_grammar()}")
     top_k: Optional[int] = None  # vLLM's extension, also through extra_body
     ignore_eos: bool = False  # vLLM's extension: always decode max_tokens (load tests)
-    # OpenAI parameters accepted only at their neutral values
+    # penalties and logit bias on the target's logits (config/penalties.py; repetition_penalty: vLLM's)
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None
     # OpenAI parameters that do not change local decoding (HostedFields too): accepted, reported ignored
     prediction: Optional[dict[str, Any]] = None  # predicted outputs: a latency hint; the output is the same

@@ -40,7 +40,8 @@ async def respond(
     view: responses.Rendering | None = None,
 ):
     """Decode and answer; `view` renders another API's body and events (the Responses API)."""
-    cfg = checks.decode_config(req, loaded.engine.spec, loaded.default_mode, budget)
+    vocab = loaded.model.hf.get_input_embeddings().weight.shape[0]
+    cfg = checks.decode_config(req, loaded.engine.spec, loaded.default_mode, budget, vocab)
     ignored = view.ignored if view is not None else req.ignored_fields()
     if ignored:
         log.info("ignored request fields (no effect on local decoding): %s", ", ".join(ignored))
