@@ -117,3 +117,18 @@ def test_bad_penalties_name_their_field(fields, field, needle):
     with pytest.raises(SettingError) as caught:
         Penalties.of(**fields)
     assert caught.value.field == field and needle in str(caught.value)
+
+
+def test_the_cli_builds_the_same_record():
+    import argparse
+
+    from mtplm.cli.decode_options import add_decode_arguments, decode_config
+
+    parser = argparse.ArgumentParser()
+    add_decode_arguments(parser)
+    argv = ["--presence-penalty", "0.5", "--repetition-penalty", "1.2", "--logit-bias", "7=-100"]
+    cfg = decode_config(parser.parse_args([*argv, "--logit-bias", "3=2.5"]))
+    assert cfg.penalties() == Penalties.of(0.5, None, 1.2, {"3": 2.5, "7": -100})
+    with pytest.raises(SettingError, match="presence_penalty must lie"):
+        decode_config(parser.parse_args(["--presence-penalty", "3"]))
+    assert decode_config(parser.parse_args([])).penalties().neutral

@@ -6,7 +6,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from mtplm.config import DEFAULT_MODE, LOOKUP_TOKENS, DecodeConfig, ModeDefaults, parse_mode, read_mode
+from mtplm.config import (
+    DEFAULT_MODE,
+    LOOKUP_TOKENS,
+    DecodeConfig,
+    ModeDefaults,
+    Penalties,
+    parse_mode,
+    read_mode,
+)
 from mtplm.errors import UserError
 from mtplm.options import add_backend_argument, add_dtype_argument
 from mtplm.registry import CONFIDENCE, STRATEGIES, WINDOWS
@@ -67,8 +75,29 @@ def add_decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=d.top_p)
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--seed", type=int, default=d.seed)
+    _add_penalty_arguments(p, d)
     add_dtype_argument(p)
     add_backend_argument(p)
+
+
+def _add_penalty_arguments(p: argparse.ArgumentParser, d: DecodeConfig) -> None:
+    """The penalties and logit bias on the target's logits (config/penalties.py), as the server's fields."""
+    p.add_argument(
+        "--presence-penalty", type=float, default=d.presence_penalty, help="in [-2, 2], as OpenAI's"
+    )
+    p.add_argument(
+        "--frequency-penalty", type=float, default=d.frequency_penalty, help="in [-2, 2], as OpenAI's"
+    )
+    p.add_argument(
+        "--repetition-penalty", type=float, default=d.repetition_penalty, help="in (0, 10], 1 none, as HF's"
+    )
+    p.add_argument(
+        "--logit-bias",
+        action="append",
+        default=[],
+        metavar="ID=BIAS",
+        help="add BIAS (in [-100, 100]; -100 bans) to token ID's logit; repeatable",
+    )
 
 
 def decode_config(args) -> DecodeConfig:
@@ -92,13 +121,25 @@ def decode_config(args) -> DecodeConfig:
         cfg = read_mode(spec, ModeDefaults(args.window, args.k_max, args.confidence))
         if args.k_max is not None:  # a flag beside a bare name, whether or not its parser reads a k_max
             cfg = dataclasses.replace(cfg, k_max=args.k_max)
-    return dataclasses.replace(cfg, **flags, **_sampling(args)).validate()
+    return dataclasses.replace(cfg, **flags, **_sampling(args)).with_penalties(_penalties(args)).validate()
 
 
 def _sampling(args) -> dict:
     """The options that say how tokens are drawn and how many, whatever the mode."""
     names = ("temperature", "top_k", "top_p", "max_new_tokens", "seed")
     return {name: getattr(args, name) for name in names}
+
+
+def _penalties(args) -> Penalties:
+    """--presence-penalty, --frequency-penalty, --repetition-penalty and --logit-bias ID=BIAS, checked."""
+    bias = {}
+    for item in args.logit_bias:
+        token, _, value = item.partition("=")
+        try:
+            bias[token.strip()] = float(value)
+        except ValueError:
+            raise UserError(f"--logit-bias takes ID=BIAS (e.g. 42=-100), got {item!r}") from None
+    return Penalties.of(args.presence_penalty, args.frequency_penalty, args.repetition_penalty, bias)
 
 
 SHAPING = ("k", "drafting", "tree_widths", "lookup", "window", "tau", "confidence", "backoff")
