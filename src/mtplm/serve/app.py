@@ -52,7 +52,11 @@ def _completion_routes(app: FastAPI, repository: Repository, settings: Settings)
         )
         echo = [echo_text(req.prompt, ids, i, loaded) for i, ids in enumerate(prompts)] if req.echo else None
         options = Options(
-            checks.stops(req), req.ignore_eos, checks.logprobs(req), echo, **grammar(req, loaded)
+            stops=checks.stops(req),
+            ignore_eos=req.ignore_eos,
+            logprobs=checks.logprobs(req),
+            echo=echo,
+            **grammar(req, loaded),
         )
         return await respond(request, "completions", req, loaded, prompts, budget, options, settings)
 
@@ -65,7 +69,11 @@ def _completion_routes(app: FastAPI, repository: Repository, settings: Settings)
             req, len(ids), settings.limits, context(loaded), settings.limits.default_max_tokens
         )
         options = Options(
-            checks.stops(req), req.ignore_eos, checks.logprobs(req), chat=True, **grammar(req, loaded)
+            stops=checks.stops(req),
+            ignore_eos=req.ignore_eos,
+            logprobs=checks.logprobs(req),
+            chat=True,
+            **grammar(req, loaded),
         )
         return await respond(request, "chat", req, loaded, [ids], budget, options, settings)
 

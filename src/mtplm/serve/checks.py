@@ -5,6 +5,7 @@ that names the field, so no client input reaches the engine in a state that coul
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 from mtplm.config import PLAIN_MODE, DecodeConfig, Limits, Penalties, SettingError, mode_grammar, parse_mode
@@ -50,9 +51,9 @@ def decode_config(
     if req.seed is not None and not 0 <= req.seed < SEED_LIMIT:
         raise APIError(400, f"seed must lie in [0, 2^63), got {req.seed}", "seed")
     seed = req.seed if req.seed is not None else uuid.uuid4().int % SEED_LIMIT
-    cfg.temperature, cfg.top_p, cfg.top_k, cfg.seed = temperature, top_p, req.top_k or 0, seed
-    cfg.max_new_tokens = max_tokens
-    cfg = cfg.with_penalties(penalties)
+    cfg = dataclasses.replace(
+        cfg, temperature=temperature, top_p=top_p, top_k=req.top_k or 0, seed=seed, max_new_tokens=max_tokens
+    ).with_penalties(penalties)
     if cfg.drafting == "tree" and temperature > 0:
         raise APIError(
             400,
