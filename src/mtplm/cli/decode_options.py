@@ -149,8 +149,10 @@ FLAG_DRAFTING_MODE = "verified"  # what --drafting without --mode drafts for (th
 def _shaping(args) -> dict:
     """The flags that shape a mode that were given (away from DecodeConfig's defaults), as its fields."""
     d = DecodeConfig()
+    given = {name: getattr(args, name) for name in SHAPING}
+    # `is`, not `in`: 0 and 0.0 equal False, and `--tau 0` must reach validation
     return {
-        name: getattr(args, name)
-        for name in SHAPING
-        if getattr(args, name) not in (getattr(d, name), None, False)
+        name: value
+        for name, value in given.items()
+        if value is not None and value is not False and value != getattr(d, name)
     }
