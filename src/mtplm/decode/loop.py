@@ -227,11 +227,12 @@ class Decoding:
                 block = self._heads(hidden, path, outcome.new[0], plan.slots)
             else:  # given greedy tokens (greedy_only), the block as its tokens: no LM head over its rows
                 block = rows.block_tokens(anchor) if tokens is not None else rows.block(anchor)
-            chain = [plan.drafts[i] for i in path] + [outcome.new[0]]
-            if self.penalizer is not None and block is not None:  # drafts as the penalized target would
-                block = self.penalizer.chain(block, chain)
-            if self.constraint is not None and block is not None:  # drafts the grammar rejects are not fed
-                block = self.constraint.mask_chain(block, chain)
+            if block is not None and (self.penalizer is not None or self.constraint is not None):
+                chain = [plan.drafts[i] for i in path] + [outcome.new[0]]
+                if self.penalizer is not None:  # drafts as the penalized target would
+                    block = self.penalizer.chain(block, chain)
+                if self.constraint is not None:  # drafts the grammar rejects are not fed
+                    block = self.constraint.mask_chain(block, chain)
             room = self.budget - outcome.accepted - len(outcome.new)
             outcome = cast(Drafting, self.strategy).draft(outcome, block, room, self.generator)
         if self.drafter is not None and self.drafter.keeps_state:

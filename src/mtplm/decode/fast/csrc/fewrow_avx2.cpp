@@ -57,10 +57,12 @@ MTPLM_AVX2 inline void accumulate(__m256 (&acc)[R][2 * B], const uint16_t* w, in
   }
 }
 
-// The rows of p as float32 [n, kp] (exact): x's columns, then the tail's. Broadcasting a float32 is a load;
-// a bf16 pair would cost the FMA ports a shift and a mask for every row at every pair.
-MTPLM_AVX2 std::vector<float> widened(const Problem& p) {
-  std::vector<float> wide(p.n * p.kp);
+// The rows of p as float32 [n, kp] (exact): x's columns, then the tail's, in this thread's buffer (reused by
+// its next call: no allocation per product). Broadcasting a float32 is a load; a bf16 pair would cost the
+// FMA ports a shift and a mask for every row at every pair.
+MTPLM_AVX2 const std::vector<float>& widened(const Problem& p) {
+  thread_local std::vector<float> wide;
+  wide.resize(p.n * p.kp);
   const int64_t main = p.tail != nullptr ? p.ktail : p.kp;
   for (int64_t r = 0; r < p.n; ++r) {
     float* to = wide.data() + r * p.kp;
@@ -125,7 +127,7 @@ std::pair<TileFn, int64_t> tile_fn(int64_t rows, int64_t blocks) {
 // Output blocks [begin, end): groups of up to kGroup blocks, each read by every row tile in turn.
 void mtplm::fewrow::avx2_blocks(const Problem& p, int64_t begin, int64_t end) {
   const int64_t tiles = (p.n + kTileRows - 1) / kTileRows;
-  const std::vector<float> wide = widened(p);
+  const std::vector<float>& wide = widened(p);
   // a group the second row tile reads from L2, not memory (a long K's block alone can be ~300 KB)
   const int64_t fits = std::max<int64_t>(1, kGroupBytes / (p.kp * kBlock * 2));
   const int64_t size = tiles > 1 ? std::min<int64_t>(kGroup, fits) : kGroup;
