@@ -382,11 +382,10 @@ def generate(
     )
     result = Generation(prompt_len=len(prompt_ids))
     start = time.perf_counter()
-    ids, most = prompt_ids, cfg.max_new_tokens
-    steps = stream(
-        model, ids, strategy, most, stop_ids(model), cfg.seed, backend, constraint, cfg.penalties()
-    )
-    for step in steps:
+    most, penalties = cfg.max_new_tokens, cfg.penalties()
+    for step in stream(
+        model, prompt_ids, strategy, most, stop_ids(model), cfg.seed, backend, constraint, penalties
+    ):
         if not result.tokens:
             result.ttft_s = time.perf_counter() - start
         result.tokens.extend(step.tokens)
