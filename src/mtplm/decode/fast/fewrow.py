@@ -6,11 +6,12 @@ AVX-512 build, or the AVX2 build for a CPU without avx512_bf16) into `$MTPLM_HOM
 low-rank activations computed inside), `mtplm_fewrow::attend` (csrc/attend*.cpp: decode attention over the
 bf16 or float32 KV store whose sums do not depend on the pass's shape), `mtplm_fewrow::mean_square`
 (csrc/norm.cpp: RMSNorm's sum in one order), `mtplm_fewrow::head_argmax` (csrc/head*.cpp: greedy tokens
-from an int8 copy of the LM head, greedy.py) and, in the AVX-512 build only, `mtplm_fewrow::int4_linear`
-(csrc/int4.cpp). Every kernel sums a row's outputs in one order whatever the rows beside it. `load()` is
-False where it cannot be used (no compiler, a CPU with neither avx512_bf16 nor AVX2 + FMA, a failed build,
-MTPLM_FEWROW=0), with one stderr line naming the fallback (the prepacked oneDNN path, kernels.py, which the
-lossless modes refuse). `mtplm setup` builds it; otherwise the first use does, and says how long it took.
+from an int8 copy of the LM head, greedy.py), `mtplm_fewrow::quant_linear` (csrc/quant*.cpp: products over
+GGUF's blocks, quant.py) and, in the AVX-512 build only, `mtplm_fewrow::int4_linear` (csrc/int4.cpp). Every
+kernel sums a row's outputs in one order whatever the rows beside it. `load()` is False where it cannot be
+used (no compiler, a CPU with neither avx512_bf16 nor AVX2 + FMA, a failed build, MTPLM_FEWROW=0), with one
+stderr line naming the fallback (the prepacked oneDNN path, kernels.py, which the lossless modes refuse).
+`mtplm setup` builds it; otherwise the first use does, and says how long it took.
 
 Shapes: N rows, K in features, M out features, Kp = K rounded up to 32.
 """
@@ -39,12 +40,12 @@ BUILDS = {  # a build for each kind of x86 CPU: its compiler flags, the CPU flag
         ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"],
         {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"},
         "fewrow fewrow_avx512 fewrow_amx fewrow_avx2 lora int4 attend attend_avx512 attend_amx attend_avx2 "
-        "head head_avx512 head_avx2 norm",
+        "head head_avx512 head_avx2 norm quant quant_avx512 quant_avx2",
     ),
     "avx2": (
         ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
         {"avx2", "fma", "f16c"},
-        "fewrow fewrow_avx2 lora attend attend_avx2 head head_avx2 norm",
+        "fewrow fewrow_avx2 lora attend attend_avx2 head head_avx2 norm quant quant_avx2",
     ),
 }
 

@@ -1,0 +1,37 @@
+// What quant.cpp (the op over GGUF's blocks: the rows quantized to int8, the ISA choice) and its kernels per
+// ISA (quant_avx512.cpp: AVX-512 VNNI; quant_avx2.cpp: AVX2) share: the problem and the record layout.
+#pragma once
+
+#include <cstdint>
+
+namespace mtplm::quant {
+
+enum class Kind { Q8_0, Q4_0, Q4_1, Q5_0 };
+
+constexpr int kOutputs = 16;  // outputs per record: one 512-bit vector's 32-bit lanes
+constexpr int kInputs = 32;   // inputs per GGUF block
+
+// Bytes of codes per record (16 outputs x 32 inputs) and fp16 scales per record (d_w, then m_w for Q4_1).
+constexpr int64_t record_bytes(Kind kind) {
+  return kind == Kind::Q8_0 ? 512 : kind == Kind::Q5_0 ? 320 : 256;
+}
+constexpr int64_t record_scales(Kind kind) { return kind == Kind::Q4_1 ? 32 : 16; }
+
+struct Problem {
+  Kind kind;
+  const uint8_t* codes;    // [Mp / 16][Kb][record_bytes]
+  const uint16_t* scales;  // [Mp / 16][Kb][record_scales] fp16 bits
+  const int8_t* qx;        // [N][Kb * 32] the rows' int8 codes
+  const float* dx;         // [N][Kb] their scales d_x
+  const int32_t* sx;       // [N][Kb] the sums of their codes s_x
+  const float* bias;       // [M] float32 or null
+  float* f32;              // [N][M] float32 outputs, or null (then bf16)
+  uint16_t* bf16;          // [N][M] bf16 outputs, or null
+  int64_t n, m, kb;
+};
+
+// Records (groups of 16 outputs) [begin, end) of p, all rows, on the calling thread.
+void vnni_groups(const Problem& p, int64_t begin, int64_t end);  // the AVX-512 build
+void avx2_groups(const Problem& p, int64_t begin, int64_t end);  // every build
+
+}  // namespace mtplm::quant

@@ -1,0 +1,145 @@
+// quant.cpp's products on AVX-512 VNNI (the AVX-512 build; quant.cpp states the math and the record layout).
+//
+// A record's vector is one vpdpbusd operand: 16 outputs x 4 inputs of unsigned codes. Per block (32 inputs)
+// a record's 8 vectors are loaded (and, for 4-bit codes, split into nibbles) once, then every row of the
+// tile multiplies them: 8 vpdpbusd with the row's 4 inputs broadcast, then one float32 fma (two for Q4_1).
+// So extra rows cost their dot products, not their weight reads. A tile of up to 8 rows keeps its sums in
+// registers; more rows run further tiles over the same record, read again from cache.
+
+#include "quant.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,f16c,fma")
+
+namespace {
+
+using mtplm::quant::Kind;
+using mtplm::quant::Problem;
+using mtplm::quant::record_bytes;
+using mtplm::quant::record_scales;
+constexpr int kTileRows = 8;  // rows whose sums share the registers
+
+// The unsigned codes' offset (u - offset is the signed value d_w multiplies); Q4_1 has a min instead.
+constexpr int32_t offset(Kind kind) {
+  return kind == Kind::Q8_0 ? 128 : kind == Kind::Q4_0 ? 8 : kind == Kind::Q5_0 ? 16 : 0;
+}
+
+// A record's block: its 8 vectors of unsigned codes (vector t: inputs 4t .. 4t + 3 of the 16 outputs).
+template <Kind K>
+inline void unpack(const uint8_t* record, __m512i (&w)[8]) {
+  if constexpr (K == Kind::Q8_0) {
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int t = 0; t < 8; ++t) w[t] = _mm512_xor_si512(_mm512_loadu_si512(record + 64 * t), flip);
+  } else {
+    const __m512i nibble = _mm512_set1_epi8(15);
+    for (int v = 0; v < 4; ++v) {
+      const __m512i bytes = _mm512_loadu_si512(record + 64 * v);
+      w[v] = _mm512_and_si512(bytes, nibble);
+      w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+    }
+    if constexpr (K == Kind::Q5_0) {
+      const __m512i sixteen = _mm512_set1_epi8(16);
+      for (int t = 0; t < 8; ++t) {
+        uint64_t bits;
+        std::memcpy(&bits, record + 256 + 8 * t, 8);
+        w[t] = _mm512_mask_add_epi8(w[t], _cvtu64_mask64(bits), w[t], sixteen);
+      }
+    }
+  }
+}
+
+inline __m512i broadcast4(const int8_t* q) {
+  int32_t four;
+  std::memcpy(&four, q, 4);
+  return _mm512_set1_epi32(four);
+}
+
+// Rows [row, row + R) x record `group`: every block in order, each row's sums in registers.
+template <Kind K, int R>
+void tile(const Problem& p, int64_t row, int64_t group) {
+  constexpr int64_t bytes = record_bytes(K), count = record_scales(K);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const uint8_t* codes = p.codes + group * p.kb * bytes;
+  const uint16_t* scales = p.scales + group * p.kb * count;
+  const int64_t xs = p.kb * 32;
+  for (int64_t b = 0; b < p.kb; ++b) {
+    __m512i w[8];
+    unpack<K>(codes + b * bytes, w);
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + b * count)));
+    __m512 mw = dw;
+    if constexpr (K == Kind::Q4_1)
+      mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + b * count + 16)));
+    for (int r = 0; r < R; ++r) {
+      const int8_t* q = p.qx + (row + r) * xs + b * 32;
+      const int32_t sum = p.sx[(row + r) * p.kb + b];
+      const float d = p.dx[(row + r) * p.kb + b];
+      __m512i even = _mm512_set1_epi32(-offset(K) * sum), odd = _mm512_setzero_si512();
+      for (int t = 0; t < 8; t += 2) {
+        even = _mm512_dpbusd_epi32(even, w[t], broadcast4(q + 4 * t));
+        odd = _mm512_dpbusd_epi32(odd, w[t + 1], broadcast4(q + 4 * t + 4));
+      }
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even, odd));
+      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(d)), acc[r]);
+      if constexpr (K == Kind::Q4_1) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(d * static_cast<float>(sum)), acc[r]);
+    }
+  }
+  const int64_t col = group * 16;
+  const __mmask16 mask = col + 16 <= p.m ? __mmask16(0xFFFF) : __mmask16((1u << (p.m - col)) - 1);
+  if (p.bias != nullptr) {
+    const __m512 bias = _mm512_maskz_loadu_ps(mask, p.bias + col);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_add_ps(acc[r], bias);
+  }
+  for (int r = 0; r < R; ++r) {
+    if (p.f32 != nullptr) _mm512_mask_storeu_ps(p.f32 + (row + r) * p.m + col, mask, acc[r]);
+    else _mm256_mask_storeu_epi16(p.bf16 + (row + r) * p.m + col, mask, (__m256i)_mm512_cvtneps_pbh(acc[r]));
+  }
+}
+
+using TileFn = void (*)(const Problem&, int64_t, int64_t);
+
+template <Kind K>
+TileFn tile_fn(int64_t rows) {
+  switch (rows) {
+    case 1: return tile<K, 1>;
+    case 2: return tile<K, 2>;
+    case 3: return tile<K, 3>;
+    case 4: return tile<K, 4>;
+    case 5: return tile<K, 5>;
+    case 6: return tile<K, 6>;
+    case 7: return tile<K, 7>;
+    default: return tile<K, 8>;
+  }
+}
+
+template <Kind K>
+void records(const Problem& p, int64_t begin, int64_t end) {
+  const int64_t tiles = (p.n + kTileRows - 1) / kTileRows;
+  for (int64_t group = begin; group < end; ++group) {
+    int64_t row = 0;
+    for (int64_t t = 0; t < tiles; ++t) {  // rows split evenly over the tiles: 12 rows are 6 + 6
+      const int64_t rows = (p.n - row + tiles - t - 1) / (tiles - t);
+      tile_fn<K>(rows)(p, row, group);
+      row += rows;
+    }
+  }
+}
+
+}  // namespace
+
+void mtplm::quant::vnni_groups(const Problem& p, int64_t begin, int64_t end) {
+  switch (p.kind) {
+    case Kind::Q8_0: return records<Kind::Q8_0>(p, begin, end);
+    case Kind::Q4_0: return records<Kind::Q4_0>(p, begin, end);
+    case Kind::Q4_1: return records<Kind::Q4_1>(p, begin, end);
+    case Kind::Q5_0: return records<Kind::Q5_0>(p, begin, end);
+  }
+}
+
+#pragma GCC pop_options

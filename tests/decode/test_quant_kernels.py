@@ -1,0 +1,173 @@
+"""The products over GGUF's blocks (decode/fast/quant.py, csrc/quant*.cpp): packing keeps the file's values
+(gguf's own dequantize), the kernel gives quant.reference's bits on every ISA and shape, a row's outputs are
+bitwise the same among any rows and threads, the AVX2 build gives the AVX-512 build's bits, and the op keeps
+its bits inside torch.compile."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from mtplm.decode.fast import fewrow, quant
+
+ROWS = (1, 2, 3, 7, 16, 32, 33)
+
+
+def gguf_bytes(kind: str, m: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """A [m, k] weight quantized by gguf itself: its bytes and gguf's dequantized values."""
+    weight = np.random.default_rng(seed).standard_normal((m, k)).astype(np.float32)
+    raw = quants.quantize(weight, GGMLQuantizationType[kind])
+    return raw, quants.dequantize(raw, GGMLQuantizationType[kind])
+
+
+def random_bytes(kind: str, m: int, k: int, seed: int = 0) -> np.ndarray:
+    """Any codes a file could hold (Q8_0's -128 too) under random fp16 scales (and mins)."""
+    block, _, scales = quant._FORMATS[kind]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(m, k // 32, block), dtype=np.uint8)
+    halves = (rng.standard_normal((m, k // 32, scales)) / 8).astype(np.float16)
+    raw[..., : 2 * scales] = halves.view(np.uint8).reshape(m, k // 32, 2 * scales)
+    return raw.reshape(m, -1)
+
+
+def packed(kind: str, m: int, k: int, seed: int = 0) -> quant.QuantWeight:
+    return quant.pack(kind, torch.from_numpy(random_bytes(kind, m, k, seed)), m, k)
+
+
+def inputs(n: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    x = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    x[0, :32] = 0.0  # a block of zeros (d_x = 0)
+    x[-1, 32:64] *= 1000.0  # an outlier block
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("kind", quant.BLOCK_TYPES)
+def test_pack_keeps_the_values_gguf_dequantizes(kind: str):
+    for m, k in ((37, 96), (16, 32), (5, 160)):
+        raw, values = gguf_bytes(kind, m, k)
+        weight = quant.pack(kind, torch.from_numpy(raw.copy()), m, k)
+        assert torch.equal(quant.dequantize(weight), torch.from_numpy(values))
+        other = random_bytes(kind, m, k)
+        expected = quants.dequantize(other, GGMLQuantizationType[kind])
+        assert torch.equal(
+            quant.dequantize(quant.pack(kind, torch.from_numpy(other), m, k)), torch.from_numpy(expected)
+        )
+        assert weight.nbytes == raw.size + (-m % 16) * raw.shape[1]  # the file's bytes, padded to 16 outputs
+
+
+@pytest.mark.parametrize("kind", quant.BLOCK_TYPES)
+def test_the_kernel_gives_the_references_bits(isa: str, kind: str):
+    assert quant.load()
+    for seed, (m, k) in enumerate(((37, 96), (70, 160), (16, 32))):
+        weight, bias = packed(kind, m, k, seed), torch.randn(m)
+        for n in ROWS:
+            for dtype in (torch.bfloat16, torch.float32):
+                x = inputs(n, k, dtype, seed + n)
+                assert torch.equal(quant.linear(x, weight), quant.reference(x, weight)), (m, k, n, dtype)
+                assert torch.equal(quant.linear(x, weight, bias), quant.reference(x, weight, bias))
+
+
+@pytest.mark.parametrize("kind", quant.BLOCK_TYPES)
+def test_the_largest_codes_do_not_overflow(isa: str, kind: str):
+    block, _, scales = quant._FORMATS[kind]
+    raw = np.full((20, 64 // 32, block), 0xFF, dtype=np.uint8)  # every code its largest (Q8_0: -1)
+    raw[1::2, :, 2 * scales :] = 0x80 if kind == "Q8_0" else 0xFF  # Q8_0: -128 too
+    raw[..., : 2 * scales] = np.full((20, 2, scales), 0.5, dtype=np.float16).view(np.uint8).reshape(20, 2, -1)
+    weight = quant.pack(kind, torch.from_numpy(raw.reshape(20, -1)), 20, 64)
+    x = torch.tensor([[1.0, -1.0] * 32, [-1.0] * 64, [1.0] * 64])  # every activation code +-127
+    assert torch.equal(quant.linear(x, weight), quant.reference(x, weight))
+    exact = x.double() @ quant.dequantize(weight).double().T
+    assert torch.allclose(quant.linear(x, weight).double(), exact, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", quant.BLOCK_TYPES)
+def test_a_rows_outputs_do_not_depend_on_the_rows_or_threads_beside_it(isa: str, kind: str):
+    weight = packed(kind, 300, 192, seed=5)
+    x = inputs(33, 192, torch.bfloat16, seed=7)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([quant.linear(x[i : i + 1], weight) for i in range(33)])
+        torch.set_num_threads(2)
+        for n in ROWS:
+            assert torch.equal(quant.linear(x[:n], weight), alone[:n]), n
+        assert torch.equal(quant.linear(x[5:12], weight), alone[5:12])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_every_isa_gives_the_same_bits():
+    assert quant.load()
+    weight, x = packed("Q4_1", 50, 128), inputs(9, 128, torch.bfloat16)
+    results = {}
+    try:
+        for name in ("avx2", "avx512"):
+            results[fewrow.use_isa(name)] = quant.linear(x, weight)
+    finally:
+        fewrow.use_isa("auto")
+    assert all(torch.equal(value, results["avx2"]) for value in results.values())
+
+
+def test_an_unsupported_type_or_width_is_one_clear_error():
+    with pytest.raises(ValueError, match="Q4_K is not supported.*Q8_0, Q4_0, Q4_1, Q5_0"):
+        quant.pack("Q4_K", torch.zeros(16, 144, dtype=torch.uint8), 16, 256)
+    with pytest.raises(ValueError, match="multiple of 32, not 48"):
+        quant.pack("Q8_0", torch.zeros(4, 51, dtype=torch.uint8), 4, 48)
+    with pytest.raises(ValueError, match="needs 80 uint8 bytes"):
+        quant.pack("Q4_1", torch.zeros(4, 21, dtype=torch.uint8), 4, 32)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+def test_the_op_keeps_its_bits_inside_torch_compile(kind: str):
+    assert quant.load()
+    module = quant.QuantLinear(packed(kind, 40, 96), torch.randn(40))
+    x = inputs(3, 96, torch.bfloat16)
+    compiled = torch.compile(module, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(x), module(x))
+    assert torch.equal(module(x), quant.reference(x, module.quant, module.bias))
+
+
+EVERY_KIND = """
+import sys
+import numpy as np
+import torch
+from mtplm.decode.fast import fewrow, quant
+
+assert quant.load() and fewrow.use_isa("avx2") == "avx2"
+rng = np.random.default_rng(0)
+out = {}
+for kind in quant.BLOCK_TYPES:
+    block, _, scales = quant._FORMATS[kind]
+    raw = rng.integers(0, 256, size=(45, 3, block), dtype=np.uint8)
+    halves = (rng.standard_normal((45, 3, scales)) / 8).astype(np.float16)
+    raw[..., : 2 * scales] = halves.view(np.uint8).reshape(45, 3, -1)
+    weight = quant.pack(kind, torch.from_numpy(raw.reshape(45, -1)), 45, 96)
+    x = torch.from_numpy(rng.standard_normal((5, 96)).astype(np.float32))
+    out[kind] = quant.linear(x.bfloat16(), weight, torch.ones(45))
+    out[kind + " f32"] = quant.linear(x, weight)
+torch.save(out, sys.argv[1])
+"""
+
+
+@pytest.mark.process
+def test_the_avx2_build_gives_the_avx512_builds_bits(tmp_path: Path):
+    if fewrow.unavailable() is not None or fewrow.build_kind() != "avx512":
+        pytest.skip("needs a CPU that has both builds (avx512_bf16)")
+    results = {}
+    for kind in ("avx512", "avx2"):
+        env = {**os.environ, "MTPLM_FEWROW_ISA": "avx2" if kind == "avx2" else "auto"}
+        path = tmp_path / f"{kind}.pt"
+        done = subprocess.run(
+            [sys.executable, "-c", EVERY_KIND, str(path)], env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        results[kind] = torch.load(path)
+    for name, value in results["avx512"].items():
+        assert torch.equal(value, results["avx2"][name]), name
