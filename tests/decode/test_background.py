@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_invariance import VOCAB, odd_bf16_model
+from torch._dynamo.utils import counters
 
 from mtplm.decode.fast import StaticBackend, forward
 from mtplm.decode.pricing import cache_key
@@ -61,9 +62,11 @@ def test_passes_during_and_after_a_background_compile_give_the_uncompiled_rows(h
     assert "uncompiled" not in cache_key(fast, model)
     uncompiled = []  # every graph ready: the next passes run them, compiling nothing
     monkeypatch.setattr(forward, "decode_pass", lambda *args: uncompiled.append(args))
-    with Compiles(fast) as seen:
+    graphs = dict(counters["stats"])  # and dynamo compiles none again (it would where a graph's guards, the
+    with Compiles(fast) as seen:  # thread count among them, saw other values in the compile than here)
         fast.run(0, _feeds(model, 1), [40, 50])
     assert seen.count == 0 and not uncompiled and fast.capacity == 1024  # (never grown)
+    assert dict(counters["stats"]) == graphs
 
 
 def test_a_backend_with_nothing_to_compile_starts_no_thread():

@@ -240,12 +240,10 @@ class StaticBackend:
         first = graph not in self._ready
         began = time.perf_counter()
         limit = 8 * len(ROW_BUCKETS) * 16  # graphs: every (b, Q, adapters) this backend may meet, and more
-        with (
-            torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=limit),
-            graphs.guards(bucket in self._guarded),
-        ):
+        with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=limit):
             try:
-                hidden = step(self.weights, self.keys, self.values, *inputs, *bucket[2:])
+                args = (self.weights, self.keys, self.values, *inputs, *bucket[2:])
+                hidden = graphs.call(step, args, bucket in self._guarded)
             except torch._dynamo.exc.BackendCompilerFailed as exc:  # e.g. the C++ compiler failed
                 if not first:
                     raise

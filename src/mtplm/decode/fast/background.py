@@ -35,6 +35,7 @@ class BackgroundCompile:
         self.total = len(backend.to_compile(buckets))
         self.done = 0
         self.failure: BaseException | None = None
+        self.threads = torch.get_num_threads()  # the passes' own, which the graphs are compiled for
         self._thread = threading.Thread(target=self._run, name="mtplm-compile", daemon=True)
 
     def start(self) -> BackgroundCompile:
@@ -50,18 +51,23 @@ class BackgroundCompile:
 
     @contextmanager
     def hold(self, graph: tuple) -> Iterator[bool]:
-        """True (the lock held for the pass) where `graph` is ready and no graph is compiling just now;
-        False: run the pass uncompiled. Either way on one thread fewer (_one_thread_fewer)."""
-        with _one_thread_fewer():
-            if not self.backend.ready(graph) or not self.lock.acquire(blocking=False):
+        """True (the lock held for the pass, on every thread: the compile waits for it) where `graph` is
+        ready and no graph is compiling just now; False: run the pass uncompiled, on one thread fewer
+        (_one_thread_fewer). A compiled pass must run on the thread count its graph was compiled for:
+        dynamo guards on it, and a graph that met another count would compile again."""
+        if not self.backend.ready(graph) or not self.lock.acquire(blocking=False):
+            with _one_thread_fewer():
                 yield False
-                return
-            try:
-                yield True
-            finally:
-                self.lock.release()
+            return
+        try:
+            yield True
+        finally:
+            self.lock.release()
 
     def _run(self) -> None:
+        # the passes' thread count for the graphs (torch's count is per thread, and a new thread starts
+        # from the last count set anywhere: maybe a pass's one fewer)
+        torch.set_num_threads(self.threads)
         began = time.perf_counter()
         try:
             while True:

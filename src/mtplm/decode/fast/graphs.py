@@ -38,6 +38,7 @@ atomically.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -48,6 +49,8 @@ import torch
 
 from mtplm.decode.fast.forward import attention_mask, decode_pass, layer, prepare, rms_norm
 from mtplm.decode.fast.weights import FastWeights
+
+log = logging.getLogger(__name__)
 
 # every graph rounds bf16 where eager does: a row's logits are then the same bitwise in every bucket
 ROUNDED: dict[str, Any] = {"emulate_precision_casts": True}
@@ -221,6 +224,26 @@ def guards(checked: bool):
     if not checked:
         return nullcontext()
     return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+
+
+_NO_GRAPH_MATCHED = "Recompilation triggered with skip_guard_eval_unsafe stance"
+
+
+def call(step: Callable[..., torch.Tensor], args: tuple, checked: bool) -> torch.Tensor:
+    """step(*args) under guards(checked). Where the cheap guards match none of a function's cached graphs,
+    dynamo raises before running it (seen after a background compile, whose graphs dynamo cached from
+    another thread: fast/background.py): the call runs again under all its guards, which find the graph
+    (or compile it). A pass stopped part-way through its layers runs again from its start and writes the
+    same KV rows with the same values."""
+    if checked:
+        try:
+            with guards(True):
+                return step(*args)
+        except RuntimeError as exc:
+            if _NO_GRAPH_MATCHED not in str(exc):
+                raise
+            log.debug("mtplm: no cached graph matched the cheap guards; the pass runs under all its guards")
+    return step(*args)
 
 
 def _use_mtplm_compile_cache() -> None:
