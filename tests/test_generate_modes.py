@@ -103,7 +103,7 @@ def test_each_entry_declares_what_its_strategy_does():
     for spec in registered_mode_strings():
         cfg = parse_mode(spec)
         strategy = make_strategy(cfg, Thresholds())
-        assert mode_entry(cfg.mode).lossless == bool(getattr(strategy, "lossless", False)), spec
+        assert mode_entry(cfg.mode).lossless == strategy.traits.lossless, spec
         assert cfg.verifies_rest() == isinstance(strategy, ConfidentVerified), spec
 
 

@@ -134,6 +134,22 @@ def test_price_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     assert price(again, model) == curve  # read back, not measured again (timings never repeat exactly)
 
 
+def test_price_times_mtp_rows_for_a_mode_that_prices_its_slots(tmp_path, monkeypatch):
+    """With <mtp> rows to price (ConfAdapt's slots), the curve holds their passes beside the real rows' and
+    is cached apart from a real-rows-only curve; the backend's cost answers for both kinds of pass."""
+    monkeypatch.setenv("MTPLM_HOME", str(tmp_path))
+    model = tiny_mtp(seed=1, gated=True, k_max=4)
+    plain = price(make_backend("eager", model, slots=1), model)
+    backend = make_backend("eager", model, slots=1)
+    curve = price(backend, model, masked_rows=4)
+    assert curve.plain_seconds is not None and curve.rows == plain.rows
+    assert len(list(tmp_path.glob("passcost/*.json"))) == 2  # two curves, two files
+    assert backend.pass_cost is not None
+    assert backend.pass_cost(4, masked=True) == curve.seconds[2] / curve.seconds[0]
+    assert backend.pass_cost(4) == curve.plain_seconds[2] / curve.plain_seconds[0]
+    assert list(curve.seconds) == sorted(curve.seconds)  # 8 rows (not timed): 4 rows' premium added
+
+
 def test_a_kind_priced_out_is_tried_again_after_passes_without_it():
     budget = DraftBudget(PassCost((1, 2, 4, 8), (1, 1.11, 1.16, 1.57)).relative)
     for _ in range(10):
@@ -148,7 +164,14 @@ def test_priced_confadapt_is_plain_decoding_when_slots_never_pay_and_itself_when
     greedy decoding's tokens (every pass one row), free rows give unpriced ConfAdapt's own tokens."""
     model = tiny_mtp(seed=4, gated=True, k_max=4)
     runs = {}
-    for name, curve in {"unpriced": None, "dear": lambda n: float(n), "free": lambda n: 1.0}.items():
+    curves = {
+        "unpriced": None,
+        "dear": lambda n, masked=False: float(n),
+        "free": lambda n, masked=False: 1.0,
+        # real rows free, <mtp> rows (adapters) dear: ConfAdapt prices its slots as the latter
+        "dear masks": lambda n, masked=False: float(n) if masked else 1.0,
+    }
+    for name, curve in curves.items():
         backend = make_backend("eager", model, slots=1)
         backend.pass_cost = curve
         cfg = parse_mode("confadapt")
@@ -157,6 +180,7 @@ def test_priced_confadapt_is_plain_decoding_when_slots_never_pay_and_itself_when
         runs[name] = generate(model, [1, 2, 3, 4], cfg, strategy=strategy, backend=backend)
     plain = generate(model, [1, 2, 3, 4], DecodeConfig(mode="ntp", max_new_tokens=30))
     assert runs["dear"].tokens == plain.tokens and runs["free"].tokens == runs["unpriced"].tokens
+    assert runs["dear masks"].tokens == plain.tokens and runs["dear masks"].tokens_per_forward == 1.0
     assert runs["unpriced"].tokens_per_forward > 1.0  # (so the dear curve did size its blocks down)
 
 

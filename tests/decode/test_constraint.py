@@ -255,7 +255,7 @@ def test_greedy_mask_drafts_stay_inside_the_grammar(model, drafting):
     import torch
 
     from mtplm.decode.backends import EagerBackend, describe
-    from mtplm.decode.loop import Decoding
+    from mtplm.decode.decoding import Decoding
 
     schema = {
         "type": "object",

@@ -10,7 +10,8 @@ from grammar_model import json_mtp
 from mtplm.config import DecodeConfig, Thresholds
 from mtplm.decode import constraint as C
 from mtplm.decode.backends import EagerBackend, describe
-from mtplm.decode.loop import Decoding, generate, stop_ids
+from mtplm.decode.decoding import Decoding
+from mtplm.decode.loop import generate, stop_ids
 from mtplm.decode.strategies import make_strategy
 
 SCHEMA = {

@@ -17,7 +17,7 @@ from serving import LiveServer, tiny_converted, write_manifest
 from mtplm.assets.datasets import data_file
 from mtplm.config import DecodeConfig, ModeDefaults, mode_grammar, parse_mode
 from mtplm.decode.loop import generate
-from mtplm.decode.protocol import Outcome, PassLogits, Plan, register_mode
+from mtplm.decode.protocol import Outcome, PassLogits, Plan, Traits, register_mode
 from mtplm.errors import UserError
 from mtplm.model import MTPModel
 from mtplm.registry import STRATEGIES
@@ -25,6 +25,8 @@ from mtplm.registry import STRATEGIES
 
 class Pairs:
     """Toy lossy strategy: every pass emits the next token and the first `k - 1` slot tokens, greedy."""
+
+    traits = Traits()  # lossy; its choice reads the rows' logits
 
     def __init__(self, cfg: DecodeConfig) -> None:
         self.k = cfg.k

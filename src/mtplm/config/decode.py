@@ -137,6 +137,11 @@ class DecodeConfig:
         a mode registered as priced (ConfAdapt's mask slots)."""
         return bool(self.lookup_tokens()) or mode_entry(self.mode).priced
 
+    def priced_masks(self) -> bool:
+        """Whether the mode sizes its <mtp> slots by what they cost here (a mode registered as priced:
+        ConfAdapt), so a pass with <mtp> rows, which runs the adapters, is priced too (decode/pricing.py)."""
+        return mode_entry(self.mode).priced
+
     def verifies_rest(self) -> bool:
         """A lossy mode that keeps its unconfident slots as drafts, verified next pass (its entry says:
         ConfAdapt with quadratic or lookup drafting, strategies.ConfidentVerified)."""

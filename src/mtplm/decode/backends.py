@@ -22,7 +22,7 @@ import torch
 
 from mtplm.config import BACKEND_ENV
 from mtplm.decode.chunked import PREFILL_CHUNK, run_chunked
-from mtplm.decode.protocol import DECODE_ROWS, DecodeModel, Feed, PassLimits
+from mtplm.decode.protocol import DECODE_ROWS, DecodeModel, Feed, PassLimits, RowCost
 from mtplm.decode.ragged import RaggedCache, ragged_pass
 from mtplm.errors import UserError
 from mtplm.model import MTPModel
@@ -62,7 +62,7 @@ class Backend(Protocol):
 
     slots: int
     # n -> its pass of n rows' cost relative to one row, on this machine, once measured (pricing.py)
-    pass_cost: Callable[[int], float] | None
+    pass_cost: RowCost | None
     # its widest decode pass (rows): a wider one rounds otherwise (the compiled backend's largest row bucket);
     # strategies keep their trees and copied drafts within it (protocol.PassLimits, describe)
     decode_rows: int
@@ -109,7 +109,7 @@ class EagerBackend:
     def __init__(self, model: MTPModel, slots: int = 1) -> None:
         self.model, self.slots = model, slots
         self.cache = RaggedCache(slots)
-        self.pass_cost: Callable[[int], float] | None = None
+        self.pass_cost: RowCost | None = None
 
     def run(self, start: int, feeds: Sequence[Feed], lengths: Sequence[int]) -> torch.Tensor:
         width = max(len(feed.tokens) for feed in feeds)

@@ -36,7 +36,8 @@ from mtplm.config import DecodeConfig
 from mtplm.decode.backends import KV, Backend, EagerBackend, describe
 from mtplm.decode.chunked import PREFILL_CHUNK
 from mtplm.decode.constraint import Constraint
-from mtplm.decode.loop import Decoding
+from mtplm.decode.decoding import Decoding
+from mtplm.decode.loop import run_pass
 from mtplm.decode.policy import make_policy
 from mtplm.decode.protocol import Feed, mode_entry
 from mtplm.decode.steps import Step
@@ -263,19 +264,7 @@ class Engine:
         jobs = self.running[start:stop]
         began = time.perf_counter()
         try:
-            feeds = [job.decoding.feed() for job in jobs]
-            lengths = [job.decoding.past for job in jobs]
-            hidden = self.backend.run(start, feeds, lengths)  # [b, Q, D]
-            # the LM head once for every sequence's tail rows (the last pending token onwards): one read
-            # of its weights per pass, not one per sequence (of its int8 copy where every sequence needs
-            # only its greedy tokens)
-            tails = [hidden[i, feed.pending - 1 : len(feed.tokens)] for i, feed in enumerate(feeds)]
-            argmax = self.spec.argmax if all(job.decoding.greedy_only() for job in jobs) else None
-            rows = (argmax or self.spec.head)(torch.cat(tails)).split([len(t) for t in tails])
-            steps = []
-            for i, (job, feed) in enumerate(zip(jobs, feeds, strict=False)):
-                found = (None, rows[i]) if argmax is not None else (rows[i], None)
-                steps.append(job.decoding.advance(hidden[i, : len(feed.tokens)], job.kv, *found))
+            steps = run_pass(self.backend, self.spec, start, [j.decoding for j in jobs], [j.kv for j in jobs])
         except Exception as exc:  # a failed pass fails its sequences, never the engine
             for job in jobs:
                 job.emit(None, exc)
@@ -285,13 +274,14 @@ class Engine:
         if kind == "decode" and self._measure is not None and self.policy is not None:
             self.policy.observe(*self._measure, seconds, sum(len(s.tokens) for s in steps) / len(jobs))
         if self.on_pass is not None:
-            rows = hidden.shape[1] * len(jobs)
+            fed = [len(job.decoding.fed.tokens) if job.decoding.fed else 0 for job in jobs]
+            rows = max(fed) * len(jobs)  # right-padded to the longest feed (backends.Backend.run)
             self.on_pass(
                 PassStats(
                     kind,
                     len(jobs),
                     rows,
-                    rows - sum(len(f.tokens) for f in feeds),
+                    rows - sum(fed),
                     seconds,
                     tuple(steps),
                     tuple(job.label for job in jobs),

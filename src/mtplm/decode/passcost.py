@@ -44,11 +44,12 @@ class PassCost:
         slope = (secs[i] - secs[i - 1]) / (rows[i] - rows[i - 1])
         return max(secs[0], secs[i - 1] + slope * (n - rows[i - 1]))
 
-    def relative(self, n: int) -> float:
-        """A pass of n real rows against a one-row pass, as a compiled backend pays it: the curve at the
-        smallest measured row count >= n (a pass is padded to its row bucket, and the curve is measured at
-        the buckets), the last measured step's slope beyond the last. The draft budget reads this."""
-        secs = self.plain_seconds or self.seconds
+    def relative(self, n: int, masked: bool = False) -> float:
+        """A pass of n real rows (`masked`: a token and n-1 <mtp> rows) against a one-row pass, as a compiled
+        backend pays it: the curve at the smallest measured row count >= n (a pass is padded to its row
+        bucket, and the curve is measured at the buckets), the last measured step's slope beyond the last.
+        The draft budget reads this (protocol.RowCost)."""
+        secs = self.seconds if masked else (self.plain_seconds or self.seconds)
         at = next((i for i, r in enumerate(self.rows) if r >= n), None)
         if at is not None:
             return secs[at] / secs[0]
@@ -112,11 +113,14 @@ def measure(
     backend=None,
     masked: bool = True,
     head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    masked_rows: int | None = None,
 ) -> PassCost:
     """Time one pass per row count (best of `repeats`, row counts interleaved) on `model` (an MTPModel), on
     `backend` if given (its slot 0 is overwritten; a compiled one keeps its compiled buckets), else a new
     one; each pass with `head` (default: the backend's LM head) over its real rows. `masked` False: passes
-    of real rows only (both curves of the result are theirs)."""
+    of real rows only (both curves of the result are theirs). `masked_rows`: <mtp> passes timed up to that
+    many rows only (those a compiled backend has graphs for); wider ones cost the real rows' time plus
+    the widest timed one's premium."""
     from mtplm.decode.backends import make_backend
     from mtplm.decode.protocol import Feed
 
@@ -125,9 +129,10 @@ def measure(
     token = 5  # any ordinary token: the cost does not depend on which
     backend.run(0, [Feed([token] * context, context, 0, 0, False, None)], [0])
     feeds = {(n, False): Feed([token] * n, 1, n - 1, 0, False, None) for n in rows}  # 1 token + n-1 drafts
+    timed = [n for n in rows if masked_rows is None or n <= masked_rows]
     if masked:
         feeds |= {
-            (n, True): Feed([token] + [model.mask_id] * (n - 1), 1, 0, n - 1, False, None) for n in rows
+            (n, True): Feed([token] + [model.mask_id] * (n - 1), 1, 0, n - 1, False, None) for n in timed
         }
     head = head or backend.head
     best = dict.fromkeys(feeds, float("inf"))
@@ -141,6 +146,8 @@ def measure(
             if round_:
                 best[key] = min(best[key], time.perf_counter() - began)
     model.hf.train(was_training)
+    for n in rows[len(timed) :] if masked else ():  # beyond the timed <mtp> passes: their premium
+        best[n, True] = best[n, False] + best[timed[-1], True] - best[timed[-1], False]
     # a pass with more rows never costs less: the running maximum removes what noise made look cheaper
     curve = {
         kind: tuple(itertools.accumulate((best[n, kind] for n in rows), max))

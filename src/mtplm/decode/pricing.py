@@ -80,18 +80,24 @@ def cache_file(key: str) -> Path:
     return home() / "passcost" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
-def price(backend, model) -> PassCost:
-    """The backend's row-cost curve on this machine: from the cache, or measured now (passcost.measure:
-    real rows only, with the greedy loop's head) and cached; kept on the backend (`backend.pass_cost`,
-    relative to one row: PassCost.relative) for the loop's draft budget."""
-    path = cache_file(cache_key(backend, model))
+def price(backend, model, masked_rows: int = 0) -> PassCost:
+    """The backend's row-cost curve on this machine: from the cache, or measured now (passcost.measure,
+    with the greedy loop's head) and cached; kept on the backend (`backend.pass_cost`, relative to one
+    row: PassCost.relative) for the loop's draft budget. Passes of real rows (a token and copied drafts);
+    with `masked_rows` > 1 on a model with <mtp>, also a token and <mtp> slots up to that many rows, which
+    run the adapters (ConfAdapt's passes: on a CPU without AMX they cost more than real rows)."""
+    masked = masked_rows > 1 and model.meta is not None and model.meta.mask_id is not None
+    key = cache_key(backend, model) + (f" | <mtp> rows up to {masked_rows}" if masked else "")
+    path = cache_file(key)
     try:
         curve = PassCost.load(path)
     except UserError:  # none yet, or unreadable: measure it
         began = time.perf_counter()
         head = getattr(backend, "greedy_head", None) or backend.head
         name = type(backend).__name__
-        curve = measure(model, name, ROWS, CONTEXT, REPEATS, backend=backend, masked=False, head=head)
+        curve = measure(
+            model, name, ROWS, CONTEXT, REPEATS, backend, masked, head, masked_rows if masked else None
+        )
         path.parent.mkdir(parents=True, exist_ok=True)
         curve.save(path)
         log.info(

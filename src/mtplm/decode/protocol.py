@@ -46,8 +46,9 @@ __all__ = [
     "PassLimits",
     "Penalizing",
     "Priced",
+    "RowCost",
     "Strategy",
-    "fit",
+    "Traits",
     "mode_entry",
     "register_mode",
 ]
@@ -67,6 +68,11 @@ class Plan:
     proposal: torch.Tensor | None = field(default=None, compare=False)
     drafted: int = 0  # drafts per path from the drafter's block (the window policy learns from them)
     emits_block: bool = False  # the pass emits its own block's tokens (static k, ConfAdapt): no draft()
+
+    @property
+    def drafts_next(self) -> bool:
+        """The strategy drafts the next pass from this pass's block after the kept path (Drafting.draft)."""
+        return bool(self.slots) and not self.emits_block
 
 
 @dataclass(frozen=True)
@@ -290,17 +296,39 @@ class Penalizing(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Traits:
+    """What the loop may rely on about a strategy's choices (each strategy states its own traits)."""
+
+    lossless: bool = False  # its output is plain decoding's, token for token, where a pass's rows do not
+    # change each other's results: the loop refuses it on a pass whose rows do, and under a grammar feeds
+    # its first pass the prompt alone, as plain decoding's is
+    greedy: bool = False  # its choices read each next-token row's greedy token alone (temperature 0): a
+    # pass may hand it those tokens (DecodeModel.argmax, PassLogits.next_tokens) instead of the logits
+    greedy_blocks: bool = False  # ... and its mask blocks' greedy tokens too (PassLogits.block_tokens)
+
+
 class Strategy(Protocol):
+    traits: Traits
+
     def plan(self, text: Sequence[int], budget: int, last: Outcome | None) -> Plan: ...
 
     def choose(self, plan: Plan, logits: PassLogits, generator: torch.Generator) -> Outcome: ...
+
+
+class RowCost(Protocol):
+    """What a pass of n rows costs on this machine relative to a one-row pass (pricing.py measures it).
+    `masked`: its extra rows are <mtp> slots, which run the adapters (where only real rows were measured,
+    their cost stands for it)."""
+
+    def __call__(self, n: int, masked: bool = False) -> float: ...
 
 
 @runtime_checkable
 class Priced(Protocol):
     """A strategy that sizes its drafts by what a pass of n rows costs on this machine (budget.py)."""
 
-    def price(self, cost: Callable[[int], float]) -> None: ...
+    def price(self, cost: RowCost) -> None: ...
 
 
 @runtime_checkable
@@ -335,7 +363,7 @@ class DecodeModel:
     argmax: Callable[[torch.Tensor], torch.Tensor] | None = None
     # n -> the cost of a pass of n plain rows relative to one row, measured on this machine (pricing.py);
     # None where nobody measured it (the strategies then feed every draft they offer)
-    pass_cost: Callable[[int], float] | None = None
+    pass_cost: RowCost | None = None
     # what the backend's passes allow: its widest decode pass, whether rows are independent
     limits: PassLimits = field(default_factory=PassLimits)
 
@@ -344,15 +372,6 @@ class DecodeModel:
         """Why a row's result may depend on the rows beside it (backends.Backend.row_dependence; None: it
         does not)."""
         return self.limits.row_dependence
-
-
-def fit(strategy: Strategy, model: DecodeModel) -> None:
-    """Tell a new sequence's strategy what this machine and backend allow: what a pass of n rows costs
-    (Priced, once measured) and the backend's limits (Bounded)."""
-    if model.pass_cost is not None and isinstance(strategy, Priced):
-        strategy.price(model.pass_cost)
-    if isinstance(strategy, Bounded):
-        strategy.bound(model.limits)
 
 
 def _anchors(

@@ -30,7 +30,8 @@ from functools import cached_property
 import torch
 
 from mtplm.config import DecodeConfig
-from mtplm.decode.protocol import Drafting, Feed, PassLogits, Plan, Strategy
+from mtplm.decode.deciding import decide
+from mtplm.decode.protocol import Feed, Outcome, PassLogits, Plan, Strategy
 from mtplm.decode.strategies import ConfAdapt
 
 RANKED = 8  # candidates per prediction whose order the rebuilt logits keep (tree drafting's widths)
@@ -97,7 +98,8 @@ def replay(strategy: Callable[[], Strategy], records: Sequence[Record], max_new_
 
 
 def replay_one(strategy: Strategy, text: _Text, max_new_tokens: int, tally: Tally) -> None:
-    """The decode loop (loop.Decoding) over one record; the tally grows by its passes."""
+    """The decode cycle over one record (plan, a pass rebuilt from the record, deciding.decide), as
+    loop.Decoding drives it; the tally grows by its passes."""
     generator = torch.Generator()
     end = min(text.record.length, max_new_tokens)
     r, last = 0, None
@@ -107,22 +109,12 @@ def replay_one(strategy: Strategy, text: _Text, max_new_tokens: int, tally: Tall
         pending = len(last.new) if last is not None else 1
         feed = Feed.of(plan, [END] * pending, plan.slots, lambda: MASK)
         logits = RecordLogits(text, r, plan, feed)
-        outcome = strategy.choose(plan, logits, generator)
-        if plan.slots and not plan.emits_block:
-            path = outcome.path
-            block = logits.block(path[-1] if path else -1)
-            room = budget - outcome.accepted - len(outcome.new)
-            outcome = _drafting(strategy).draft(outcome, block, room, generator)
+        outcome, _ = decide(strategy, plan, logits, generator, budget, logits.block_after)
         emitted = [plan.drafts[i] for i in outcome.path] + list(outcome.new)
         count = min(len(emitted), end - r)
         wrong = sum(token != text.truth(r + i) for i, token in enumerate(emitted[:count]))
         tally.count(len(feed.tokens), count, bool(feed.slots and feed.anchors), wrong)
         r, last = r + len(emitted), outcome
-
-
-def _drafting(strategy: Strategy) -> Drafting:
-    assert hasattr(strategy, "draft"), "a plan with slots that does not emit its block needs draft()"
-    return strategy  # type: ignore[return-value]
 
 
 class _Text:
@@ -153,6 +145,10 @@ class RecordLogits(PassLogits):
     def __init__(self, text: _Text, r: int, plan: Plan, feed: Feed) -> None:
         super().__init__(lambda rows: rows, torch.empty(0), feed)
         self.text, self.r, self.plan = text, r, plan
+
+    def block_after(self, outcome: Outcome) -> torch.Tensor | None:
+        """The block after the outcome's kept path (deciding.decide's `block_after`)."""
+        return self.block(outcome.path[-1] if outcome.path else -1)
 
     @cached_property
     def _nodes(self) -> list[tuple[int, bool]]:

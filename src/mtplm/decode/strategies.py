@@ -13,13 +13,14 @@ it emits a block's confident run directly and verifies the rest as drafts.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from functools import partial
 
 import torch
 
 from mtplm.config import DecodeConfig, Thresholds
 from mtplm.decode.budget import DraftBudget
-from mtplm.decode.protocol import Outcome, PassLogits, Plan, Strategy, mode_entry
+from mtplm.decode.protocol import Outcome, PassLogits, Plan, RowCost, Strategy, Traits, mode_entry
 from mtplm.decode.sampling import greedy, leading_run, sample, warp
 from mtplm.decode.verified import Verified
 from mtplm.errors import UserError
@@ -31,6 +32,7 @@ class _SingleTokenSampler:
 
     def __init__(self, cfg: DecodeConfig) -> None:
         self.cfg = cfg
+        self.traits = Traits(greedy=cfg.temperature == 0)
 
     def next_token(self, row: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         if self.cfg.temperature == 0:
@@ -100,9 +102,10 @@ class ConfAdapt(_Block):
         self.single_steps = 0
         self.draft_budget: DraftBudget | None = None  # price() sets it
 
-    def price(self, cost: Callable[[int], float]) -> None:
-        """Feed mask slots by what a pass of n rows costs here relative to one row (budget.py)."""
-        self.draft_budget = DraftBudget(cost)
+    def price(self, cost: RowCost) -> None:
+        """Feed mask slots by what a pass of a token and n-1 <mtp> rows costs here relative to one row
+        (budget.py): the adapters run on them."""
+        self.draft_budget = DraftBudget(partial(cost, masked=True))
 
     def block(self, k: int) -> int:
         if self.draft_budget is None or k == 1:
@@ -137,8 +140,8 @@ class ConfidentVerified(Verified):
     def __init__(self, cfg: DecodeConfig, taus: list[float] | None = None) -> None:
         super().__init__(cfg)
         self.taus, self.confidence = block_taus(cfg, taus), CONFIDENCE.get(cfg.confidence)
-        self.greedy_blocks = False  # its block's confidences need the logits
-        self.lossless = False  # lossy: its first pass may carry its block
+        # lossy (its first pass may carry its block); its block's confidences need the logits
+        self.traits = Traits(greedy=cfg.temperature == 0)
 
     def draft(
         self, outcome: Outcome, block: torch.Tensor | None, room: int, generator: torch.Generator

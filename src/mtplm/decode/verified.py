@@ -21,14 +21,14 @@ backend's widest decode pass (protocol.PassLimits, told through `bound`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from mtplm.config import DecodeConfig
 from mtplm.decode.accept import accept
 from mtplm.decode.proposers import Context, SlotDrafts, TextDrafts, make_proposer
-from mtplm.decode.protocol import DECODE_ROWS, Feed, Outcome, PassLimits, PassLogits, Plan
+from mtplm.decode.protocol import DECODE_ROWS, Feed, Outcome, PassLimits, PassLogits, Plan, RowCost, Traits
 from mtplm.decode.sampling import warp
 from mtplm.masks import block_anchors
 from mtplm.registry import WINDOWS
@@ -61,10 +61,10 @@ class Verified:
         )
         # greedy: choose and draft read each row's greedy token only, so the loop may hand over the block's
         # greedy tokens (DecodeModel.argmax) instead of its logits (ConfidentVerified reads confidences)
-        self.greedy_blocks = cfg.temperature == 0
-        self.lossless = True  # under a grammar, the loop feeds its first pass the prompt alone (loop.py)
+        greedy = cfg.temperature == 0
+        self.traits = Traits(lossless=True, greedy=greedy, greedy_blocks=greedy)
 
-    def price(self, cost: Callable[[int], float]) -> None:
+    def price(self, cost: RowCost) -> None:
         """Feed copied drafts alone by what a pass of n rows costs here relative to one row (budget.py)."""
         if self.copies is not None:
             self.copies.price(cost)
@@ -154,7 +154,7 @@ class TreeVerified:
         self.window = WINDOWS.get(cfg.window)(cfg.k_max)
         self.widths = [int(w) for w in cfg.tree_widths.split(",")]
         self.mask_blocks = False  # the block comes from mask slots fed after every node (not from heads)
-        self.lossless = True  # under a grammar, the loop feeds its first pass the prompt alone (loop.py)
+        self.traits = Traits(lossless=True)  # (its choice reads the rows' logits)
         self.rows = DECODE_ROWS  # the backend's widest decode pass (bound() sets it)
 
     def bound(self, limits: PassLimits) -> None:

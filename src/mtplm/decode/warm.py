@@ -120,11 +120,12 @@ def warm_up(
     uncompiled pass, then compile on a thread of its own (fast/background.py) and return at once."""
     began = time.perf_counter()
     pricing = backend.pass_cost is None and any(cfg.sized_by_cost() for cfg in cfgs)
+    masked = _masked_rows(model, cfgs)
     if isinstance(backend, Warmable) and background:
         todo, capacity = buckets(backend, model, cfgs, prompt_lengths, max_new_tokens, max_batch)
         compiling = backend.warm_in_background(todo, capacity, Background(what))
         if pricing:  # before the other thread starts: the uncompiled pass alone
-            price(backend, model)
+            price(backend, model, masked)
         if compiling is not None:
             log.info(
                 f"mtplm: compiling {compiling.total} decode graphs{' for ' + what if what else ''} in the "
@@ -135,8 +136,14 @@ def warm_up(
     if isinstance(backend, Warmable):
         _compile(backend, model, cfgs, prompt_lengths, max_new_tokens, max_batch, what)
     if pricing:
-        price(backend, model)
+        price(backend, model, masked)
     return time.perf_counter() - began
+
+
+def _masked_rows(model: MTPModel, cfgs: Sequence[DecodeConfig]) -> int:
+    """The widest pass of <mtp> slots a mode that prices them feeds (ConfAdapt: its block), 0 for none."""
+    default = model.meta.k_max if model.meta is not None else 1
+    return max((cfg.block_tokens() or default for cfg in cfgs if cfg.priced_masks()), default=0)
 
 
 def _compile(

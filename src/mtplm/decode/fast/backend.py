@@ -49,6 +49,7 @@ from mtplm.decode.fast.weights import (
     return_freed_memory,
     sliding_window,
 )
+from mtplm.decode.protocol import RowCost
 from mtplm.errors import UserError
 from mtplm.model import MTPModel, storage_bytes
 
@@ -86,7 +87,7 @@ class StaticBackend:
         prefill_chunk: int = PREFILL_CHUNK,
     ) -> None:
         self.model, self.slots, self.compile, self.decode_rows = model, slots, compile, ROW_BUCKETS[-1]
-        self.pass_cost: Callable[[int], float] | None = None  # by rows, relative; pricing.py measures it
+        self.pass_cost: RowCost | None = None  # by rows, relative; pricing.py measures it
         self.prefill_chunk = prefill_chunk
         self.key_buckets = key_buckets
         self.weights = FastWeights(model, fuse, prepack, quantize, share=not model.hf_exact)
