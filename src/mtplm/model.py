@@ -20,12 +20,14 @@ import torch
 from safetensors.torch import load_file
 
 from mtplm import lora, modelio
+from mtplm.assets.quantized import GGUFWeights, quantized_model
 from mtplm.config import Thresholds
 from mtplm.errors import UserError
 from mtplm.modelio import ADAPTER_FILE, DELTA_FILE, HEADS_FILE, MASK_TOKEN, META_FILE, MTPMeta, read_meta
 
 _LOADING = threading.RLock()  # load: one at a time (reentrant: a delta loads its base inside)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES |= {"auto": torch.bfloat16, "gguf": torch.bfloat16}  # gguf: its linears as they are (assets/quantized)
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -47,6 +49,7 @@ class MTPModel:
         # False: a compiled backend's packed weights replace the HF modules' own (one copy in memory; HF's
         # forward then runs mtplm's kernels); True keeps HF's weights and kernels (the bench's HF rows)
         self.hf_exact = False
+        self.gguf: GGUFWeights | None = None  # the GGUF's linear weights, where hf has none (meta)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -93,7 +96,8 @@ class MTPModel:
     def tensors(self) -> list[torch.Tensor]:
         """Every parameter and buffer of the model and its heads."""
         modules = [self.hf] if self.heads is None else [self.hf, self.heads]
-        return [tensor for module in modules for tensor in (*module.parameters(), *module.buffers())]
+        tensors = (tensor for module in modules for tensor in (*module.parameters(), *module.buffers()))
+        return [tensor for tensor in tensors if not tensor.is_meta]  # meta: a GGUF's linears, not held
 
     def nbytes(self) -> int:
         """Bytes of its tensors in memory (a storage several of them share, counted once)."""
@@ -308,13 +312,18 @@ def _load(spec: str | os.PathLike, dtype: str) -> MTPModel:
 
     path = Path(spec)
     if not (path / META_FILE).is_file():
-        hf, tokenizer = _load_hf(resolve_model(str(spec)), dtype)
-        return MTPModel(hf, tokenizer, None)
+        directory = resolve_model(str(spec))  # (hf without linear weights, tokenizer, the GGUF's) or None
+        hf, tokenizer, weights = quantized_model(directory, dtype) or (*_load_hf(directory, dtype), None)
+        model = MTPModel(hf, tokenizer, None)
+        model.gguf = weights
+        return model
     meta = read_meta(path)
     if meta.method == "heads":
         return _load_heads(_load_locked(meta.base_model["spec"], dtype), path, meta)
     if meta.delta:
         return _apply_delta(_load_locked(meta.base_model["spec"], dtype), path, meta)
+    if dtype == "gguf":
+        raise UserError(f"{path} holds float weights: --dtype gguf runs a GGUF's own (use --dtype bf16)")
     hf, tokenizer = _load_hf(path, dtype)
     if meta.mask_id is not None and tokenizer.convert_tokens_to_ids(MASK_TOKEN) != meta.mask_id:
         raise UserError(
@@ -364,9 +373,7 @@ def _load_hf(path, dtype: str):
     hf = _from_weight_files(Path(path), parse_dtype(dtype))
     if hf is None:
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype))
-    hf.eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return hf, tokenizer
+    return hf.eval(), AutoTokenizer.from_pretrained(path)
 
 
 def _from_weight_files(path: Path, dtype: torch.dtype):

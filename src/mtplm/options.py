@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mtplm.config import BACKEND_ENV, DTYPES
+from mtplm.config import BACKEND_ENV, DECODE_DTYPES, DTYPES
 from mtplm.registry import BACKENDS
 
 
@@ -19,9 +19,20 @@ def add_backend_argument(parser) -> None:
 
 
 def add_dtype_argument(parser, default: str = "bf16", help: str | None = None) -> None:
-    """The one --dtype option of every command that loads a model."""
+    """The one --dtype option of every command that loads a model (training: fp32 or bf16)."""
     parser.add_argument(
         "--dtype", default=default, choices=DTYPES, help=help or "compute dtype (default: %(default)s)"
+    )
+
+
+def add_decode_dtype_argument(parser) -> None:
+    """--dtype of the commands that decode: also a GGUF's own blocks (gguf), the default where it can."""
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DECODE_DTYPES,
+        help="weights: gguf runs a GGUF model's 4- and 8-bit blocks as they are (the rest bf16); auto "
+        "(default) does where every block type is supported, else bf16; bf16 and fp32 dequantize",
     )
 
 

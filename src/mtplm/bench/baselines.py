@@ -71,7 +71,7 @@ def _assisted(args, model, runner) -> dict:
     """HF assisted decoding: the base of the bench's model drafts for `--assisted`, against its own greedy."""
     from mtplm.model import load_model
 
-    target = load_model(args.assisted, args.dtype)
+    target = load_model(args.assisted, "bf16" if args.dtype in ("auto", "gguf") else args.dtype)
     if target.tokenizer.get_vocab() != {t: i for t, i in model.tokenizer.get_vocab().items() if t != "<mtp>"}:
         raise UserError(
             f"--assisted {args.assisted}: its tokenizer differs from {args.model}'s; assisted "
@@ -80,7 +80,9 @@ def _assisted(args, model, runner) -> dict:
     # the drafter is the unconverted base: the <mtp> row would make its vocabulary one longer than the
     # target's
     base = model.meta.base_model.get("spec") if model.meta else None
-    draft = load_model(base, args.dtype).hf if base else model.hf
+    draft = (
+        load_model(base, "bf16" if args.dtype in ("auto", "gguf") else args.dtype).hf if base else model.hf
+    )
     plain_name = f"hf-generate[{args.assisted}]"
     return {
         plain_name: (runner(target.hf), plain_name),

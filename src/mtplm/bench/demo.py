@@ -11,6 +11,7 @@ from functools import partial
 from mtplm.config import PLAIN_MODE, DecodeConfig
 from mtplm.config.modes import mode_entry
 from mtplm.decode.backends import make_backend, resolve_backend
+from mtplm.decode.fast.gguf import decode_dtype
 from mtplm.decode.loop import generate
 from mtplm.decode.warm import untimed_compiles, warm_up
 from mtplm.errors import UserError
@@ -29,7 +30,7 @@ PROMPTS = (
 def run_demo(
     spec: str, dtype: str, max_new_tokens: int, tau: float | None, backend_name: str = "auto"
 ) -> None:
-    model = load_model(spec, dtype)
+    model = load_model(spec, decode_dtype(dtype, backend_name))
     if model.meta is None:
         raise UserError(
             f"{spec} is not a converted model: the demo compares plain, ConfAdapt and verified decoding, "

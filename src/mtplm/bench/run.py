@@ -26,9 +26,10 @@ from mtplm.bench.report import markdown_table, write_report
 from mtplm.bench.tasks import Scorer
 from mtplm.config import PLAIN_MODE, DecodeConfig, mode_grammar, parse_mode
 from mtplm.config.modes import mode_entry
+from mtplm.decode.fast.gguf import decode_dtype
 from mtplm.errors import UserError
 from mtplm.llamacpp.server import BaselineOutput
-from mtplm.options import add_backend_argument, add_dtype_argument
+from mtplm.options import add_backend_argument, add_decode_dtype_argument
 from mtplm.registry import CONFIDENCE
 
 __all__ = [  # Record, summarize, markdown_table and write_report lived here; their old path still works
@@ -96,7 +97,7 @@ def _add_prompt_arguments(p) -> None:
 
 def _add_mode_arguments(p) -> None:
     """The rows mtplm decodes: dtype, backend, modes and their settings."""
-    add_dtype_argument(p)
+    add_decode_dtype_argument(p)
     add_backend_argument(p)
     p.add_argument(
         "--no-eager-baseline",
@@ -261,9 +262,16 @@ def _load(args, modes: list):
 
     # bad variants or no binary: one line before the model loads
     llama_server.check(args.llama_server, args.model)
-    model = load_model(args.model, args.dtype)
     # rows that time Hugging Face's forward keep its own weights and kernels (a second copy in memory)
-    model.hf_exact = not (args.no_hf and args.no_eager_baseline) or bool(args.assisted)
+    hf_rows = not (args.no_hf and args.no_eager_baseline) or bool(args.assisted)
+    if hf_rows and args.dtype == "gguf":
+        raise UserError(
+            "--dtype gguf has no float weights for Hugging Face's rows: add --no-hf --no-eager-baseline"
+        )
+    model = load_model(
+        args.model, decode_dtype("bf16" if hf_rows and args.dtype == "auto" else args.dtype, args.backend)
+    )
+    model.hf_exact = hf_rows
     if model.meta is None and any(cfg.needs_conversion() for _, cfg in modes):
         raise UserError(
             f"{args.model} is not a converted model: only plain decoding and verified:lookup can be measured"
@@ -284,7 +292,9 @@ def _setting(args, prompts: int, backend_name: str, backend, warm_up_s: float) -
     return {
         "command": "mtplm bench " + " ".join(getattr(args, "argv", [])),
         "model": args.model,
-        "dtype": args.dtype,
+        "dtype": "gguf"
+        if getattr(getattr(backend, "model", None), "gguf", None)
+        else args.dtype.replace("auto", "bf16"),
         "prompt_set": args.prompt_set,
         "prompts": prompts,
         "backend": backend_name,

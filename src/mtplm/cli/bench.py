@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from mtplm.cli.defaults import DEFAULT_CHECKPOINT
-from mtplm.options import add_backend_argument, add_dtype_argument
+from mtplm.options import add_backend_argument, add_decode_dtype_argument
 
 
 def add_demo(sub) -> None:
@@ -14,7 +14,7 @@ def add_demo(sub) -> None:
         "demo", help="answer a few prompts in plain, ConfAdapt and verified (lossless) mode side by side"
     )
     demo.add_argument("--model", default=DEFAULT_CHECKPOINT)
-    add_dtype_argument(demo)
+    add_decode_dtype_argument(demo)
     add_backend_argument(demo)
     demo.add_argument("--max-new-tokens", type=int, default=96)
     demo.add_argument("--tau", type=float, default=None)

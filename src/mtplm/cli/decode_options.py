@@ -16,7 +16,7 @@ from mtplm.config import (
     read_mode,
 )
 from mtplm.errors import UserError
-from mtplm.options import add_backend_argument, add_dtype_argument
+from mtplm.options import add_backend_argument, add_decode_dtype_argument
 from mtplm.registry import CONFIDENCE, STRATEGIES, WINDOWS
 
 
@@ -76,7 +76,7 @@ def add_decode_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--seed", type=int, default=d.seed)
     _add_penalty_arguments(p, d)
-    add_dtype_argument(p)
+    add_decode_dtype_argument(p)
     add_backend_argument(p)
 
 

@@ -10,6 +10,7 @@ from mtplm.cli.decode_options import add_decode_arguments, decode_config
 from mtplm.cli.defaults import DEFAULT_CHECKPOINT
 from mtplm.config import PLAIN_MODE, DecodeConfig
 from mtplm.decode.constraint_args import constraint_spec
+from mtplm.decode.fast.gguf import decode_dtype
 from mtplm.errors import UserError
 from mtplm.options import add_constraint_arguments
 from mtplm.registry import BACKENDS
@@ -79,7 +80,7 @@ def _generate(args) -> None:
     cfg, spec = decode_config(args), constraint_spec(args)
     if args.backend != "auto":
         BACKENDS.check(args.backend)  # a bad name fails before the model loads
-    model = load_model(args.model, args.dtype)
+    model = load_model(args.model, decode_dtype(args.dtype, args.backend))
     ids = model.tokenizer(prompt)["input_ids"] if args.raw else chat_prompt_ids(model.tokenizer, prompt)
     constraint = compile_constraint(spec, model.tokenizer, stop_ids(model)).start() if spec else None
     backend = make_backend(one_shot_backend(args.backend, model, cfg), model, slots=1)

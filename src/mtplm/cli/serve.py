@@ -7,7 +7,7 @@ from pathlib import Path
 from mtplm.cli.defaults import DEFAULT_CHECKPOINT
 from mtplm.config import DEFAULT_LOAD_POLICY, DEFAULT_MODE, Limits
 from mtplm.errors import UserError
-from mtplm.options import add_backend_argument, add_dtype_argument
+from mtplm.options import add_backend_argument, add_decode_dtype_argument
 
 
 def add_serve(sub) -> None:
@@ -53,7 +53,7 @@ def _add_http_arguments(serve) -> None:
 
 def _add_decoding_arguments(serve) -> None:
     """How each model loads and decodes: dtype, backend, batching, memory, default mode, load policy."""
-    add_dtype_argument(serve)
+    add_decode_dtype_argument(serve)
     add_backend_argument(serve)
     serve.add_argument(
         "--max-batch", type=int, default=8, help="sequences decoded together per model (default: 8)"

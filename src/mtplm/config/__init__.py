@@ -33,6 +33,7 @@ from mtplm.config.serve import (
     Limits,
 )
 from mtplm.config.train import (
+    DECODE_DTYPES,
     DEFAULT_TARGETS,
     DTYPES,
     LORA_GROUPS,
@@ -61,6 +62,7 @@ __all__ = [
     "read_mode",
     "Limits",
     "DEFAULT_TARGETS",
+    "DECODE_DTYPES",
     "DTYPES",
     "LORA_GROUPS",
     "METHODS",

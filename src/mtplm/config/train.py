@@ -18,6 +18,9 @@ DEFAULT_TARGETS = (
 )  # LoRA wraps these
 METHODS = ("mask", "heads")
 DTYPES = ("fp32", "bf16")
+# what decoding loads: also "gguf" (a GGUF's linear weights as they are, the rest bf16) and "auto" (that where
+# the model comes from a GGUF whose block types the kernels run, else bf16)
+DECODE_DTYPES = ("auto", "gguf", *DTYPES)
 SCHEDULES = ("cosine", "constant")  # the learning rate after warm-up: cosine to 0.1x, or constant
 SELF_GEN_ENGINES = (
     "hf",

@@ -107,6 +107,8 @@ class EagerBackend:
     decode_rows = DECODE_ROWS  # wider passes attend with grouped KV heads on a CPU (ragged.py)
 
     def __init__(self, model: MTPModel, slots: int = 1) -> None:
+        if (reason := EagerBackend.unsupported(model)) is not None:
+            raise UserError(reason)
         self.model, self.slots = model, slots
         self.cache = RaggedCache(slots)
         self.pass_cost: RowCost | None = None
@@ -141,7 +143,14 @@ class EagerBackend:
 
     @staticmethod
     def unsupported(model: MTPModel) -> str | None:
-        return None  # any Hugging Face causal LM
+        """Any Hugging Face causal LM with its weights; not one that runs a GGUF's own blocks (no float
+        linear weights: assets/quantized.py)."""
+        if getattr(model, "gguf", None) is not None:
+            return (
+                "the eager backend runs Hugging Face's forward over float weights; this model runs its "
+                "GGUF's quantized blocks: use --backend compiled or static, or --dtype bf16"
+            )
+        return None
 
     def move(self, source: int, target: int, length: int) -> None:
         self.cache.move(source, target, length)

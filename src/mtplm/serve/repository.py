@@ -31,6 +31,7 @@ from mtplm.compat import tomllib
 from mtplm.config import DEFAULT_MODE, DecodeConfig, parse_mode
 from mtplm.decode.backends import Backend, make_backend
 from mtplm.decode.engine import Engine, PassStats
+from mtplm.decode.fast.gguf import decode_dtype
 from mtplm.decode.strategies import is_lossless
 from mtplm.decode.warm import warm_up
 from mtplm.errors import UserError
@@ -237,7 +238,7 @@ class Repository:
         """On the engine's thread: the model, and its backend with its graphs compiling in the background
         (warm(); fast/background.py)."""
         try:
-            model = load_model(entry.path, entry.dtype)
+            model = load_model(entry.path, decode_dtype(entry.dtype, self.backend))
         except (UserError, OSError, ValueError) as exc:
             self.failed[entry.id] = str(exc)
             log.error("mtplm: model %r (%s) failed to load: %s", entry.id, entry.path, exc)

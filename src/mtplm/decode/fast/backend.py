@@ -37,7 +37,7 @@ import torch
 
 from mtplm.decode.backends import SlotKV
 from mtplm.decode.chunked import PREFILL_CHUNK, run_split
-from mtplm.decode.fast import fewrow, forward, graphs, greedy, kernels
+from mtplm.decode.fast import fewrow, forward, gguf, graphs, greedy
 from mtplm.decode.fast.background import BackgroundCompile
 from mtplm.decode.fast.graphs import GROUP_BATCH_ROWS, GROUP_LAYERS, GROUP_ROWS, WHOLE_PASS_ROWS
 from mtplm.decode.fast.inputs import Inputs, grow_store, pass_inputs
@@ -344,7 +344,7 @@ class StaticBackend:
         """LM-head logits [..., V] in float32, over prepacked weights where the decoder's are prepacked."""
         if self._head is None:
             return self.model.head(hidden)
-        logits = kernels.packed_linear(hidden, self._head, None).float()
+        logits = gguf.head_logits(hidden, self._head).float()  # packed, or the GGUF's quantized head
         if self.weights.shape.mask_id >= 0:
             logits[..., self.weights.shape.mask_id] = float("-inf")
         return logits
@@ -390,7 +390,7 @@ class StaticBackend:
     def nbytes(self) -> int:
         """Bytes it holds beside the model's own tensors: the KV store (scratch slot included) and the weight
         copies it does not share with the model (fused, packed, int8 greedy head)."""
-        held = [*self.keys, *self.values, *self.weights.buffers(), self._head]
+        held = [*self.keys, *self.values, *gguf.held(self.weights, self._head)]
         held += [self.greedy_head.codes, self.greedy_head.stats] if self.greedy_head is not None else []
         return storage_bytes(held, exclude=self.model.tensors())
 

@@ -188,7 +188,10 @@ def project(block, name: str, inputs: torch.Tensor, gate: torch.Tensor | None) -
 
 
 def linear(block, key: str, inputs: torch.Tensor) -> torch.Tensor:
-    """inputs @ W^T + bias for the block's weight `key` as stored: int4, int8, prepacked bf16 or plain."""
+    """inputs @ W^T + bias for the block's weight `key` as stored: a GGUF's blocks, int4, int8, prepacked
+    bf16 or plain."""
+    if block.quantized == "gguf":  # a quant.QuantLinear over the GGUF's blocks (fast/gguf.py)
+        return block.quant[key](inputs)
     weight, bias = getattr(block, f"{key}_w"), getattr(block, f"{key}_bias")
     if block.quantized == "int4":
         return kernels.int4_linear(

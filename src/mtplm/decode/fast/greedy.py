@@ -76,7 +76,7 @@ def for_head(weight: torch.Tensor, packed: torch.Tensor | None, mask_id: int) ->
     logits (as with MTPLM_GREEDY_HEAD=0, for comparisons)."""
     if os.environ.get("MTPLM_GREEDY_HEAD", "1") == "0":
         return None
-    if packed is None or packed.dim() != 3 or weight.dtype != torch.bfloat16:
+    if not isinstance(packed, torch.Tensor) or packed.dim() != 3 or weight.dtype != torch.bfloat16:
         return None
     if fewrow.isa() == "avx512" and "avx512_vnni" not in fewrow.cpu_flags():
         return None

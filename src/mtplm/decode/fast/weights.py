@@ -28,7 +28,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from mtplm.decode.fast import fewrow, kernels
+from mtplm.decode.fast import fewrow, gguf, kernels
 from mtplm.errors import UserError
 from mtplm.lora import GatedLoRALinear
 from mtplm.model import MTPModel
@@ -78,9 +78,15 @@ class FastWeights(nn.Module):
         share: bool = False,
     ) -> None:
         super().__init__()
-        kind = "int8" if quantize is True else quantize or None  # None | "int8" | "int4"
+        kind = "int8" if quantize is True else quantize or None  # None | "int8" | "int4" | "gguf"
         if kind not in (None, "int8", "int4"):
             raise ValueError(f"quantize is int8 or int4, not {quantize!r}")
+        if kind and gguf.source(model) is not None:
+            raise UserError(
+                f"{kind} quantizes float weights; this model runs its GGUF's own blocks: use "
+                f"--backend compiled, or load it with --dtype bf16"
+            )
+        kind = "gguf" if gguf.source(model) is not None else kind  # assets/quantized.py, fast/gguf.py
         hf = model.hf
         self.shape = check_supported(model)
         on_cpu = hf.get_input_embeddings().weight.device.type == "cpu"
@@ -88,7 +94,7 @@ class FastWeights(nn.Module):
         # unless int8
         self.pack_head = on_cpu and (prepack_default(model.dtype) if prepack is None else prepack)
         self.prepacked = self.pack_head and not kind
-        if (self.prepacked or kind) and not fuse:
+        if (self.prepacked or kind in ("int8", "int4")) and not fuse:
             raise ValueError("prepacked and quantized weights are fused copies: they need fuse")
         decoder: Any = hf.get_decoder()  # an HF module tree: attributes by name
         self.register_buffer("embed", decoder.embed_tokens.weight, persistent=False)  # [V, D]
@@ -107,8 +113,12 @@ class FastWeights(nn.Module):
         self.fused = fuse
         self.quantized = kind
         self.shares = share  # the packed weights replace Hugging Face's own (_share)
+        linears = (
+            source.layers if (source := gguf.source(model)) is not None else [None] * len(decoder.layers)
+        )
         self.blocks = nn.ModuleList(
-            _Block(layer, fuse, self.prepacked, kind, share) for layer in decoder.layers
+            _Block(layer, fuse, self.prepacked, kind, share, linears[i])
+            for i, layer in enumerate(decoder.layers)
         )
 
 
@@ -116,10 +126,17 @@ class _Block(nn.Module):
     """One decoder layer's tensors: norms, projections (fused or HF's own), biases, adapters."""
 
     def __init__(
-        self, layer: Any, fuse: bool, prepack: bool, quantize: str | None = None, share: bool = False
+        self,
+        layer: Any,
+        fuse: bool,
+        prepack: bool,
+        quantize: str | None = None,
+        share: bool = False,
+        source: dict | None = None,  # the GGUF's linears of this layer (quantize "gguf")
     ) -> None:
         super().__init__()
         self.prepacked, self.quantized = prepack, quantize
+        self.quant = nn.ModuleDict()  # quant.QuantLinear by forward.linear's key (quantize "gguf")
         self.out_features: dict[str, int] = {}  # int4 weights are padded to 16 rows: the real output width
         self.adapter_parts: dict[str, list[int]] = {}  # widened weights laid out for fewrow.lora_linear
         attn, mlp = layer.self_attn, layer.mlp
@@ -145,7 +162,11 @@ class _Block(nn.Module):
                 )
             downs = [adapter.lora_a.detach() for adapter in adapters]  # each [r, in]
             ups = [adapter.lora_b.detach() for adapter in adapters]  # each [out, r]
-            if self.parts[name] == 1:
+            if source is not None:  # the GGUF's blocks (fast/gguf.py); the adapters beside them
+                gguf.add_group(self, name, [source[attr] for _, attr in homes[name]], bases, fuse)
+                if adapters:
+                    self._add_low_rank(name, downs, ups)
+            elif self.parts[name] == 1:
                 weight, bias = _cat([b_.weight for b_ in bases]).detach(), _cat_bias(bases)
                 self._add(name, weight, bias, prepack)
                 if adapters:
@@ -219,10 +240,13 @@ class _Block(nn.Module):
         self.register_buffer(f"{name}_bias", None if bias is None else bias.detach(), persistent=False)
 
 
-def packed_head(model: MTPModel, head: torch.Tensor, weights: FastWeights) -> torch.Tensor | None:
-    """The LM head `head` [V, D] packed (kernels.pack) where `weights` pack it, else None. Where `weights`
+def packed_head(model: MTPModel, head: torch.Tensor, weights: FastWeights) -> Any:
+    """The LM head `head` [V, D] packed (kernels.pack) where `weights` pack it, the GGUF's quantized head
+    (gguf.QuantHead, a callable) where the model runs its GGUF's blocks, else None. Where `weights`
     share theirs and the head is fewrow-packed, untied and bias-free, it replaces Hugging Face's own
     (fewrow.PackedLinear), as _share does for the projections."""
+    if (source := gguf.source(model)) is not None:
+        return gguf.QuantHead(source.head, head)  # the GGUF's head, tied or not
     if not weights.pack_head:
         return None
     packed = kernels.pack(head)

@@ -1,0 +1,119 @@
+"""The fast pass over a GGUF's own blocks: each linear weight a quant.QuantWeight packed from its bytes.
+
+A model loaded with `--dtype gguf` (or `auto` where every block type is supported) holds no float copy of
+its linear weights (assets/quantized.py); FastWeights packs them from the memory-mapped GGUF one tensor at
+a time (quant.pack), so the process keeps the packed blocks only, about the file's size. q, k and v (and
+gate and up) are fused into one product where their block types agree, by stacking their rows of blocks;
+else each runs on its own. Biases, norms, the embedding (bf16) and the gated adapters are float tensors as
+with bf16 weights; the adapters' low-rank delta runs beside the quantized product (forward.project).
+
+The LM head, tied or not, is the GGUF's quantized one (QuantHead); rows the model has beyond the GGUF's
+(a converted checkpoint's `<mtp>` row, never predicted) come from the model's own float head.
+
+quant.linear quantizes its activations to int8 per 32 inputs, as llama.cpp does: logits differ from the
+dequantized model's by that rounding, while every decoding mode on these weights is lossless relative to
+this quantized model (its kernels give a row the same result whatever the rows beside it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from mtplm.assets.quantized import GGUFLinear, GGUFWeights
+from mtplm.config import BACKEND_ENV
+from mtplm.decode.fast import fewrow, kernels, quant
+
+log = logging.getLogger(__name__)
+
+
+def add_group(block: Any, name: str, linears: list[GGUFLinear], bases: list[nn.Linear], fuse: bool) -> None:
+    """Block `block`'s weights of group `name`, quant.QuantLinear modules in block.quant by forward.linear's
+    key: one fused where `fuse` and the parts share their block type, else one per part (block.parts[name]
+    says how many). Biases (float32) ride in the product."""
+    kinds = {linear.kind for linear in linears}
+    fused = fuse and len(kinds) == 1 and len({linear.in_features for linear in linears}) == 1
+    block.parts[name] = 1 if fused else len(linears)
+    if fused:
+        raw = torch.cat([linear.raw() for linear in linears]) if len(linears) > 1 else linears[0].raw()
+        out = sum(linear.out_features for linear in linears)
+        weight = quant.pack(linears[0].kind, raw, out, linears[0].in_features)
+        block.quant[name] = quant.QuantLinear(weight, _bias(bases))
+        return
+    for i, (linear, base) in enumerate(zip(linears, bases, strict=True)):
+        weight = quant.pack(linear.kind, linear.raw(), linear.out_features, linear.in_features)
+        block.quant[f"{name}{i}"] = quant.QuantLinear(weight, _bias([base]))
+
+
+def _bias(bases: list[nn.Linear]) -> torch.Tensor | None:
+    """The parts' stacked biases in float32, zeros where a part has none (Qwen2: q, k, v biased); None where
+    none has."""
+    if all(base.bias is None for base in bases):
+        return None
+    return torch.cat(
+        [
+            base.bias.detach().float() if base.bias is not None else torch.zeros(base.out_features)
+            for base in bases
+        ]
+    )
+
+
+class QuantHead:
+    """The LM head over the GGUF's quantized head: hidden [..., D] -> logits [..., V] (float32 before the
+    caller's cast). `head` [V, D] is the model's own (float, or meta where it holds none): its rows past the
+    GGUF's, if any, are products in float32 (on meta: -inf, never predicted)."""
+
+    def __init__(self, source: GGUFLinear, head: torch.Tensor) -> None:
+        self.weight = quant.pack(source.kind, source.raw(), source.out_features, source.in_features)
+        self.extra = head[source.out_features :].detach()  # [V - V_gguf, D]
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        logits = quant.linear(flat.float(), self.weight)  # [N, V_gguf] float32
+        if len(self.extra):
+            if self.extra.is_meta:
+                extra = logits.new_full((len(flat), len(self.extra)), float("-inf"))
+            else:
+                extra = flat.float() @ self.extra.float().T
+            logits = torch.cat([logits, extra], dim=-1)
+        return logits.view(*hidden.shape[:-1], logits.shape[-1])
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight.codes, self.weight.scales, *([] if self.extra.is_meta else [self.extra])]
+
+
+def head_logits(hidden: torch.Tensor, head: Any) -> torch.Tensor:
+    """hidden [..., D] through the fast backend's head: a QuantHead, or a weight packed by kernels.pack."""
+    return head(hidden) if isinstance(head, QuantHead) else kernels.packed_linear(hidden, head, None)
+
+
+def held(weights: nn.Module, head: Any) -> list[torch.Tensor]:
+    """Every tensor the fast backend holds for its weights (buffers: the QuantLinears' too) and its head."""
+    tensors = [*weights.buffers(), *weights.parameters()]
+    if isinstance(head, QuantHead):
+        return tensors + head.tensors()
+    return tensors + ([head] if head is not None else [])
+
+
+def decode_dtype(dtype: str, backend: str = "auto") -> str:
+    """The --dtype a decoding command loads with: "auto" stays "auto" (the GGUF's own blocks where every
+    type is supported: assets/quantized.py) where the backend is not the eager one and quant's kernels run
+    here; else "bf16" (the reference product would be far too slow to decode with), saying why once."""
+    if dtype != "auto":
+        return dtype
+    name = os.environ.get(BACKEND_ENV, "auto") if backend == "auto" else backend
+    if name == "eager":
+        return "bf16"
+    if not quant.load():
+        why = fewrow.unavailable() or "no quant_linear in its build"
+        log.info(f"[mtplm] GGUF block kernels are not available here ({why}): running bf16 weights")
+        return "bf16"
+    return dtype
+
+
+def source(model: Any) -> GGUFWeights | None:
+    return getattr(model, "gguf", None)
