@@ -277,7 +277,8 @@ def test_greedy_mask_drafts_stay_inside_the_grammar(model, drafting):
     with torch.inference_mode():
         while not sequence.done:
             feed = sequence.feed()
-            drafts = [] if sequence.forced else list(sequence.plan.drafts)  # forced: drafts trail the run
+            grammar = sequence.hooks.grammar
+            drafts = [] if grammar.forced else list(sequence.plan.drafts)  # forced: drafts trail the run
             stop = next((i for i, t in enumerate(drafts) if t in stop_ids(model)), len(drafts) - 1)
             drafts = drafts[: stop + 1]  # what follows an end-of-sequence draft is never kept
             assert constraint.accepts(drafts) == len(drafts), drafts

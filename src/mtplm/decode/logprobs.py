@@ -69,3 +69,31 @@ def step_logprobs(
 def prompt_logprobs(head, hidden: torch.Tensor, prompt: list[int], top: int) -> list[TokenLogprob]:
     """Prompt tokens 1.. scored by the rows before them; hidden [len(prompt), D] from the prefill pass."""
     return rows_logprobs(head(hidden[: len(prompt) - 1]), prompt[1:], top)
+
+
+class Scores:
+    """Logprobs on one sequence's passes (decoding.Decoding's `scores` hook): the `top` alternatives of
+    every emitted token and, with `echo`, the prompt's own tokens (from its chunks' passes, then the first
+    pass). Not there when the request asks for none, so plain decoding pays nothing."""
+
+    def __init__(self, top: int, echo: bool) -> None:
+        self.top, self.echo = top, echo
+        self.echoed: list[TokenLogprob] = []  # the prompt chunks' token logprobs, before the first pass
+
+    def chunk(self, head, hidden: torch.Tensor, following: list[int]) -> None:
+        """A prompt chunk's rows [size, W] (echo: they score the prompt tokens after them)."""
+        if self.echo:
+            self.echoed += rows_logprobs(head(hidden[: len(following)]), following, self.top)
+
+    def step(
+        self, rows: PassLogits, outcome: Outcome, kept: list[int], block: torch.Tensor | None, count: int
+    ) -> tuple[TokenLogprob, ...]:
+        """The step's first `count` emitted tokens (kept drafts, then the new tokens; `block`: the lossy
+        block the tokens after the first new one came from)."""
+        return tuple(step_logprobs(rows, outcome, kept, self.top, block)[:count])
+
+    def prompt(self, head, hidden: torch.Tensor, pending: list[int]) -> tuple[TokenLogprob, ...] | None:
+        """With echo, on the first pass (it fed the prompt, after any chunks): every prompt token's."""
+        if not self.echo:
+            return None
+        return tuple(self.echoed + prompt_logprobs(head, hidden, pending, self.top))
