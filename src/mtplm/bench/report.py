@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mtplm.bench import llama_server
+from mtplm.bench import llama_server, vllm
 from mtplm.bench.cost import Assumptions, cost_markdown
 from mtplm.bench.predicted import markdown as predicted_markdown
 from mtplm.config import PLAIN_MODE
@@ -57,6 +57,7 @@ def write_report(report: dict, out: Path) -> None:
             "",
         ]
     text += llama_server.markdown(report.get("llama_server", {}))
+    text += vllm.markdown(report.get("vllm", {}))
     text += predicted_markdown(report.get("predicted", {}))
     text += ["Tokens emitted per forward pass (share of steps):", ""]
     for name, hist in report["histograms"].items():

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from mtplm.bench import llama_server
+from mtplm.bench import llama_server, vllm
 from mtplm.bench.baselines import hf_baselines
 from mtplm.bench.cost import Assumptions
 from mtplm.bench.machine import PeakMemory, machine
@@ -130,6 +130,7 @@ def _add_baseline_arguments(p) -> None:
         "with a message when it is not installed",
     )
     llama_server.add_argument(p)
+    vllm.add_argument(p)
     p.add_argument(
         "--assisted",
         default=None,
@@ -210,8 +211,9 @@ def run_bench(args) -> dict:
     with servers or nullcontext():  # the servers stop however the loop ends
         for example, ids in tqdm(list(zip(examples, prompts, strict=False)), desc="bench", unit="prompt"):
             _one_prompt(model, example, ids, modes, runners, baselines, records, scorer, args.max_new_tokens)
-
-    compared_with = {name: ref for name, (_, ref) in baselines.items()}
+    outside = vllm.bench_rows(args, llama_server.base_dir(model), examples, prompts, stops, records, scorer)
+    records |= outside.records  # vLLM's rows (--vllm), run after mtplm's in vLLM's own venv
+    compared_with = {name: ref for name, (_, ref) in baselines.items()} | outside.compared_with
     rows, by_source = summarize_all(records, compared_with)
     predicted = (
         {}
@@ -225,7 +227,7 @@ def run_bench(args) -> dict:
         "histograms": {
             name: histogram([n for r in recs for n in r.accepted])
             for name, recs in records.items()
-            if name not in baselines
+            if name not in compared_with
         },
         "compared_with": compared_with,
         "cost_assumptions": asdict(
@@ -237,6 +239,7 @@ def run_bench(args) -> dict:
         ),
         "checkpoint": model.meta.training if model.meta else None,
         "llama_server": servers.summary() if servers else {},
+        **({"vllm": outside.summary} if outside.summary else {}),
         "predicted": predicted,
     }
     _write(report, rows, predicted, args.out)
@@ -262,6 +265,7 @@ def _load(args, modes: list):
 
     # bad variants or no binary: one line before the model loads
     llama_server.check(args.llama_server, args.model)
+    vllm.check(args)
     # rows that time Hugging Face's forward keep its own weights and kernels (a second copy in memory)
     hf_rows = not (args.no_hf and args.no_eager_baseline) or bool(args.assisted)
     if hf_rows and args.dtype == "gguf":
