@@ -54,9 +54,11 @@ MTPLM_AVX2 inline __m256 load8(const c10::BFloat16* x) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
 
-// One row's K inputs -> its int8 codes, and per block of 32 d_x and s_x (the module comment's formula).
+// One row's K inputs -> its int8 codes, and per block of 32 d_x, the dots' start -offset * s_x and (ds not
+// null) d_x * s_x (the module comment's formula); block b's at index b * n (the Problem's block-major layout).
 template <typename T>
-MTPLM_AVX2 void quantize_row(const T* x, int64_t kb, int8_t* qx, float* dx, int32_t* sx) {
+MTPLM_AVX2 void quantize_row(const T* x, int64_t kb, int64_t n, int32_t offset, int8_t* qx, float* dx,
+                             int32_t* start, float* ds) {
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t b = 0; b < kb; ++b) {
@@ -70,14 +72,17 @@ MTPLM_AVX2 void quantize_row(const T* x, int64_t kb, int8_t* qx, float* dx, int3
     const __m256 inverse = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
     __m256i q[4];
     for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));  // to nearest even
-    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qx + b * 32), _mm256_permutevar8x32_epi32(bytes, order));
-    dx[b] = amax / 127.f;
-    sx[b] = _mm_cvtsi128_si32(s4);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qx + b * n * 32), _mm256_permutevar8x32_epi32(bytes, order));
+    const int32_t sum = _mm_cvtsi128_si32(s4);
+    const float d = amax / 127.f;
+    dx[b * n] = d;
+    start[b * n] = -offset * sum;
+    if (ds != nullptr) ds[b * n] = d * static_cast<float>(sum);
   }
 }
 
@@ -89,6 +94,12 @@ Kind kind_of(const std::string& name) {
   return Kind::Q5_0;
 }
 
+// The unsigned codes' offset in the kernel that runs (u - offset is the value d_w multiplies): Q8_0's signed
+// codes are offset by 128 for vpdpbusd, and multiplied as they are by AVX2's sign trick.
+int32_t offset(Kind kind, bool vnni) {
+  return kind == Kind::Q8_0 ? (vnni ? 128 : 0) : kind == Kind::Q4_0 ? 8 : kind == Kind::Q5_0 ? 16 : 0;
+}
+
 bool vnni() {
 #if defined(__AVX512BF16__)
   static const bool has = __builtin_cpu_supports("avx512vnni");
@@ -98,9 +109,9 @@ bool vnni() {
 #endif
 }
 
-void groups(const Problem& p, int64_t begin, int64_t end) {
+void groups(const Problem& p, bool vnni, int64_t begin, int64_t end) {
 #if defined(__AVX512BF16__)
-  if (vnni()) return mtplm::quant::vnni_groups(p, begin, end);
+  if (vnni) return mtplm::quant::vnni_groups(p, begin, end);
 #endif
   mtplm::quant::avx2_groups(p, begin, end);
 }
@@ -129,25 +140,30 @@ at::Tensor quant_linear(const at::Tensor& inputs, const at::Tensor& codes, const
   TORCH_CHECK(!b.defined() || (b.numel() == out_features && b.scalar_type() == at::kFloat),
               "quant_linear: a float32 bias [M]");
   const at::Tensor x = inputs.contiguous();
-  at::Tensor qx = at::empty({n, k}, x.options().dtype(at::kChar));
-  at::Tensor dx = at::empty({n, kb}, x.options().dtype(at::kFloat));
-  at::Tensor sx = at::empty({n, kb}, x.options().dtype(at::kInt));
+  at::Tensor qx = at::empty({kb, n, 32}, x.options().dtype(at::kChar));
+  at::Tensor dx = at::empty({kb, n}, x.options().dtype(at::kFloat));
+  at::Tensor start = at::empty({kb, n}, x.options().dtype(at::kInt));
+  at::Tensor ds = at::empty({kind == Kind::Q4_1 ? kb : 0, n}, x.options().dtype(at::kFloat));
   at::Tensor y = at::empty({n, out_features}, x.options());
   if (n == 0 || out_features == 0) return y;
+  const bool use_vnni = vnni();
+  const int32_t shift = offset(kind, use_vnni);
   at::parallel_for(0, n, std::max<int64_t>(1, 16384 / k), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      int8_t* q = qx.data_ptr<int8_t>() + r * k;
-      float* d = dx.data_ptr<float>() + r * kb;
-      int32_t* s = sx.data_ptr<int32_t>() + r * kb;
-      bf16 ? quantize_row(x.data_ptr<c10::BFloat16>() + r * k, kb, q, d, s)
-           : quantize_row(x.data_ptr<float>() + r * k, kb, q, d, s);
+      int8_t* q = qx.data_ptr<int8_t>() + r * 32;
+      float* d = dx.data_ptr<float>() + r;
+      int32_t* s = start.data_ptr<int32_t>() + r;
+      float* f = kind == Kind::Q4_1 ? ds.data_ptr<float>() + r : nullptr;
+      bf16 ? quantize_row(x.data_ptr<c10::BFloat16>() + r * k, kb, n, shift, q, d, s, f)
+           : quantize_row(x.data_ptr<float>() + r * k, kb, n, shift, q, d, s, f);
     }
   });
   const Problem p{kind, codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr()),
-                  qx.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<int32_t>(),
+                  qx.data_ptr<int8_t>(), dx.data_ptr<float>(), start.data_ptr<int32_t>(),
+                  kind == Kind::Q4_1 ? ds.data_ptr<float>() : nullptr,
                   b.defined() ? b.data_ptr<float>() : nullptr, bf16 ? nullptr : y.data_ptr<float>(),
                   bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr()) : nullptr, n, out_features, kb};
-  at::parallel_for(0, (out_features + 15) / 16, 1, [&](int64_t begin, int64_t end) { groups(p, begin, end); });
+  at::parallel_for(0, (out_features + 15) / 16, 1, [&](int64_t begin, int64_t end) { groups(p, use_vnni, begin, end); });
   return y;
 }
 

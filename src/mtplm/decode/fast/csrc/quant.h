@@ -21,9 +21,11 @@ struct Problem {
   Kind kind;
   const uint8_t* codes;    // [Mp / 16][Kb][record_bytes]
   const uint16_t* scales;  // [Mp / 16][Kb][record_scales] fp16 bits
-  const int8_t* qx;        // [N][Kb * 32] the rows' int8 codes
-  const float* dx;         // [N][Kb] their scales d_x
-  const int32_t* sx;       // [N][Kb] the sums of their codes s_x
+  // The rows quantized, block-major (a block's rows side by side, one pointer reaches a tile's):
+  const int8_t* qx;        // [Kb][N][32] the rows' int8 codes
+  const float* dx;         // [Kb][N] their scales d_x
+  const int32_t* start;    // [Kb][N] the integer dots' start: -offset * s_x (the kernel's offset)
+  const float* ds;         // [Kb][N] d_x * s_x, the min's factor (Q4_1; else null)
   const float* bias;       // [M] float32 or null
   float* f32;              // [N][M] float32 outputs, or null (then bf16)
   uint16_t* bf16;          // [N][M] bf16 outputs, or null

@@ -26,8 +26,6 @@ using mtplm::quant::record_bytes;
 using mtplm::quant::record_scales;
 constexpr int kTileRows = 4;  // rows whose sums share the registers
 
-constexpr int32_t offset(Kind kind) { return kind == Kind::Q4_0 ? 8 : kind == Kind::Q5_0 ? 16 : 0; }
-
 MTPLM_AVX2 inline __m256i broadcast4(const int8_t* q) {
   int32_t four;
   std::memcpy(&four, q, 4);
@@ -45,15 +43,15 @@ MTPLM_AVX2 inline __m256i fifth_bits(const uint8_t* mask) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(16));
 }
 
-// Rows [row, row + R) x one block's half record at `record` (half h): each row's exact int32 dots, less
-// offset x s_x.
+// Rows [row, row + R) x one block's half record at `record` (half h): each row's exact int32 dots from
+// their start (-offset x s_x; Q8_0's signed codes need none here).
 template <Kind K, int R>
 MTPLM_AVX2 inline void dots(const Problem& p, int64_t row, int64_t b, const uint8_t* record, int h, __m256i (&s)[R]) {
   const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* q[R];
-  for (int r = 0; r < R; ++r) q[r] = p.qx + (row + r) * p.kb * 32 + b * 32;
+  for (int r = 0; r < R; ++r) q[r] = p.qx + (b * p.n + row + r) * 32;
   if constexpr (K == Kind::Q8_0) {
-    for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
+    for (int r = 0; r < R; ++r) s[r] = _mm256_set1_epi32(p.start[b * p.n + row + r]);
     for (int t = 0; t < 8; ++t) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(record + 64 * t + 32 * h));
       const __m256i magnitude = _mm256_abs_epi8(w);
@@ -65,7 +63,7 @@ MTPLM_AVX2 inline void dots(const Problem& p, int64_t row, int64_t b, const uint
   } else {
     const __m256i nibble = _mm256_set1_epi8(15);
     __m256i wide[R];
-    for (int r = 0; r < R; ++r) wide[r] = _mm256_set1_epi32(-offset(K) * p.sx[(row + r) * p.kb + b]);
+    for (int r = 0; r < R; ++r) wide[r] = _mm256_set1_epi32(p.start[b * p.n + row + r]);
     __m256i narrow[R];
     for (int r = 0; r < R; ++r) narrow[r] = _mm256_setzero_si256();
     for (int v = 0; v < 4; ++v) {
@@ -123,12 +121,11 @@ MTPLM_AVX2 void tile(const Problem& p, int64_t row, int64_t group, int h) {
     dots<K, R>(p, row, b, codes + b * bytes, h, s);
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * count)));
     for (int r = 0; r < R; ++r) {
-      const float d = p.dx[(row + r) * p.kb + b];
+      const float d = p.dx[b * p.n + row + r];
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(dw, _mm256_set1_ps(d)), acc[r]);
       if constexpr (K == Kind::Q4_1) {
         const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * count + 16)));
-        const float ds = d * static_cast<float>(p.sx[(row + r) * p.kb + b]);
-        acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(ds), acc[r]);
+        acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(p.ds[b * p.n + row + r]), acc[r]);
       }
     }
   }
