@@ -2,7 +2,8 @@
 the roofline ratio of a 1-row pass.
 
 Each pass feeds `rows` rows per sequence behind `context` cached positions through a backend
-(decode/backends.py, the seam the loop and the engine use), then the LM head over every fed row. Row kinds:
+(decode/passes/backends.py, the seam the loop and the engine use), then the LM head over every fed
+row. Row kinds:
 `plain` tokens, or `mask` = 1 token + <mtp> slots (ConfAdapt's and verified's passes: the gated adapters
 run). Backends alternate pass by pass so load drifts hit all alike; the best of `repeats` is printed in
 ms with the ratio to the same backend's 1-row pass.
@@ -30,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from mtplm.decode.backends import make_backend
-from mtplm.decode.passcost import PassCost
+from mtplm.decode.passes.backends import make_backend
+from mtplm.decode.passes.passcost import PassCost
 from mtplm.decode.protocol import Feed
 from mtplm.model import MTPModel, load_model, parse_dtype
 

@@ -9,8 +9,8 @@ from synthetic import chain_rows
 
 from mtplm.calibrate import calibrate, choose_thresholds, store_thresholds, token_agreement
 from mtplm.config import DecodeConfig
-from mtplm.decode.loop import generate
 from mtplm.decode.replay import Record, confadapt
+from mtplm.decode.run.loop import generate
 from mtplm.decode.strategies import make_strategy
 from mtplm.model import MTPModel
 from mtplm.text import chat_prompt_ids

@@ -20,7 +20,7 @@ import torch
 from synthetic import chain_rows, train_config
 
 from mtplm.config import DecodeConfig
-from mtplm.decode.loop import generate
+from mtplm.decode.run.loop import generate
 from mtplm.model import MTPModel
 from mtplm.text import chat_prompt_ids
 from mtplm.train.trainer import train
@@ -94,7 +94,7 @@ def test_two_gpus_over_nccl_match_one(base_dir, data_file, tmp_path):
 def test_the_compiled_backend_decodes_the_eager_tokens_on_a_gpu(base_dir, data_file, tmp_path):
     """The compiled pass (static store on the device, CUDA graphs where inductor can use them) against the
     eager reference, fp32, plain and lossless modes."""
-    from mtplm.decode.backends import EagerBackend, make_backend
+    from mtplm.decode.passes.backends import EagerBackend, make_backend
 
     checkpoint = train(
         train_config(base_dir, data_file, tmp_path / "run", **{**RECIPE, "steps": 10}), progress=False

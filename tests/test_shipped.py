@@ -7,7 +7,7 @@ import torch
 
 from mtplm.assets import models as assets
 from mtplm.config import DecodeConfig
-from mtplm.decode.loop import generate
+from mtplm.decode.run.loop import generate
 from mtplm.files import home
 from mtplm.model import load_model
 from mtplm.modelio import SHIPPED

@@ -79,7 +79,7 @@ def snapshot(prompts: int, max_new_tokens: int) -> dict:
 
 def sampled(model, prompts: list[list[int]], max_new_tokens: int) -> dict:
     from mtplm.config import parse_mode
-    from mtplm.decode.loop import generate
+    from mtplm.decode.run.loop import generate
 
     out = {}
     for mode in SAMPLED_MODES:

@@ -64,10 +64,10 @@ def main() -> None:
     from mtplm.assets.datasets import prompt_set
     from mtplm.bench.run import parse_modes
     from mtplm.config import DecodeConfig
-    from mtplm.decode.backends import make_backend
     from mtplm.decode.fast.backend import _bucket
-    from mtplm.decode.loop import generate
-    from mtplm.decode.warm import warm_runners
+    from mtplm.decode.passes.backends import make_backend
+    from mtplm.decode.run.loop import generate
+    from mtplm.decode.run.warm import warm_runners
     from mtplm.model import load_model
     from mtplm.text import eval_prompt_ids
 

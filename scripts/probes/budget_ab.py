@@ -14,10 +14,10 @@ import time
 
 from mtplm.assets.datasets import prompt_set
 from mtplm.config import DecodeConfig, parse_mode
-from mtplm.decode.backends import make_backend
-from mtplm.decode.loop import generate
+from mtplm.decode.passes.backends import make_backend
+from mtplm.decode.run.loop import generate
+from mtplm.decode.run.warm import warm_up
 from mtplm.decode.strategies import make_strategy
-from mtplm.decode.warm import warm_up
 from mtplm.model import load_model
 from mtplm.text import chat_prompt_ids
 

@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mtplm.decode.backends import make_backend
 from mtplm.decode.fast import fewrow
+from mtplm.decode.passes.backends import make_backend
 from mtplm.decode.protocol import Feed
 from mtplm.model import load_model
 

@@ -17,9 +17,9 @@ import torch
 
 from mtplm.assets.datasets import prompt_set
 from mtplm.config.decode import parse_mode
-from mtplm.decode.backends import make_backend
-from mtplm.decode.loop import generate
-from mtplm.decode.warm import warm_runners
+from mtplm.decode.passes.backends import make_backend
+from mtplm.decode.run.loop import generate
+from mtplm.decode.run.warm import warm_runners
 from mtplm.model import load_model
 from mtplm.text import eval_prompt_ids
 

@@ -15,8 +15,8 @@ import argparse
 
 import torch
 
-from mtplm.decode.backends import make_backend
 from mtplm.decode.fast import forward
+from mtplm.decode.passes.backends import make_backend
 from mtplm.decode.protocol import Feed
 from mtplm.model import load_model, parse_dtype
 

@@ -12,9 +12,9 @@ import threading
 import time
 
 from mtplm.config import parse_mode
-from mtplm.decode.backends import make_backend
-from mtplm.decode.engine import Engine, Job
-from mtplm.decode.warm import warm_up
+from mtplm.decode.passes.backends import make_backend
+from mtplm.decode.run.engine import Engine, Job
+from mtplm.decode.run.warm import warm_up
 from mtplm.model import load_model
 from mtplm.serve import parse_k_by_batch
 from mtplm.text import chat_prompt_ids

@@ -74,7 +74,7 @@ WRAPPED = ("run", "head", "_inputs")  # backend attributes timed (_inputs: the c
 
 def one(model, backend, ids: list[int], cfg, max_new_tokens: int, profiler=None) -> dict:
     """One timed generation -> seconds per part, tokens, passes (`profiler`: profile the loop only)."""
-    from mtplm.decode.loop import generate
+    from mtplm.decode.run.loop import generate
 
     timed = {name: Timed(getattr(backend, name), profiler) for name in WRAPPED if hasattr(backend, name)}
     for name, wrapper in timed.items():  # describe() reads backend.head when a stream starts
@@ -151,8 +151,8 @@ def main() -> None:
     from mtplm.assets.datasets import prompt_set
     from mtplm.bench.run import parse_modes
     from mtplm.config import DecodeConfig
-    from mtplm.decode.backends import make_backend
-    from mtplm.decode.warm import warm_runners
+    from mtplm.decode.passes.backends import make_backend
+    from mtplm.decode.run.warm import warm_runners
     from mtplm.model import load_model
     from mtplm.text import eval_prompt_ids
 

@@ -17,8 +17,8 @@ from collections import defaultdict
 import torch
 
 from mtplm.decode.fast import StaticBackend
+from mtplm.decode.passes.ragged import RaggedCache, ragged_pass
 from mtplm.decode.protocol import Feed
-from mtplm.decode.ragged import RaggedCache, ragged_pass
 from mtplm.model import load_model
 
 GROUPS = {  # first match wins; compiled C++ kernels show up as cpp_fused_* (inductor kernel profiling)

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from mtplm.decode.backends import make_backend
 from mtplm.decode.fast.backend import StaticBackend
+from mtplm.decode.passes.backends import make_backend
 from mtplm.decode.protocol import Feed
 from mtplm.model import load_model
 

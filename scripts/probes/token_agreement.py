@@ -18,8 +18,8 @@ from tqdm import tqdm
 from mtplm.assets.datasets import prompt_set
 from mtplm.calibrate import token_agreement
 from mtplm.config import parse_mode
-from mtplm.decode.backends import make_backend
-from mtplm.decode.loop import generate
+from mtplm.decode.passes.backends import make_backend
+from mtplm.decode.run.loop import generate
 from mtplm.model import load_model
 from mtplm.text import eval_prompt_ids
 

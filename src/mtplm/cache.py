@@ -1,5 +1,5 @@
 """Hugging Face DynamicCache helpers for the training forward (train/slots.py): make one, crop it, take its
-layers apart and put them back. Decoding keeps its KV in its backend's own store (decode/ragged.py)."""
+layers apart and put them back. Decoding keeps its KV in its backend's own store (decode/passes/ragged.py)."""
 
 from __future__ import annotations
 

@@ -25,8 +25,8 @@ import torch
 from tqdm import tqdm
 
 from mtplm.config import DecodeConfig, Thresholds
-from mtplm.decode.loop import generate
 from mtplm.decode.replay import GRID, Record, choose_thresholds, confadapt
+from mtplm.decode.run.loop import generate
 from mtplm.decode.strategies import make_strategy
 from mtplm.files import atomic_file
 from mtplm.model import MTPModel

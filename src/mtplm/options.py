@@ -37,7 +37,7 @@ def add_decode_dtype_argument(parser) -> None:
 
 
 def add_constraint_arguments(parser) -> None:
-    """--json-schema FILE | --regex R | --grammar FILE: the output must match (decode/constraint.py)."""
+    """--json-schema FILE | --regex R | --grammar FILE: the output must match (decode/constraints/)."""
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
         "--json-schema",

@@ -79,8 +79,8 @@ class Registry(Generic[T]):
 STRATEGIES: Registry = Registry("decoding mode", "mtplm.decode.modes")  # the built-ins: one composition root
 CONFIDENCE: Registry = Registry("confidence measure", "mtplm.decode.sampling")
 WINDOWS: Registry = Registry("window policy", "mtplm.decode.windows")
-PROPOSERS: Registry = Registry("draft source", "mtplm.decode.lookup")  # text drafts (decode/proposers.py)
-BACKENDS: Registry = Registry("backend", "mtplm.decode.backends", "mtplm.decode.fast.variants")
+PROPOSERS: Registry = Registry("draft source", "mtplm.decode.drafts.lookup")  # text drafts (drafts/)
+BACKENDS: Registry = Registry("backend", "mtplm.decode.passes.backends", "mtplm.decode.fast.variants")
 # training
 OBJECTIVES: Registry = Registry("objective", "mtplm.train.objectives")
 TRAINABLE: Registry = Registry("trainable variant", "mtplm.train.recipes")

@@ -141,8 +141,8 @@ def test_bench_prediction_matches_what_the_same_run_measured(chain_checkpoint):
 
     from mtplm.bench.predicted import predicted_rows
     from mtplm.bench.run import Record, parse_modes, summarize
-    from mtplm.decode.backends import make_backend
-    from mtplm.decode.loop import generate
+    from mtplm.decode.passes.backends import make_backend
+    from mtplm.decode.run.loop import generate
     from mtplm.model import MTPModel
     from mtplm.text import chat_prompt_ids
 

@@ -8,7 +8,7 @@ import json
 import pytest
 from conftest import tiny_mtp
 
-from mtplm.decode.passcost import PassCost, measure
+from mtplm.decode.passes.passcost import PassCost, measure
 from mtplm.errors import UserError
 from mtplm.train.predict import Tally
 

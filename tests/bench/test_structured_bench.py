@@ -10,8 +10,8 @@ from grammar_model import json_mtp
 from mtplm.bench.structured import NO_JUMP, run_structured
 from mtplm.bench.structured_set import CASES, spec_of, valid
 from mtplm.config import parse_mode
-from mtplm.decode.constraint import compile
-from mtplm.decode.loop import stop_ids
+from mtplm.decode.constraints.constraint import compile
+from mtplm.decode.run.loop import stop_ids
 from mtplm.errors import UserError
 
 BY_NAME = {case.name: case for case in CASES}

@@ -1,5 +1,6 @@
-"""Chunked admission (decode/engine.py): a long prompt enters the batch chunk by chunk, the running sequences
-decode between its chunks, and every sequence still emits exactly what it emits alone (fp32, greedy)."""
+"""Chunked admission (decode/run/engine.py): a long prompt enters the batch chunk by chunk, the running
+sequences decode between its chunks, and every sequence still emits exactly what it emits alone (fp32,
+greedy)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ from conftest import tiny_mtp
 from test_engine import Collector
 
 from mtplm.config import DecodeConfig
-from mtplm.decode.backends import EagerBackend, make_backend
-from mtplm.decode.engine import Engine, Job
 from mtplm.decode.fast import StaticBackend
-from mtplm.decode.logprobs import prompt_logprobs
-from mtplm.decode.loop import generate
+from mtplm.decode.passes.backends import EagerBackend, make_backend
+from mtplm.decode.run.engine import Engine, Job
+from mtplm.decode.run.logprobs import prompt_logprobs
+from mtplm.decode.run.loop import generate
 
 CHUNK = 16
 

@@ -11,9 +11,9 @@ from test_engine import MODES, run_batched
 from torch._inductor import config as inductor_config
 
 from mtplm.config import BACKEND_ENV, DecodeConfig, Thresholds
-from mtplm.decode.backends import EagerBackend, make_backend, resolve_backend
 from mtplm.decode.fast.backend import ROW_BUCKETS
-from mtplm.decode.loop import generate, stream
+from mtplm.decode.passes.backends import EagerBackend, make_backend, resolve_backend
+from mtplm.decode.run.loop import generate, stream
 from mtplm.decode.strategies import make_strategy
 from mtplm.errors import UserError
 from mtplm.model import MTPModel

@@ -10,9 +10,9 @@ from test_invariance import VOCAB, odd_bf16_model
 from torch._dynamo.utils import counters
 
 from mtplm.decode.fast import StaticBackend, forward
-from mtplm.decode.pricing import cache_key
+from mtplm.decode.passes.pricing import cache_key
 from mtplm.decode.protocol import Feed
-from mtplm.decode.warm import Compiles
+from mtplm.decode.run.warm import Compiles
 
 BUCKETS = [(1, 1, False), (1, 2, False), (1, 4, True), (2, 1, False), (2, 2, False)]
 

@@ -10,11 +10,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mtplm.config import DecodeConfig, Thresholds, parse_mode
-from mtplm.decode.backends import make_backend
 from mtplm.decode.budget import Acceptance, DraftBudget, best_count
-from mtplm.decode.loop import generate
-from mtplm.decode.passcost import PassCost
-from mtplm.decode.pricing import cache_file, cache_key, price
+from mtplm.decode.passes.backends import make_backend
+from mtplm.decode.passes.passcost import PassCost
+from mtplm.decode.passes.pricing import cache_file, cache_key, price
+from mtplm.decode.run.loop import generate
 from mtplm.decode.strategies import make_strategy
 
 

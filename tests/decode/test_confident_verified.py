@@ -10,7 +10,7 @@ from synthetic import chain_rows
 
 from mtplm.config import DecodeConfig, Thresholds, parse_mode
 from mtplm.config.decode import LOOKUP_TOKENS
-from mtplm.decode.loop import generate, stream
+from mtplm.decode.run.loop import generate, stream
 from mtplm.decode.strategies import ConfidentVerified, make_strategy
 from mtplm.errors import UserError
 from mtplm.model import MTPModel

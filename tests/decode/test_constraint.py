@@ -1,4 +1,4 @@
-"""Constrained decoding (decode/constraint.py): bad specs, schema-valid output in every mode on random
+"""Constrained decoding (decode/constraints/): bad specs, schema-valid output in every mode on random
 schemas, lossless under a constraint, forced-token accounting, max_new_tokens inside a constraint."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from grammar_model import json_mtp
 from mtplm.config import DecodeConfig, Thresholds
-from mtplm.decode import constraint as C
-from mtplm.decode.constraint_spec import ascii_classes
-from mtplm.decode.loop import Generation, generate, stop_ids
+from mtplm.decode.constraints import constraint as C
+from mtplm.decode.constraints.spec import ascii_classes
+from mtplm.decode.run.loop import Generation, generate, stop_ids
 from mtplm.decode.strategies import make_strategy
 from mtplm.errors import UserError
 
@@ -254,8 +254,8 @@ def test_greedy_mask_drafts_stay_inside_the_grammar(model, drafting):
     """The block is masked along its greedy chain, so every fed mask-slot draft is one the grammar accepts."""
     import torch
 
-    from mtplm.decode.backends import EagerBackend, describe
-    from mtplm.decode.decoding import Decoding
+    from mtplm.decode.passes.backends import EagerBackend, describe
+    from mtplm.decode.run.decoding import Decoding
 
     schema = {
         "type": "object",

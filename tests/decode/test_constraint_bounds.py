@@ -1,4 +1,4 @@
-"""Bounds the grammar adds where a JSON schema leaves numbers open (decode/constraint_spec.py): an integer
+"""Bounds the grammar adds where a JSON schema leaves numbers open (decode/constraints/spec.py): an integer
 cannot run past 16 digits nor a fraction past FRACTION_DIGITS, values inside the bounds stay valid, a schema's
 own bounds are kept, and whatever the rewritten schema admits is valid under the schema as given."""
 
@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grammar_model import json_tokenizer
-from mtplm.decode import constraint as C
-from mtplm.decode.constraint_spec import FRACTION_DIGITS, SAFE_INTEGER, bounded
+from mtplm.decode.constraints import constraint as C
+from mtplm.decode.constraints.spec import FRACTION_DIGITS, SAFE_INTEGER, bounded
 
 INTEGER = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 NUMBER = {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}

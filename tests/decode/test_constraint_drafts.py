@@ -1,5 +1,5 @@
 """Copied (lookup) and greedy draft chains are cut at the first token the grammar rejects before they are fed,
-and a lookup chain is extended by the tokens the grammar forces after it (decode/loop.py Decoding._pruned):
+and a lookup chain is extended by the tokens the grammar forces after it (constraints/drafts.py pruned):
 every fed chain is grammar-valid, some were cut, some extended, and the tokens stay constrained plain's."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import torch
 
 from grammar_model import json_mtp
 from mtplm.config import DecodeConfig, Thresholds
-from mtplm.decode import constraint as C
-from mtplm.decode.backends import EagerBackend, describe
-from mtplm.decode.decoding import Decoding
-from mtplm.decode.loop import generate, stop_ids
+from mtplm.decode.constraints import constraint as C
+from mtplm.decode.passes.backends import EagerBackend, describe
+from mtplm.decode.run.decoding import Decoding
+from mtplm.decode.run.loop import generate, stop_ids
 from mtplm.decode.strategies import make_strategy
 
 SCHEMA = {

@@ -1,4 +1,4 @@
-"""Forced text as drafts and the forced end (decode/constraint_drafts.py forced_plan and pruned,
+"""Forced text as drafts and the forced end (decode/constraints/drafts.py forced_plan and pruned,
 Constraint.forced_after's `likely`, loop.py Decoding._ending): where the grammar forces bytes but not
 tokens (` ` before a number: ` 1` could start it too) their spelling is drafted, so the model's token lands
 after them; a forced run that finishes the grammar ends the output with its stop token without a pass; the
@@ -10,10 +10,10 @@ import torch
 
 from grammar_model import json_mtp
 from mtplm.config import DecodeConfig, Thresholds, parse_mode
-from mtplm.decode import constraint as C
-from mtplm.decode.backends import EagerBackend, describe
-from mtplm.decode.decoding import Decoding
-from mtplm.decode.loop import generate, stop_ids
+from mtplm.decode.constraints import constraint as C
+from mtplm.decode.passes.backends import EagerBackend, describe
+from mtplm.decode.run.decoding import Decoding
+from mtplm.decode.run.loop import generate, stop_ids
 from mtplm.decode.strategies import make_strategy
 
 SCHEMA = {

@@ -1,4 +1,4 @@
-"""Jump-forward under a constraint (decode/loop.py Decoding._constrained, _ends): the tokens the grammar
+"""Jump-forward under a constraint (decode/run/loop.py Decoding._constrained, _ends): the tokens the grammar
 forces after the last committed token ride in the very next pass, however the strategy's drafts look (a
 lookup chain the grammar rejects used to hide them), including the opening run before any model token;
 a finished grammar ends the output without a pass of its own; the tokens stay constrained plain's."""
@@ -10,10 +10,10 @@ import torch
 
 from grammar_model import json_mtp
 from mtplm.config import DecodeConfig, Thresholds
-from mtplm.decode import constraint as C
-from mtplm.decode.backends import EagerBackend, describe
-from mtplm.decode.decoding import Decoding
-from mtplm.decode.loop import generate, stop_ids
+from mtplm.decode.constraints import constraint as C
+from mtplm.decode.passes.backends import EagerBackend, describe
+from mtplm.decode.run.decoding import Decoding
+from mtplm.decode.run.loop import generate, stop_ids
 from mtplm.decode.strategies import make_strategy
 
 SCHEMA = {
@@ -117,7 +117,7 @@ def test_a_regex_with_one_choice_left_takes_one_pass(model):
 
 def test_no_forced_end_with_logprobs(model):
     """With logprobs every token gets its pass's scores: the stop token is then the model's, a pass later."""
-    from mtplm.decode.backends import EagerBackend as Eager
+    from mtplm.decode.passes.backends import EagerBackend as Eager
 
     cfg = DecodeConfig(mode="ntp", max_new_tokens=10)
     grammar = C.compile(C.Spec("regex", "ab(c|d)"), model.tokenizer, stop_ids(model))
@@ -145,7 +145,7 @@ def test_no_forced_end_with_logprobs(model):
 
 
 def test_schema_strings_are_names_and_string_values_in_order():
-    from mtplm.decode.constraint_drafts import schema_strings
+    from mtplm.decode.constraints.drafts import schema_strings
 
     schema = {
         "type": "object",
@@ -161,7 +161,7 @@ def test_schema_strings_are_drafted_at_choice_points_and_tokens_stay_plain(model
     """verified:lookup with nothing to copy at an enum: one of the schema's strings is fed as drafts (only
     where the grammar allows few tokens, never inside a free string), and the output is constrained
     plain's."""
-    from mtplm.decode.constraint_drafts import NARROW
+    from mtplm.decode.constraints.drafts import NARROW
 
     cfg = DecodeConfig(mode="verified", drafting="lookup", max_new_tokens=80)
     ids = model.tokenizer('{"kind": "', add_special_tokens=False)["input_ids"]
@@ -194,7 +194,7 @@ def test_schema_strings_are_drafted_at_choice_points_and_tokens_stay_plain(model
 
 
 def test_a_schema_string_is_found_in_the_text_wherever_it_stands():
-    from mtplm.decode.constraint_drafts import _occurs
+    from mtplm.decode.constraints.drafts import _occurs
 
     text = [5, 1, 2, 9, 1, 2, 3, 7]
     assert _occurs((1, 2, 3), text)  # the second start of 1 holds it

@@ -10,7 +10,7 @@ from synthetic import chain_rows
 
 from mtplm.calibrate import calibrate, store_thresholds
 from mtplm.config import DecodeConfig, mode_grammar, parse_mode
-from mtplm.decode.loop import generate
+from mtplm.decode.run.loop import generate
 from mtplm.decode.strategies import NextToken, make_strategy
 from mtplm.errors import UserError
 from mtplm.model import MTPModel

@@ -10,10 +10,10 @@ from conftest import with_random_heads
 from synthetic import chain_rows
 
 from mtplm.config import DecodeConfig
-from mtplm.decode.backends import EagerBackend
-from mtplm.decode.engine import Engine, EngineClosed, Job
-from mtplm.decode.loop import generate
-from mtplm.decode.ragged import RaggedCache
+from mtplm.decode.passes.backends import EagerBackend
+from mtplm.decode.passes.ragged import RaggedCache
+from mtplm.decode.run.engine import Engine, EngineClosed, Job
+from mtplm.decode.run.loop import generate
 from mtplm.errors import UserError
 from mtplm.model import MTPModel
 from mtplm.text import chat_prompt_ids

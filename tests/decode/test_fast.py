@@ -13,8 +13,8 @@ from conftest import VOCAB, tiny_llama, tiny_mtp, tiny_tokenizer
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from mtplm.decode.fast import StaticBackend, forward
+from mtplm.decode.passes.ragged import RaggedCache, ragged_pass
 from mtplm.decode.protocol import Feed
-from mtplm.decode.ragged import RaggedCache, ragged_pass
 from mtplm.errors import UserError
 from mtplm.model import MTPModel
 

@@ -10,9 +10,9 @@ import torch
 from conftest import tiny_mtp
 
 from mtplm.config.decode import parse_mode
-from mtplm.decode.backends import describe
 from mtplm.decode.fast import StaticBackend, fewrow, greedy
-from mtplm.decode.loop import generate
+from mtplm.decode.passes.backends import describe
+from mtplm.decode.run.loop import generate
 
 needs_kernel = pytest.mark.skipif(
     fewrow.unavailable() is not None, reason=f"the few-row kernel cannot run here: {fewrow.unavailable()}"

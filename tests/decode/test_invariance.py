@@ -10,10 +10,10 @@ from conftest import tiny_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from mtplm.config import DecodeConfig, Thresholds, parse_mode
-from mtplm.decode.backends import stop_ids
 from mtplm.decode.fast import StaticBackend, fewrow, forward
-from mtplm.decode.loop import generate, stream
+from mtplm.decode.passes.backends import stop_ids
 from mtplm.decode.protocol import Feed, PassLogits, Plan
+from mtplm.decode.run.loop import generate, stream
 from mtplm.decode.strategies import make_strategy
 from mtplm.decode.verified import Verified, in_place
 from mtplm.model import MTPModel

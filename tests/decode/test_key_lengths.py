@@ -13,10 +13,10 @@ from test_fast import masked, plain
 from test_invariance import VOCAB, feed, odd_bf16_model, row_zero
 from torch._dynamo.utils import counters
 
-from mtplm.decode import warm
 from mtplm.decode.fast import StaticBackend
 from mtplm.decode.fast import backend as fast_backend
-from mtplm.decode.warm import Compiles, Progress
+from mtplm.decode.run import warm
+from mtplm.decode.run.warm import Compiles, Progress
 from mtplm.errors import UserError
 
 PROMPT = 300  # cached positions: passes behind 40, 150 and 290 of them read 128, 256 and 512 keys

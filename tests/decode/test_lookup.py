@@ -9,10 +9,10 @@ from conftest import tiny_mtp
 from synthetic import chain_rows, second_token_check
 
 from mtplm.config import DecodeConfig, Thresholds, parse_mode
-from mtplm.decode.backends import make_backend
-from mtplm.decode.lookup import NgramLookup, merge_chain
-from mtplm.decode.loop import generate
+from mtplm.decode.drafts.lookup import NgramLookup, merge_chain
+from mtplm.decode.passes.backends import make_backend
 from mtplm.decode.protocol import Feed, PassLogits, Plan
+from mtplm.decode.run.loop import generate
 from mtplm.decode.strategies import make_strategy
 from mtplm.errors import UserError
 from mtplm.model import MTPModel, load_model
@@ -117,7 +117,7 @@ def test_lookup_alone_decodes_a_base_model_on_every_backend(base_dir):
 def test_lookup_alone_samples_the_models_distribution():
     """With copied drafts (one-hot proposals), the second sampled token over many seeds follows its exact
     distribution sum_t1 p(t1) p(t2 | t1) at temperature 1, and copies were kept."""
-    from mtplm.decode.loop import stream
+    from mtplm.decode.run.loop import stream
 
     model = tiny_mtp(seed=10, gated=True, k_max=4)
     with torch.no_grad():  # sharper distributions: the copied greedy text is often, not always, right

@@ -7,7 +7,7 @@ import torch
 from conftest import tiny_mtp
 
 from mtplm.config import DecodeConfig, Thresholds
-from mtplm.decode.loop import generate, stream
+from mtplm.decode.run.loop import generate, stream
 from mtplm.decode.strategies import make_strategy
 
 

@@ -7,8 +7,8 @@ import torch
 from conftest import tiny_mtp
 
 from mtplm.config import DecodeConfig, Penalties, SettingError, Thresholds
-from mtplm.decode.loop import generate, stream
-from mtplm.decode.penalties import Penalizer
+from mtplm.decode.run.loop import generate, stream
+from mtplm.decode.run.penalties import Penalizer
 from mtplm.decode.strategies import make_strategy
 
 PENALTIES = [

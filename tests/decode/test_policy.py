@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mtplm.decode.policy import KByBatch, Measured
+from mtplm.decode.run.policy import KByBatch, Measured
 
 
 def test_schedule_takes_the_largest_entry_not_above_the_batch():

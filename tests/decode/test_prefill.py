@@ -6,12 +6,12 @@ import pytest
 import torch
 from conftest import tiny_mtp
 
-from mtplm.decode.chunked import split_feed
 from mtplm.decode.fast import StaticBackend, prefill
 from mtplm.decode.fast.forward import attend, attention_mask, decode_pass
 from mtplm.decode.fast.prefill import plan_attention, split_attention
+from mtplm.decode.passes.chunked import split_feed
+from mtplm.decode.passes.ragged import RaggedCache, ragged_pass
 from mtplm.decode.protocol import Feed
-from mtplm.decode.ragged import RaggedCache, ragged_pass
 from mtplm.masks import step_layout
 
 
@@ -77,7 +77,7 @@ def test_split_keeps_a_pending_token_and_every_mask_row():
 
 
 def test_the_eager_backend_chunks_a_prompt_like_one_pass():
-    from mtplm.decode.backends import EagerBackend
+    from mtplm.decode.passes.backends import EagerBackend
 
     model = tiny_mtp(gated=True)
     feed = Feed(_prompt(90) + [model.mask_id] * 2, 90, 0, 2, False, None)
@@ -125,8 +125,8 @@ def test_the_eager_backend_groups_kv_heads_for_the_wide_pass_only():
     grouped heads and the mask as they are) and leaves the environment as it found it."""
     import os
 
-    from mtplm.decode import ragged
-    from mtplm.decode.backends import EagerBackend
+    from mtplm.decode.passes import ragged
+    from mtplm.decode.passes.backends import EagerBackend
 
     seen = []
     model = tiny_mtp()

@@ -14,10 +14,10 @@ from conftest import tiny_llama, tiny_mtp, tiny_tokenizer
 
 from mtplm.cli.decode_options import add_decode_arguments, decode_config
 from mtplm.config import DEFAULT_MODE, DecodeConfig, mode_grammar, parse_mode
-from mtplm.decode.backends import EagerBackend, describe
-from mtplm.decode.loop import generate
-from mtplm.decode.proposers import Context, Drafts, SlotDrafts, first_offer
+from mtplm.decode.drafts.proposers import Context, Drafts, SlotDrafts, first_offer
+from mtplm.decode.passes.backends import EagerBackend, describe
 from mtplm.decode.protocol import DECODE_ROWS, DecodeModel, Plan
+from mtplm.decode.run.loop import generate
 from mtplm.model import MTPModel
 from mtplm.registry import PROPOSERS
 

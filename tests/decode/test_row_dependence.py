@@ -11,8 +11,8 @@ from conftest import tiny_mtp
 
 from mtplm.cli import main
 from mtplm.config import DecodeConfig, parse_mode
-from mtplm.decode.backends import describe, make_backend
-from mtplm.decode.loop import generate
+from mtplm.decode.passes.backends import describe, make_backend
+from mtplm.decode.run.loop import generate
 from mtplm.decode.strategies import is_lossless
 from mtplm.errors import UserError
 from mtplm.serve.checks import decode_config
@@ -83,7 +83,7 @@ def test_where_mtplms_kernels_do_not_run_the_compiled_pass_says_its_rows_depend_
     script = (
         "import torch\n"
         "from conftest import tiny_mtp\n"
-        "from mtplm.decode.backends import make_backend\n"
+        "from mtplm.decode.passes.backends import make_backend\n"
         "model = tiny_mtp(seed=2)\n"
         "model.hf.to(torch.bfloat16)\n"
         "print(make_backend('static', model, 1).row_dependence)\n"

@@ -16,8 +16,8 @@ from serving import LiveServer, tiny_converted, write_manifest
 
 from mtplm.assets.datasets import data_file
 from mtplm.config import DecodeConfig, ModeDefaults, mode_grammar, parse_mode
-from mtplm.decode.loop import generate
 from mtplm.decode.protocol import Outcome, PassLogits, Plan, Traits, register_mode
+from mtplm.decode.run.loop import generate
 from mtplm.errors import UserError
 from mtplm.model import MTPModel
 from mtplm.registry import STRATEGIES

@@ -11,7 +11,7 @@ from synthetic import chain_rows, second_token_check
 
 from mtplm.cache import cache_layers, crop_to, new_cache
 from mtplm.config import DecodeConfig, Thresholds
-from mtplm.decode.loop import generate, stream
+from mtplm.decode.run.loop import generate, stream
 from mtplm.decode.sampling import greedy, speculative_accept
 from mtplm.decode.strategies import make_strategy
 from mtplm.masks import draft_layout
@@ -208,7 +208,7 @@ def test_mask_slot_trees_are_plain_greedy(chain_checkpoint, widths):
 def test_a_mask_slot_tree_stays_within_the_row_budget(chain_checkpoint):
     """Deep windows and wide trees: every pass feeds at most MAX_TREE_ROWS rows from its last pending token
     on."""
-    from mtplm.decode.backends import EagerBackend
+    from mtplm.decode.passes.backends import EagerBackend
     from mtplm.decode.protocol import DECODE_ROWS as MAX_TREE_ROWS
 
     class Recording(EagerBackend):

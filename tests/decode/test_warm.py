@@ -1,4 +1,4 @@
-"""Compiles happen before anything is timed or served (decode/warm.py), on the compiled backend and a tiny
+"""Compiles happen before anything is timed or served (decode/run/warm.py), on the compiled backend and a tiny
 model.
 
 These compile real buckets (tens of seconds on two cores): the demo, the bench and a served request each
@@ -17,7 +17,7 @@ from serving import write_manifest
 
 from mtplm.config import DecodeConfig
 from mtplm.decode.fast import StaticBackend
-from mtplm.decode.warm import Compiles, buckets, one_shot_backend
+from mtplm.decode.run.warm import Compiles, buckets, one_shot_backend
 from mtplm.serve import Settings, build_repository, create_app
 from mtplm.serve.protocol import Limits
 

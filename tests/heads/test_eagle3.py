@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from conftest import tiny_llama, tiny_tokenizer, with_random_heads
 
 from mtplm.config import DecodeConfig
-from mtplm.decode.engine import Engine, Job
-from mtplm.decode.loop import generate
+from mtplm.decode.run.engine import Engine, Job
+from mtplm.decode.run.loop import generate
 from mtplm.errors import UserError
 from mtplm.heads.eagle3 import Eagle3Drafter, draft_vocabulary, for_target, resolve_layers
 from mtplm.model import MTPModel, load_model
@@ -119,8 +119,8 @@ def test_batched_engine_gives_each_sequence_its_own_drafter():
 
 def test_compiled_backends_refuse_a_drafter_that_reads_inner_layers():
     """They return final states only: one clear error naming the eager backend (auto picks eager)."""
-    from mtplm.decode.backends import make_backend
     from mtplm.decode.fast.backend import StaticBackend
+    from mtplm.decode.passes.backends import make_backend
 
     model, _ = _random_drafter_model()
     assert "EAGLE-3" in (StaticBackend.unsupported(model) or "")

@@ -13,7 +13,7 @@ import torch
 from conftest import tiny_llama, tiny_tokenizer, with_random_heads
 
 from mtplm.config import DecodeConfig, TrainConfig
-from mtplm.decode.loop import generate
+from mtplm.decode.run.loop import generate
 from mtplm.heads.forms import Heads
 from mtplm.heads.train import HeadBatch, HeadTrainer, TrunkRow, trunk_states
 from mtplm.model import MTPModel, load_model

@@ -13,7 +13,7 @@ import torch
 from serving import LiveServer, write_manifest
 from synthetic import chain_rows
 
-from mtplm.decode.loop import generate
+from mtplm.decode.run.loop import generate
 from mtplm.model import MTPModel
 from mtplm.text import chat_prompt_ids
 

@@ -139,7 +139,7 @@ def test_sweep_trains_scores_resumes_and_writes_its_table(base_dir, data_file, t
 
 
 def test_predictor_matches_the_decoders_on_the_synthetic_language(chain_checkpoint):
-    from mtplm.decode.loop import generate
+    from mtplm.decode.run.loop import generate
     from mtplm.model import MTPModel
     from mtplm.text import chat_prompt_ids
     from mtplm.train.predict import predict

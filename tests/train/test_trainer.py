@@ -10,7 +10,7 @@ import torch
 from synthetic import chain_rows, train_config
 
 from mtplm.config import DecodeConfig
-from mtplm.decode.loop import generate
+from mtplm.decode.run.loop import generate
 from mtplm.model import MTPModel
 from mtplm.train.data import chat_prompt_ids
 from mtplm.train.trainer import train

@@ -10,10 +10,10 @@ from functools import partial
 
 from mtplm.config import PLAIN_MODE, DecodeConfig
 from mtplm.config.modes import mode_entry
-from mtplm.decode.backends import make_backend, resolve_backend
 from mtplm.decode.fast.gguf import decode_dtype
-from mtplm.decode.loop import generate
-from mtplm.decode.warm import untimed_compiles, warm_up
+from mtplm.decode.passes.backends import make_backend, resolve_backend
+from mtplm.decode.run.loop import generate
+from mtplm.decode.run.warm import untimed_compiles, warm_up
 from mtplm.errors import UserError
 from mtplm.model import load_model
 from mtplm.text import chat_prompt_ids

@@ -78,7 +78,7 @@ def _decode_modes(
     """Every mode on every prompt, plain first: totals per mode (tokens, passes, seconds, agreeing tokens)."""
     from mtplm.calibrate import token_agreement
     from mtplm.config import parse_mode
-    from mtplm.decode.loop import generate
+    from mtplm.decode.run.loop import generate
     from mtplm.decode.strategies import make_strategy
 
     k_max = model.meta.k_max
@@ -112,7 +112,7 @@ def score(checkpoint: str, settings: ScoreSettings, progress: bool = True) -> di
     """The held-out score of `checkpoint` (see the module doc) as a JSON-ready dict."""
     from mtplm.bench.machine import machine
     from mtplm.calibrate import calibrate
-    from mtplm.decode.backends import make_backend
+    from mtplm.decode.passes.backends import make_backend
     from mtplm.model import load_model
     from mtplm.text import eval_prompt_ids
     from mtplm.train.predict import predict

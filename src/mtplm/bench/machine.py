@@ -13,7 +13,7 @@ import psutil
 import torch
 
 from mtplm.decode.fast import fewrow
-from mtplm.decode.pricing import cpu_identity
+from mtplm.decode.passes.pricing import cpu_identity
 
 
 def machine() -> dict:

@@ -1,7 +1,7 @@
 """The bench's prediction of its own rows, checked in the same run: every mask-slot mode's tokens/pass and
 served speedup replayed over the plain answers (the strategies' own rules, decode/replay.py), priced on
-this machine's pass-cost curve (decode/passcost.py, timed on the bench's own backend), beside what the run
-measured.
+this machine's pass-cost curve (decode/passes/passcost.py, timed on the bench's own backend), beside
+what the run measured.
 
 This is what a training run's log predicts from its validation answers; here both sides come from the same
 prompts, so the error column says how far the predictor can be trusted on this machine. Modes the replay
@@ -40,7 +40,7 @@ def predicted_rows(
 ) -> dict:
     """{"curve": the pass-cost curve's description, "rows": [{mode, predicted/measured tokens/pass and
     speedup}]} for the replayable modes; {} for a model without mask slots or with nothing to replay."""
-    from mtplm.decode.passcost import measure
+    from mtplm.decode.passes.passcost import measure
     from mtplm.train.predict import answer_records, replay
 
     chosen = [item for item, cfg in modes if replayable(item, cfg)]

@@ -186,8 +186,8 @@ def _on_backend(item: str) -> tuple[str, str | None]:
 
 def run_bench(args) -> dict:
     from mtplm.assets.datasets import prompt_set
-    from mtplm.decode.loop import stop_ids
-    from mtplm.decode.warm import warm_runners
+    from mtplm.decode.run.loop import stop_ids
+    from mtplm.decode.run.warm import warm_runners
     from mtplm.text import eval_prompt_ids
 
     if args.prompts < 1 or args.max_new_tokens < 1:
@@ -322,7 +322,7 @@ def _write(report: dict, rows: list[dict], predicted: dict, out: Path) -> None:
 def _runners(args, model, modes: list) -> tuple[str, object, dict]:
     """The bench's backend (name, instance) and each mode's runner: its own [backend] or the bench's. Adds
     the `ntp[eager]` row (plain decoding on the reference pass) unless the bench runs eager already."""
-    from mtplm.decode.backends import make_backend, resolve_backend
+    from mtplm.decode.passes.backends import make_backend, resolve_backend
 
     name = resolve_backend(args.backend, model)
     if name != "eager" and not args.no_eager_baseline:
@@ -346,8 +346,8 @@ def _one_prompt(
     max_new_tokens: int,
 ) -> None:
     """One prompt in every mode (each on its backend), then in every outside baseline; records grow."""
-    from mtplm.decode.loop import generate
-    from mtplm.decode.warm import untimed_compiles
+    from mtplm.decode.run.loop import generate
+    from mtplm.decode.run.warm import untimed_compiles
 
     source = example.id.split("/")[0]
     for name, cfg in modes:

@@ -5,7 +5,7 @@ model-chosen tokens, speed, the grammar's share of a pass, and speed against pla
 
 Cases run interleaved (case 1 in every row, then case 2, ...) after one untimed warm-up generation per row,
 so machine noise spreads over the rows. On a compiled backend every bucket the rows can meet is compiled
-first (decode/warm.py) and a generation that compiled anyway is timed again, so no compile is timed.
+first (decode/run/warm.py) and a generation that compiled anyway is timed again, so no compile is timed.
 Measures, never asserts.
 """
 
@@ -44,7 +44,7 @@ def _clocked(method, spent: list[float]):
 @contextmanager
 def grammar_clock():
     """Seconds spent in the grammar engine's calls while the block runs (a one-item list, read after)."""
-    from mtplm.decode import constraint as constraint_module
+    from mtplm.decode.constraints import constraint as constraint_module
 
     spent = [0.0]
     originals = {name: getattr(constraint_module.Constraint, name) for name in _ENGINE_CALLS}
@@ -76,8 +76,8 @@ def model_clock(runner):
 
 def compile_ms(model, cases: list[Case]) -> dict[str, float]:
     """Each case's grammar compile time (ms), uncached (the tokenizer's engine view is built before)."""
-    from mtplm.decode.constraint import Grammar, _ll_tokenizer
-    from mtplm.decode.loop import stop_ids
+    from mtplm.decode.constraints.constraint import Grammar, _ll_tokenizer
+    from mtplm.decode.run.loop import stop_ids
 
     stops = frozenset(stop_ids(model))
     engine_tokenizer = _ll_tokenizer(model.tokenizer, stops)
@@ -95,10 +95,10 @@ def run_structured(
     """Rows for every (mode, constrained) pair over `cases` (default: the whole set) on `backend` (a name,
     `auto` as the product resolves it); `modes` is a list of (name, DecodeConfig) with plain decoding
     (PLAIN_MODE) among them."""
-    from mtplm.decode.backends import make_backend, resolve_backend
-    from mtplm.decode.constraint import compile
-    from mtplm.decode.loop import generate, stop_ids
-    from mtplm.decode.warm import untimed_compiles, warm_up
+    from mtplm.decode.constraints.constraint import compile
+    from mtplm.decode.passes.backends import make_backend, resolve_backend
+    from mtplm.decode.run.loop import generate, stop_ids
+    from mtplm.decode.run.warm import untimed_compiles, warm_up
     from mtplm.text import chat_prompt_ids
 
     cases = list(cases or CASES)
@@ -146,7 +146,7 @@ def run_structured(
 def _timed(model, ids: list[int], cfg, runner, grammar, jump: bool = True) -> tuple:
     """One generation on `runner` (under `grammar` unless None, with jump-forward unless `jump` is False)
     and the grammar engine's seconds in it."""
-    from mtplm.decode.loop import generate
+    from mtplm.decode.run.loop import generate
 
     constraint = grammar.start(jump_forward=jump) if grammar else None
     with grammar_clock() as spent, model_clock(runner) as passes:

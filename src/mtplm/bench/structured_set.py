@@ -3,7 +3,7 @@ arrays, numbers, a string format, SQL by a Lark grammar, regexes), and the check
 
 Scoring is real validation, of the answer as written (whitespace and code fences around it stripped):
 JSON-schema cases by `jsonschema` (Draft 2020-12, formats checked) against the schema as given (not the
-bounded one the grammar sees, decode/constraint_spec.py); regex cases by a full match; the SQL case by
+bounded one the grammar sees, decode/constraints/spec.py); regex cases by a full match; the SQL case by
 its own grammar (llguidance re-reads the answer's text from scratch and must end complete).
 """
 
@@ -139,7 +139,7 @@ CASES = [
 
 def spec_of(case: Case):
     """The decode.constraint.Spec a case's answer is constrained by."""
-    from mtplm.decode.constraint import Spec, json_schema
+    from mtplm.decode.constraints.constraint import Spec, json_schema
 
     if case.kind == "json_schema":
         return json_schema(case.source, case.name)

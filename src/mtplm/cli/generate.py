@@ -9,7 +9,7 @@ from pathlib import Path
 from mtplm.cli.decode_options import add_decode_arguments, decode_config
 from mtplm.cli.defaults import DEFAULT_CHECKPOINT
 from mtplm.config import PLAIN_MODE, DecodeConfig
-from mtplm.decode.constraint_args import constraint_spec
+from mtplm.decode.constraints.args import constraint_spec
 from mtplm.decode.fast.gguf import decode_dtype
 from mtplm.errors import UserError
 from mtplm.options import add_constraint_arguments
@@ -61,11 +61,11 @@ def _setup(args) -> None:
 
 
 def _generate(args) -> None:
-    from mtplm.decode.backends import make_backend
-    from mtplm.decode.constraint import compile as compile_constraint
-    from mtplm.decode.loop import generate, stop_ids
+    from mtplm.decode.constraints.constraint import compile as compile_constraint
+    from mtplm.decode.passes.backends import make_backend
+    from mtplm.decode.run.loop import generate, stop_ids
+    from mtplm.decode.run.warm import one_shot_backend, warm_up
     from mtplm.decode.strategies import is_lossless
-    from mtplm.decode.warm import one_shot_backend, warm_up
     from mtplm.model import load_model
     from mtplm.text import StreamDecoder, chat_prompt_ids
 

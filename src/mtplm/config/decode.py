@@ -11,7 +11,7 @@ from mtplm.errors import UserError
 from mtplm.registry import CONFIDENCE, PROPOSERS, STRATEGIES, WINDOWS
 
 # how mask slots (or heads) draft; a drafting may also name a registered draft source (PROPOSERS: lookup,
-# decode/proposers.py), whose drafts then go alone (drafting_names)
+# decode/drafts/proposers.py), whose drafts then go alone (drafting_names)
 DRAFTING = ("linear", "quadratic", "tree")
 # copied drafts per pass when a mode asks for lookup without a number: 7 beside the pending token fill an
 # 8-row pass, where an 8th would pad it to the compiled backend's 16-row bucket (measured on a 2-vCPU AMD
@@ -78,7 +78,7 @@ class DecodeConfig:
     #   | tree (candidates from the heads' or mask slots' top choices, verified at once)
     drafting: str = "linear"
     tree_widths: str = "2,2"  # tree drafting: candidates per depth from the top choices; deeper depths 1
-    lookup: int = 0  # drafts copied from the text per pass (decode/lookup.py) beside mask drafts; 0: none
+    lookup: int = 0  # drafts copied from the text per pass (decode/drafts/) beside mask drafts; 0: none
     proposer: str = "lookup"  # the draft source (PROPOSERS) of those drafts (a drafting may name one)
     window: str = "adaptive"  # a WINDOWS registry name (decode/windows.py)
     temperature: float = 0.0  # 0 = greedy; > 0 samples (verified: exactly the model's distribution)
@@ -86,7 +86,7 @@ class DecodeConfig:
     top_p: float = 1.0
     max_new_tokens: int = 256
     seed: int = 0
-    # applied to the target's next-token logits in every mode (config/penalties.py, decode/penalties.py)
+    # applied to the target's next-token logits in every mode (config/penalties.py, decode/run/penalties.py)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -139,7 +139,8 @@ class DecodeConfig:
 
     def priced_masks(self) -> bool:
         """Whether the mode sizes its <mtp> slots by what they cost here (a mode registered as priced:
-        ConfAdapt), so a pass with <mtp> rows, which runs the adapters, is priced too (decode/pricing.py)."""
+        ConfAdapt), so a pass with <mtp> rows, which runs the adapters, is priced too
+        (decode/passes/pricing.py)."""
         return mode_entry(self.mode).priced
 
     def verifies_rest(self) -> bool:

@@ -4,9 +4,9 @@ token the output holds: once, and once per occurrence), Hugging Face's `repetiti
 logit, prompt included, divided by it where positive and multiplied where negative) and OpenAI's
 `logit_bias` (token id -> a bias added to its logit; -100 bans it, +100 all but forces it).
 
-A frozen record, checked once where a request is built (HTTP body, CLI, Python); decode/penalties.py applies
-it to every next-token row a pass scores, with the counts as of that row's own position, so a verified mode
-decodes exactly what plain decoding decodes under the same penalties.
+A frozen record, checked once where a request is built (HTTP body, CLI, Python); decode/run/penalties.py
+applies it to every next-token row a pass scores, with the counts as of that row's own position, so a
+verified mode decodes exactly what plain decoding decodes under the same penalties.
 """
 
 from __future__ import annotations

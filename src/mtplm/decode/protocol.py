@@ -1,6 +1,6 @@
 """The types a decoding strategy is written against: the plan of a pass, its logits, its outcome.
 
-The loop (loop.py) owns everything that passes from one pass to the next; a strategy answers, per pass:
+The loop (run/) owns everything that passes from one pass to the next; a strategy answers, per pass:
     plan(text, budget, last)      -> Plan: drafts to verify and mask slots per block (text: every committed
                                      token so far, the prompt first; last: the previous pass's Outcome, whose
                                      drafts this pass verifies; read both, never keep or write them)

@@ -5,7 +5,7 @@ A Record holds, for each position r of an answer (the model's own greedy continu
 block the decoder sees there: row r is the block whose slot 0 predicts answer token r (the next-token
 prediction after token r-1), slot j answer token r+j; for each prediction its confidence, whether it
 equals the token it is checked against, and that token's rank among the prediction's candidates. The
-replay steps through the answer as the loop (loop.py) does: each pass asks the strategy for a plan, lays
+replay steps through the answer as the loop (run/loop.py) does: each pass asks the strategy for a plan, lays
 it out (protocol.Feed), hands the strategy logits rebuilt from the records (RecordLogits: the argmax is
 the answer's token where the records say it agrees, with the recorded top-1 confidence and rank), lets it
 choose and draft, and moves on by what it emitted. Because the answer is the model's greedy output, the
@@ -30,8 +30,8 @@ from functools import cached_property
 import torch
 
 from mtplm.config import DecodeConfig
-from mtplm.decode.deciding import decide
 from mtplm.decode.protocol import Feed, Outcome, PassLogits, Plan, Strategy
+from mtplm.decode.run.deciding import decide
 from mtplm.decode.strategies import ConfAdapt
 
 RANKED = 8  # candidates per prediction whose order the rebuilt logits keep (tree drafting's widths)

@@ -3,7 +3,7 @@ registered one.
 
 Strategies plug in through protocol.py's interface (plan, choose, and draft for one that drafts) and one
 STRATEGIES entry (config.modes.register_mode: the factory, its mode-string parser and grammar, its
-capabilities; the built-in ones are registered in modes.py); the loop (loop.py) never asks which strategy
+capabilities; the built-in ones are registered in modes.py); the loop (run/) never asks which strategy
 it runs. The lossy strategies (static k, ConfAdapt)
 draft nothing and emit mask-slot tokens directly; the lossless one (verified.py) keeps only drafts that
 the model's own next-token path confirms. ConfAdapt over verified drafting (ConfidentVerified) does both:

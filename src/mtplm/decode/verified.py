@@ -27,7 +27,7 @@ import torch
 
 from mtplm.config import DecodeConfig
 from mtplm.decode.accept import accept
-from mtplm.decode.proposers import Context, SlotDrafts, TextDrafts, make_proposer
+from mtplm.decode.drafts.proposers import Context, SlotDrafts, TextDrafts, make_proposer
 from mtplm.decode.protocol import DECODE_ROWS, Feed, Outcome, PassLimits, PassLogits, Plan, RowCost, Traits
 from mtplm.decode.sampling import warp
 from mtplm.masks import block_anchors

@@ -6,7 +6,7 @@ no context), the final end-of-sequence token included (lm-eval's loglikelihood r
 last). /v1/chat/completions: {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}, the
 end-of-sequence token left out as it is from the message. Both carry mtplm's extra `exact` marker:
 False for a token a lossy mode (static, ConfAdapt) emitted from a mask slot, whose value comes from the
-slot's logits rather than the model's next-token distribution (decode/logprobs.py).
+slot's logits rather than the model's next-token distribution (decode/run/logprobs.py).
 
 A streamed response sends each piece's entries with its chunk; the non-streamed one is the same pieces
 merged, so the two agree. -inf (the <mtp> token) is sent as -9999.0, since JSON has no infinities.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from mtplm.decode.logprobs import TokenLogprob
+from mtplm.decode.run.logprobs import TokenLogprob
 
 FLOOR = -9999.0
 

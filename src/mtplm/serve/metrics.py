@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from mtplm.decode.engine import PassStats
+from mtplm.decode.run.engine import PassStats
 
 LATENCY = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160)
 PER_PASS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)

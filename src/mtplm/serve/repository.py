@@ -29,11 +29,11 @@ from pathlib import Path
 
 from mtplm.compat import tomllib
 from mtplm.config import DEFAULT_MODE, DecodeConfig, parse_mode
-from mtplm.decode.backends import Backend, make_backend
-from mtplm.decode.engine import Engine, PassStats
 from mtplm.decode.fast.gguf import decode_dtype
+from mtplm.decode.passes.backends import Backend, make_backend
+from mtplm.decode.run.engine import Engine, PassStats
+from mtplm.decode.run.warm import warm_up
 from mtplm.decode.strategies import is_lossless
-from mtplm.decode.warm import warm_up
 from mtplm.errors import UserError
 from mtplm.model import MTPModel, load_model
 from mtplm.modelio import META_FILE, read_meta, shipped
@@ -173,7 +173,7 @@ class Repository:
     def warm(self, context: int) -> None:
         """Before the server answers anything: load every model the memory budget holds and start compiling
         every decode graph its engine can meet with prompt + new tokens <= `context` in the background
-        (decode/warm.py; its passes run uncompiled until then). A model loaded later (after an unload)
+        (decode/run/warm.py; its passes run uncompiled until then). A model loaded later (after an unload)
         warms as it loads."""
         self.context = context
         for entry in self.entries.values():

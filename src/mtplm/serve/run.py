@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from mtplm.config import DecodeConfig
-from mtplm.decode.constraint import Grammar
-from mtplm.decode.engine import EngineClosed, Job
-from mtplm.decode.steps import Step
+from mtplm.decode.constraints.constraint import Grammar
+from mtplm.decode.run.engine import EngineClosed, Job
+from mtplm.decode.run.steps import Step
 from mtplm.decode.strategies import make_strategy
 from mtplm.errors import UserError
 from mtplm.serve.logprobs import LogprobWriter, merge

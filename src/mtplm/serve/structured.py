@@ -16,7 +16,7 @@ import json
 import re
 import uuid
 
-from mtplm.decode.constraint import Grammar, Spec, compile, json_schema
+from mtplm.decode.constraints.constraint import Grammar, Spec, compile, json_schema
 from mtplm.errors import UserError
 from mtplm.serve.protocol import APIError
 

@@ -19,8 +19,8 @@ only looks there), so no teacher forward is needed. Row r is the block whose slo
 
 The replay (decode/replay.py) then runs the strategies' own plan / choose / draft over each answer as
 the loop does, counting tokens, passes and the rows each pass feeds (the rows price a pass on a measured
-cost curve, decode/passcost.py). ConfAdapt is replayed on the greedy text: after a confident wrong token
-the real decoder diverges from it, which at the calibrated 99 % agreement is rare.
+cost curve, decode/passes/passcost.py). ConfAdapt is replayed on the greedy text: after a confident wrong
+token the real decoder diverges from it, which at the calibrated 99 % agreement is rare.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from mtplm.config import Thresholds, TrainConfig, as_dict
-from mtplm.decode.passcost import curve_for
+from mtplm.decode.passes.passcost import curve_for
 from mtplm.errors import UserError
 from mtplm.model import MTPModel
 from mtplm.registry import TRAINABLE
@@ -93,7 +93,7 @@ def split(
 
 def predictor(cfg: TrainConfig, world: World, model: MTPModel, val_samples: list) -> Predictor | None:
     """The decode predictor over the held-out samples (rank 0 of an unsharded run), with the pass-cost curve
-    that prices its modes (decode/passcost.py)."""
+    that prices its modes (decode/passes/passcost.py)."""
     if not cfg.predict_texts or world.sharded or not world.main:
         return None
     cost = curve_for(cfg.pass_cost, model)

@@ -110,7 +110,7 @@ def _run(cfg: TrainConfig, world: World, progress: bool, clock: checkpoint.Compu
 def decode_check(model: MTPModel, samples: list, cfg: TrainConfig, max_new_tokens: int = 96) -> dict:
     """Real ConfAdapt decoding on held-out prompts: tokens/forward and agreement with plain greedy."""
     from mtplm.config import DecodeConfig
-    from mtplm.decode.loop import generate
+    from mtplm.decode.run.loop import generate
 
     model.hf.eval()
     tokens = forwards = identical = 0

@@ -17,7 +17,7 @@ one run a graph without the gated adapters, which would add exactly zero there. 
 store's shape: a store that grows compiles its graphs again (warm() grows it first); warm_in_background
 compiles them while passes run uncompiled (fast/background.py).
 
-Prompts longer than 32 rows run in chunks of `prefill_chunk` rows (decode/chunked.py): wide uncompiled
+Prompts longer than 32 rows run in chunks of `prefill_chunk` rows (decode/passes/chunked.py): wide uncompiled
 passes with fused attention (fast/prefill.py), or the compiled buckets for a chunk that small. A decode
 feed that wide (a long forced run) runs in the row buckets, as decode does.
 
@@ -35,8 +35,6 @@ from functools import partial
 
 import torch
 
-from mtplm.decode.backends import SlotKV
-from mtplm.decode.chunked import PREFILL_CHUNK, run_split
 from mtplm.decode.fast import fewrow, forward, gguf, graphs, greedy
 from mtplm.decode.fast.background import BackgroundCompile
 from mtplm.decode.fast.graphs import GROUP_BATCH_ROWS, GROUP_LAYERS, GROUP_ROWS, WHOLE_PASS_ROWS
@@ -49,6 +47,8 @@ from mtplm.decode.fast.weights import (
     return_freed_memory,
     sliding_window,
 )
+from mtplm.decode.passes.backends import SlotKV
+from mtplm.decode.passes.chunked import PREFILL_CHUNK, run_split
 from mtplm.decode.protocol import RowCost
 from mtplm.errors import UserError
 from mtplm.model import MTPModel, storage_bytes
@@ -150,8 +150,8 @@ class StaticBackend:
 
     def _wide(self, start: int, feeds: list, lengths: list[int], width: int) -> torch.Tensor:
         """A pass with a feed wider than the row buckets (a prompt): each sequence on its own, chunk by
-        chunk, a decode feed in row buckets (decode/chunked.py run_split) -> hidden states [b, width, D],
-        padding rows zero."""
+        chunk, a decode feed in row buckets (decode/passes/chunked.py run_split) -> hidden states
+        [b, width, D], padding rows zero."""
         self._fit(max(lengths) + width + ROW_BUCKETS[-1])  # the store grows once, not once per chunk
         out = None
         for i, (feed, past) in enumerate(zip(feeds, lengths, strict=False)):

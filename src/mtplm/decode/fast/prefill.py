@@ -11,7 +11,7 @@ where they are plain prompt tokens, else a [Q, Q] mask of their layout), merged 
 log-sum-exps. Both parts read the store's keys and values in place (a slice of the sequence's slot, no
 copy), and the kernel folds grouped-query heads itself.
 
-Splitting a feed into chunks: decode/chunked.py.
+Splitting a feed into chunks: decode/passes/chunked.py.
 
 Shapes: b sequences, Q fed rows, T attended key positions, D hidden, H query heads, KVH key/value heads,
 d head dim.

@@ -3,8 +3,8 @@ int4 projections."""
 
 from __future__ import annotations
 
-from mtplm.decode.backends import require_compiler
 from mtplm.decode.fast.backend import StaticBackend
+from mtplm.decode.passes.backends import require_compiler
 from mtplm.model import MTPModel
 from mtplm.registry import BACKENDS
 

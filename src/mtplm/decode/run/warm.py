@@ -31,13 +31,13 @@ from typing import Protocol, TypeVar, runtime_checkable
 
 from mtplm.config import BACKEND_ENV, DecodeConfig
 from mtplm.config.modes import mode_entry
-from mtplm.decode.backends import Backend, resolve_backend
-from mtplm.decode.chunked import PREFILL_CHUNK
 from mtplm.decode.fast import fewrow
 from mtplm.decode.fast.backend import ROW_BUCKETS
 from mtplm.decode.fast.background import BackgroundCompile
-from mtplm.decode.loop import generate
-from mtplm.decode.pricing import price
+from mtplm.decode.passes.backends import Backend, resolve_backend
+from mtplm.decode.passes.chunked import PREFILL_CHUNK
+from mtplm.decode.passes.pricing import price
+from mtplm.decode.run.loop import generate
 from mtplm.model import MTPModel
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from mtplm.decode.constraint import Spec, json_schema
+from mtplm.decode.constraints.constraint import Spec, json_schema
 from mtplm.errors import UserError
 
 

@@ -40,7 +40,7 @@ def rows_logprobs(
     chosen = logp.gather(-1, torch.tensor(tokens, dtype=torch.long).view(-1, 1)).view(-1).tolist()
     if top:
         values, ids = logp.topk(min(top, logp.shape[-1]), dim=-1)  # [R, top]
-        # a constraint's masked rows (decode/constraint.py) hold -inf: such tokens are no alternatives
+        # a constraint's masked rows (decode/constraints/) hold -inf: such tokens are no alternatives
         alternatives = [
             tuple((t, x) for t, x in zip(i, v, strict=True) if x != float("-inf"))
             for i, v in zip(ids.tolist(), values.tolist(), strict=True)

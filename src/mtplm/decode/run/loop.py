@@ -3,8 +3,8 @@
 One token's way, prompt to output: a sequence's `Decoding` (decoding.py) asks the strategy for a Plan (the
 previous pass's drafts to verify, mask slots per block) and lays out the pass once (protocol.Feed: the
 tokens whose KV is not cached yet, the drafts, the mask blocks, masks.step_layout); a backend runs it
-(backends.py: the loop and the batch engine never call the model); `run_pass` runs the LM head once over
-the pass and hands each sequence its rows, and its strategy chooses (protocol.Outcome: drafts kept, new
+(passes/backends.py: the loop and the batch engine never call the model); `run_pass` runs the LM head once
+over the pass and hands each sequence its rows, and its strategy chooses (protocol.Outcome: drafts kept, new
 tokens after them). A strategy that drafts then gets the block after the kept path (this pass's mask rows,
 or the head drafter's) and returns the next pass's drafts (deciding.decide). The cache keeps the fed
 committed tokens and the kept drafts and drops everything after them (rejected drafts, mask slots).
@@ -20,12 +20,12 @@ from collections.abc import Callable, Iterator
 import torch
 
 from mtplm.config import DecodeConfig, Penalties
-from mtplm.decode.backends import KV, Backend, EagerBackend, describe
-from mtplm.decode.backends import stop_ids as stop_ids  # (re-exported: callers take it with generate)
-from mtplm.decode.constraint import Constraint
-from mtplm.decode.decoding import Decoding
+from mtplm.decode.constraints.constraint import Constraint
+from mtplm.decode.passes.backends import KV, Backend, EagerBackend, describe
+from mtplm.decode.passes.backends import stop_ids as stop_ids  # (re-exported: callers take it with generate)
 from mtplm.decode.protocol import DecodeModel, Strategy
-from mtplm.decode.steps import Generation, Step
+from mtplm.decode.run.decoding import Decoding
+from mtplm.decode.run.steps import Generation, Step
 from mtplm.decode.strategies import make_strategy
 from mtplm.model import MTPModel
 

@@ -3,7 +3,7 @@ not forced (`ForcedRun`), and a JSON schema's own strings, its property names an
 `const` values (`SchemaLiterals`); `grammar_drafts` offers them to a plan with nothing to verify.
 
 Where the grammar lets the model choose (an enum value, an optional property's key), the choice is often
-one of the schema's strings, and the text the grammar forces after it follows for free (loop.py's
+one of the schema's strings, and the text the grammar forces after it follows for free (hook.py's
 jump-forward). So when a drafting strategy has nothing to propose there, each string's tokens (bare, as a
 JSON string, and after a space, since a tokenizer may spell each differently) are tried against the grammar
 (`Constraint.accepts`, which does not move it); the drafts are one the grammar takes whole, preferring one
@@ -22,7 +22,7 @@ from dataclasses import replace
 from functools import lru_cache
 from typing import Any
 
-from mtplm.decode.proposers import Context, Drafts, first_offer
+from mtplm.decode.drafts.proposers import Context, Drafts, first_offer
 from mtplm.decode.protocol import Plan
 
 MAX_STRINGS = 64  # schema strings kept (the first found): trying them costs a grammar check each
@@ -99,7 +99,7 @@ def pruned(constraint, plan: Plan, budget: int, stop_ids: Collection[int]) -> Pl
         return replace(plan, drafts=kept)
     if plan.slots:
         return plan if len(kept) == len(plan.drafts) else replace(plan, drafts=kept)
-    # forced tokens are left to jump-forward (loop.py); the spelling of forced bytes is preferred to a copy
+    # forced tokens are left to jump-forward (hook.py); the spelling of forced bytes is preferred to a copy
     # that spells them otherwise (a model spells them as its tokenizer does)
     likely = () if constraint.forced() else tuple(constraint.forced_after((), likely=True))
     common = min(len(likely), len(kept))

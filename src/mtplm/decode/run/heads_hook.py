@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from mtplm.decode.protocol import Drafter, Outcome, Plan
-from mtplm.decode.sequence import Committed
+from mtplm.decode.run.sequence import Committed
 
 
 class HeadDrafts:

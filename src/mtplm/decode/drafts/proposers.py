@@ -14,7 +14,7 @@ The sources, and who asks them:
 - text proposers, registered by name in PROPOSERS (`lookup.py`'s n-gram lookup is the built-in): a mode
   string names one alone (`verified:lookup`: no mask slots, any model) or beside mask drafts
   (`verified:quadratic+lookup`); `TextDrafts` offers theirs beside the chain (Verified.plan).
-- the grammar's own drafts (constraint_drafts.py: the spelling of forced bytes, a schema's strings), which
+- the grammar's own drafts (constraints/drafts.py: the spelling of forced bytes, a schema's strings), which
   `first_offer` gives a chain plan with nothing to verify (the loop, under a constraint).
 
 A new text draft source is one class with `propose` and `observe` and one `@PROPOSERS.register` line in

@@ -1,9 +1,9 @@
 """The decode seam: a backend runs one pass of fed rows for up to `slots` sequences and holds their KV.
 
-The single-sequence loop (loop.py) and the batch engine (engine.py) call only this protocol; strategies
-never know which backend runs. A pass takes each sequence's Feed (pending tokens, drafts, mask blocks and
-their layout, protocol.py) behind its slot's `lengths[i]` cached positions and returns the final-norm
-hidden states; committing is `kv(slot).keep_rows` (a kept tree path) and a shorter length next pass
+The single-sequence loop (run/loop.py) and the batch engine (run/engine.py) call only this protocol;
+strategies never know which backend runs. A pass takes each sequence's Feed (pending tokens, drafts, mask
+blocks and their layout, protocol.py) behind its slot's `lengths[i]` cached positions and returns the
+final-norm hidden states; committing is `kv(slot).keep_rows` (a kept tree path) and a shorter length next pass
 (rollback never copies). Backends are registered by name (BACKENDS); `eager` is the reference every
 other backend must match token for token in fp32.
 
@@ -21,9 +21,9 @@ from typing import Protocol
 import torch
 
 from mtplm.config import BACKEND_ENV
-from mtplm.decode.chunked import PREFILL_CHUNK, run_chunked
+from mtplm.decode.passes.chunked import PREFILL_CHUNK, run_chunked
+from mtplm.decode.passes.ragged import RaggedCache, ragged_pass
 from mtplm.decode.protocol import DECODE_ROWS, DecodeModel, Feed, PassLimits, RowCost
-from mtplm.decode.ragged import RaggedCache, ragged_pass
 from mtplm.errors import UserError
 from mtplm.model import MTPModel
 from mtplm.registry import BACKENDS
@@ -102,7 +102,7 @@ class EagerBackend:
     """The model's unmodified Hugging Face forward, one ragged pass over a RaggedCache (ragged.py)."""
 
     prefill_chunk = (
-        PREFILL_CHUNK  # a wider feed (a prompt) runs in chunks of this many rows (decode/chunked.py)
+        PREFILL_CHUNK  # a wider feed (a prompt) runs in chunks of this many rows (decode/passes/chunked.py)
     )
     decode_rows = DECODE_ROWS  # wider passes attend with grouped KV heads on a CPU (ragged.py)
 

@@ -10,17 +10,17 @@ from dataclasses import dataclass
 import torch
 
 from mtplm.config import Penalties
-from mtplm.decode.backends import KV
-from mtplm.decode.constraint import ConstrainedLogits, Constraint
-from mtplm.decode.constraint_hook import GrammarHook
-from mtplm.decode.deciding import decide, fit
-from mtplm.decode.heads_hook import HeadDrafts
-from mtplm.decode.logprobs import Scores
-from mtplm.decode.penalties import penalizer
+from mtplm.decode.constraints.constraint import ConstrainedLogits, Constraint
+from mtplm.decode.constraints.hook import GrammarHook
+from mtplm.decode.passes.backends import KV
 from mtplm.decode.protocol import DecodeModel, Feed, Outcome, PassLogits, Penalizing, Plan, Strategy
+from mtplm.decode.run.deciding import decide, fit
+from mtplm.decode.run.heads_hook import HeadDrafts
+from mtplm.decode.run.logprobs import Scores
+from mtplm.decode.run.penalties import penalizer
+from mtplm.decode.run.sequence import Committed
+from mtplm.decode.run.steps import Step
 from mtplm.decode.sampling import greedy
-from mtplm.decode.sequence import Committed
-from mtplm.decode.steps import Step
 from mtplm.errors import UserError
 
 
@@ -28,7 +28,7 @@ from mtplm.errors import UserError
 class Hooks:
     """What a request adds to its sequence's passes; each absent (None) unless asked for."""
 
-    grammar: GrammarHook | None = None  # the output must match a grammar (constraint_hook.py)
+    grammar: GrammarHook | None = None  # the output must match a grammar (constraints/hook.py)
     scores: Scores | None = None  # logprobs of emitted (and, with echo, prompt) tokens (logprobs.py)
     penalizer: Penalizing | None = None  # penalties on every next-token row (penalties.py)
     drafter: HeadDrafts | None = None  # the model's heads draft the block (heads_hook.py)
@@ -125,8 +125,8 @@ class Decoding:
 
     def prompt_chunk(self, size: int) -> Feed | None:
         """The next `size` prompt tokens as a pass of their own (the batch engine admits a long prompt chunk
-        by chunk, decode/engine.py), while more than `size` are pending before the first pass; None when the
-        first pass (`feed`) takes the rest."""
+        by chunk, decode/run/engine.py), while more than `size` are pending before the first pass; None
+        when the first pass (`feed`) takes the rest."""
         if self.started or len(self.seq.pending) <= size:
             return None
         return Feed(self.seq.pending[:size], size, 0, 0, False, None)

@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from mtplm.decode.constraint_drafts import literal_drafts, spelling
-from mtplm.decode.constraint_spec import KINDS, Spec, any_json_object, ascii_classes, json_schema
+from mtplm.decode.constraints.drafts import literal_drafts, spelling
+from mtplm.decode.constraints.spec import KINDS, Spec, any_json_object, ascii_classes, json_schema
 from mtplm.decode.protocol import Outcome, PassLogits
 from mtplm.errors import UserError
 
@@ -97,7 +97,7 @@ def compile(spec: Spec, tokenizer, stop_ids: Iterable[int]) -> Grammar:
         ) from None
     grammar = Grammar(spec, engine_tokenizer, stops, len(tokenizer), tokenizer.eos_token_id)
     grammar.spell = spelling(tokenizer)  # forced bytes as drafts (Constraint.forced_after)
-    if spec.kind == "json_schema":  # the schema's own strings, as drafts (constraint_drafts.py)
+    if spec.kind == "json_schema":  # the schema's own strings, as drafts (constraints/drafts.py)
         grammar.literals = literal_drafts(spec.source, tokenizer)
     with _LOCK:
         cached = _GRAMMARS.setdefault(tokenizer, {})
@@ -126,7 +126,7 @@ class Grammar:
         self.spec, self.stop_ids, self.vocab = spec, stop_ids, vocab
         self.literals: list[tuple[int, ...]] = []  # token spellings of a JSON schema's strings (compile sets)
         self.spell: Callable[[bytes], tuple[int, ...]] | None = None  # bytes -> tokens (compile sets)
-        # the stop token emitted when the grammar is finished and allows nothing else (loop.py): the
+        # the stop token emitted when the grammar is finished and allows nothing else (hook.py): the
         # tokenizer's end of sequence where it is a stop id, else the smallest stop id
         self.end_token = end_token if end_token in stop_ids else min(stop_ids, default=-1)
         try:
@@ -164,7 +164,7 @@ class Constraint:
         self.grammar, self._m = grammar, matcher
         self._words = (grammar.vocab + 31) // 32
         self._mask: torch.Tensor | None = None  # of the current state
-        self.jump_forward = True  # the loop takes forced runs and the forced end without a pass (loop.py)
+        self.jump_forward = True  # the loop takes forced runs and the forced end without a pass (hook.py)
 
     @property
     def accepting(self) -> bool:

@@ -9,10 +9,10 @@ from collections.abc import Callable
 
 import torch
 
-from mtplm.decode.constraint import ConstrainedLogits, Constraint, trim
-from mtplm.decode.constraint_drafts import grammar_drafts, pruned
+from mtplm.decode.constraints.constraint import ConstrainedLogits, Constraint, trim
+from mtplm.decode.constraints.drafts import grammar_drafts, pruned
 from mtplm.decode.protocol import Feed, Outcome, Penalizing, Plan
-from mtplm.decode.sequence import Committed
+from mtplm.decode.run.sequence import Committed
 
 
 class GrammarHook:
@@ -29,7 +29,7 @@ class GrammarHook:
         self, seq: Committed, plan: Plan, budget: int, lossless: bool, replan: Callable[[int], Plan]
     ) -> tuple[Plan, int]:
         """The plan under the grammar (jump-forward) and the pass's budget after it: drafts it rejects cut
-        (constraint_drafts.pruned); then, when the tokens it forces from here (`Constraint.forced`) are
+        (constraints.drafts.pruned); then, when the tokens it forces from here (`Constraint.forced`) are
         not the start of what is left, they are committed as pending tokens (no pass of their own: they
         ride in this pass as committed rows), the strategy's stale drafts dropped, and the strategy plans
         again after them (`replan(budget)`). A lossless strategy's first pass feeds the prompt and its

@@ -1,7 +1,7 @@
 """The batch engine: one thread that decodes every running sequence of one model together.
 
 Each loop iteration (a step) runs at most `prefill_chunk` rows of prompt work on its own, then one pass
-of the backend (backends.py) over every running sequence, whatever its mode, its k this step or its
+of the backend (passes/backends.py) over every running sequence, whatever its mode, its k this step or its
 context length. Every sequence keeps its own strategy (plain, static k, ConfAdapt, verified) and its own
 seed, so a sequence emits the same tokens alone or batched. A finished or cancelled sequence leaves at
 once; the last slot moves into its hole, so the running sequences always fill slots [0, n) and a pass
@@ -33,14 +33,14 @@ from dataclasses import dataclass, field
 import torch
 
 from mtplm.config import DecodeConfig
-from mtplm.decode.backends import KV, Backend, EagerBackend, describe
-from mtplm.decode.chunked import PREFILL_CHUNK
-from mtplm.decode.constraint import Constraint
-from mtplm.decode.decoding import Decoding
-from mtplm.decode.loop import run_pass
-from mtplm.decode.policy import make_policy
+from mtplm.decode.constraints.constraint import Constraint
+from mtplm.decode.passes.backends import KV, Backend, EagerBackend, describe
+from mtplm.decode.passes.chunked import PREFILL_CHUNK
 from mtplm.decode.protocol import Feed, mode_entry
-from mtplm.decode.steps import Step
+from mtplm.decode.run.decoding import Decoding
+from mtplm.decode.run.loop import run_pass
+from mtplm.decode.run.policy import make_policy
+from mtplm.decode.run.steps import Step
 from mtplm.decode.strategies import make_strategy
 from mtplm.errors import UserError
 from mtplm.model import MTPModel
@@ -61,7 +61,7 @@ class Job:
     ignore_eos: bool = False  # decode max_new_tokens whatever the model emits (load tests)
     logprobs: int | None = None  # Step.logprobs with this many alternatives per token (None: off)
     echo: bool = False  # with logprobs: also the prompt's token logprobs (first step)
-    constraint: Constraint | None = None  # the grammar the output must match (decode/constraint.py)
+    constraint: Constraint | None = None  # the grammar the output must match (decode/constraints/)
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
     decoding: Decoding = field(init=False)  # set by Engine.submit

@@ -1,7 +1,7 @@
 """The pass-cost curve c(rows) of this machine: seconds of one decode pass that feeds `rows` rows (one token
 and rows-1 <mtp> slots, the passes of ConfAdapt and verified) behind a cached context, LM head included; and,
-where measured, the same for passes of real rows only (drafts copied from the text, decode/lookup.py), which
-run no adapters and which a CPU prices near a one-row pass.
+where measured, the same for passes of real rows only (drafts copied from the text,
+decode/drafts/lookup.py), which run no adapters and which a CPU prices near a one-row pass.
 
 A mode's served speedup over plain decoding is then tokens x c(1) / (the sum of c(rows) over its passes)
 (train/predict.py); that is how tokens/pass turns into wall-clock speed on the machine at hand.
@@ -121,7 +121,7 @@ def measure(
     of real rows only (both curves of the result are theirs). `masked_rows`: <mtp> passes timed up to that
     many rows only (those a compiled backend has graphs for); wider ones cost the real rows' time plus
     the widest timed one's premium."""
-    from mtplm.decode.backends import make_backend
+    from mtplm.decode.passes.backends import make_backend
     from mtplm.decode.protocol import Feed
 
     backend = backend or make_backend(backend_name, model, slots=1)

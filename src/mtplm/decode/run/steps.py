@@ -1,10 +1,10 @@
-"""What the generation loop hands out: a Step per forward pass, and a whole Generation (decode/loop.py)."""
+"""What the generation loop (decode/run/loop.py) hands out: a Step per forward pass, a whole Generation."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mtplm.decode.logprobs import TokenLogprob
+from mtplm.decode.run.logprobs import TokenLogprob
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from mtplm.decode.fast import fewrow
-from mtplm.decode.passcost import PassCost, measure
+from mtplm.decode.passes.passcost import PassCost, measure
 from mtplm.errors import UserError
 from mtplm.files import home
 

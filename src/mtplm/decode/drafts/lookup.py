@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mtplm.config import DecodeConfig
-from mtplm.decode.proposers import Context, Drafts
-from mtplm.decode.proposers import merge_chain as merge_chain
+from mtplm.decode.drafts.proposers import Context, Drafts
+from mtplm.decode.drafts.proposers import merge_chain as merge_chain
 from mtplm.registry import PROPOSERS
 
 LONGEST, SHORTEST = 3, 1  # n-gram sizes matched, longest first (vLLM's prompt_lookup_max / _min)
