@@ -16,8 +16,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 from mtplm.assets import quantized
 from mtplm.assets.models import SOURCE_FILE
 from mtplm.config import DecodeConfig, parse_mode
-from mtplm.decode.passes.backends import EagerBackend
 from mtplm.decode.fast import StaticBackend, quant
+from mtplm.decode.passes.backends import EagerBackend
 from mtplm.decode.run.loop import generate
 from mtplm.errors import UserError
 from mtplm.model import load_model
