@@ -52,7 +52,9 @@ with torch.inference_mode():
 """
 
 
-def test_the_avx512_build_runs_the_avx2_kernels_bitwise_as_the_avx2_build(tmp_path: Path):
+def in_both_builds(script: str, tmp_path: Path) -> dict[str, dict]:
+    """What `script` (python -c, writing its outputs to argv[1]) saves in a process that loads the
+    AVX-512 build and in one that loads the AVX2 build (skipped where this CPU cannot load both)."""
     if fewrow.unavailable() is not None or fewrow.build_kind() != "avx512":
         pytest.skip("needs a CPU that has both builds (avx512_bf16)")
     results = {}
@@ -60,10 +62,15 @@ def test_the_avx512_build_runs_the_avx2_kernels_bitwise_as_the_avx2_build(tmp_pa
         env = {**os.environ, "MTPLM_FEWROW_ISA": "avx2" if kind == "avx2" else "auto"}
         path = tmp_path / f"{kind}.pt"
         done = subprocess.run(
-            [sys.executable, "-c", EVERY_KERNEL, str(path)], env=env, capture_output=True, text=True
+            [sys.executable, "-c", script, str(path)], env=env, capture_output=True, text=True
         )
         assert done.returncode == 0, done.stderr[-2000:]
         results[kind] = torch.load(path)
+    return results
+
+
+def test_the_avx512_build_runs_the_avx2_kernels_bitwise_as_the_avx2_build(tmp_path: Path):
+    results = in_both_builds(EVERY_KERNEL, tmp_path)
     assert results["avx512"].keys() == results["avx2"].keys()
     for name, value in results["avx512"].items():
         assert torch.equal(value, results["avx2"][name]), name

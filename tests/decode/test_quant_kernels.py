@@ -5,15 +5,13 @@ its bits inside torch.compile."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
+from test_isa_builds import in_both_builds
 
 from mtplm.decode.fast import fewrow, quant
 
@@ -158,16 +156,6 @@ torch.save(out, sys.argv[1])
 
 @pytest.mark.process
 def test_the_avx2_build_gives_the_avx512_builds_bits(tmp_path: Path):
-    if fewrow.unavailable() is not None or fewrow.build_kind() != "avx512":
-        pytest.skip("needs a CPU that has both builds (avx512_bf16)")
-    results = {}
-    for kind in ("avx512", "avx2"):
-        env = {**os.environ, "MTPLM_FEWROW_ISA": "avx2" if kind == "avx2" else "auto"}
-        path = tmp_path / f"{kind}.pt"
-        done = subprocess.run(
-            [sys.executable, "-c", EVERY_KIND, str(path)], env=env, capture_output=True, text=True
-        )
-        assert done.returncode == 0, done.stderr[-2000:]
-        results[kind] = torch.load(path)
+    results = in_both_builds(EVERY_KIND, tmp_path)
     for name, value in results["avx512"].items():
         assert torch.equal(value, results["avx2"][name]), name
