@@ -188,4 +188,29 @@ def test_the_modes_that_size_their_passes_by_cost_are_priced_in_the_warm_up():
     priced = {
         name: parse_mode(name).sized_by_cost() for name in ("ntp", "verified", "verified:lookup", "confadapt")
     }
-    assert priced == {"ntp": False, "verified": False, "verified:lookup": True, "confadapt": True}
+    assert priced == {"ntp": False, "verified": True, "verified:lookup": True, "confadapt": True}
+
+
+def test_priced_mask_drafts_give_plain_decoding_and_feed_none_where_mtp_rows_never_pay():
+    """verified with <mtp> drafts prices a pass of d drafts and the d slots after them on the <mtp> rows'
+    curve: where those rows are dear (real rows free) it feeds none, every pass one row; where they are
+    free it drafts as unpriced verified does; the tokens are plain decoding's either way (fp32)."""
+    model = tiny_mtp(seed=4, gated=True, k_max=4)
+    curves = {
+        "unpriced": None,
+        "free": lambda n, masked=False: 1.0 if masked else 1.0 + 0.5 * (n - 1),
+        "dear masks": lambda n, masked=False: float(n) if masked else 1.0,
+    }
+    plain = generate(model, [1, 2, 3, 4], DecodeConfig(mode="ntp", max_new_tokens=30))
+    runs = {}
+    for name, curve in curves.items():
+        backend = make_backend("eager", model, slots=1)
+        backend.pass_cost = curve
+        cfg = parse_mode("verified")
+        cfg.max_new_tokens = 30
+        runs[name] = generate(
+            model, [1, 2, 3, 4], cfg, strategy=make_strategy(cfg, Thresholds()), backend=backend
+        )
+        assert runs[name].tokens == plain.tokens, name
+    assert runs["dear masks"].tokens_per_forward == 1.0 and not runs["dear masks"].drafts
+    assert sum(d for d, _ in runs["free"].drafts) > 0 and sum(d for d, _ in runs["unpriced"].drafts) > 0

@@ -138,10 +138,10 @@ class DecodeConfig:
         return bool(self.lookup_tokens()) or mode_entry(self.mode).priced
 
     def priced_masks(self) -> bool:
-        """Whether the mode sizes its <mtp> slots by what they cost here (a mode registered as priced:
-        ConfAdapt), so a pass with <mtp> rows, which runs the adapters, is priced too
-        (decode/passes/pricing.py)."""
-        return mode_entry(self.mode).priced
+        """Whether the mode sizes its <mtp> slots by what they cost here (a mode registered as priced that
+        feeds them: ConfAdapt, verified with mask drafts), so a pass with <mtp> rows, which runs the
+        adapters, is priced too (decode/passes/pricing.py)."""
+        return mode_entry(self.mode).priced and self.needs_conversion()
 
     def verifies_rest(self) -> bool:
         """A lossy mode that keeps its unconfident slots as drafts, verified next pass (its entry says:

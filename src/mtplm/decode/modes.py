@@ -163,6 +163,7 @@ def _confadapt(cfg: DecodeConfig, taus: tuple[float, ...] | None) -> Strategy:
     capped=True,
     defaults=("k_max", "tau"),
     lossless=True,
+    priced=True,
     replayed=True,
     needs_conversion=lambda cfg: not cfg.drafts_alone(),  # a draft source's drafts alone: any model
 )

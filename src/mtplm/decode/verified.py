@@ -27,6 +27,7 @@ import torch
 
 from mtplm.config import DecodeConfig
 from mtplm.decode.accept import accept
+from mtplm.decode.budget import DraftBudget
 from mtplm.decode.drafts.proposers import Context, SlotDrafts, TextDrafts, make_proposer
 from mtplm.decode.protocol import DECODE_ROWS, Feed, Outcome, PassLimits, PassLogits, Plan, RowCost, Traits
 from mtplm.decode.sampling import warp
@@ -52,6 +53,7 @@ class Verified:
         self.quadratic = cfg.drafting == "quadratic"
         self.masks = not cfg.drafts_alone()  # mask slots (or heads) draft; a draft source alone: none
         self.rows = DECODE_ROWS  # the backend's widest decode pass (bound() sets it)
+        self.slot_budget: DraftBudget | None = None  # linear mask drafts, priced (price() sets it)
         self.slot_drafts = SlotDrafts(cfg)  # the block after the kept path -> the next pass's chain
         most = cfg.lookup_tokens()
         self.copies = (
@@ -65,9 +67,13 @@ class Verified:
         self.traits = Traits(lossless=True, greedy=greedy, greedy_blocks=greedy)
 
     def price(self, cost: RowCost) -> None:
-        """Feed copied drafts alone by what a pass of n rows costs here relative to one row (budget.py)."""
+        """Feed copied drafts alone by what a pass of n rows costs here relative to one row (budget.py); and
+        linear mask drafts too where passes with <mtp> rows were priced (their cost differs from real rows'):
+        d drafts come with the d <mtp> slots after them that draft the next pass, a pass of 1 + 2d rows."""
         if self.copies is not None:
             self.copies.price(cost)
+        elif self.masks and not self.quadratic and cost(2, masked=True) != cost(2):
+            self.slot_budget = DraftBudget(lambda n: cost(2 * n - 1, masked=True))
 
     def bound(self, limits: PassLimits) -> None:
         """Feed no pass wider than the backend's widest decode pass."""
@@ -83,6 +89,8 @@ class Verified:
     def _plan(self, text: Sequence[int], budget: int, last: Outcome | None) -> Plan:
         drafts, proposal = (last.drafts, last.proposal) if last is not None else ((), None)
         k = max(1, min(self.window.size(len(text)), budget))
+        if self.slot_budget is not None and k > 1:  # 1: a plain pass, neither drafts nor slots
+            k = 1 + self.slot_budget.count("slots", 1, k - 1)
         fed = min(len(drafts), k - 1)
         chain, slots = tuple(drafts[:fed]), k - 1 if self.masks else 0
         proposal = None if proposal is None else proposal[:fed]
@@ -100,6 +108,8 @@ class Verified:
         kept, token = len(accepted.path), accepted.token
         if plan.drafted:
             self.window.update(plan.drafted, kept)
+            if self.slot_budget is not None:
+                self.slot_budget.observe("slots", plan.drafted, kept)
         if self.copies is not None:
             self.copies.observe(plan, plan.drafts[:kept])
         return Outcome(kept, (token,))

@@ -141,9 +141,10 @@ def warm_up(
 
 
 def _masked_rows(model: MTPModel, cfgs: Sequence[DecodeConfig]) -> int:
-    """The widest pass of <mtp> slots a mode that prices them feeds (ConfAdapt: its block), 0 for none."""
+    """The widest pass with <mtp> slots a mode that prices them feeds (ConfAdapt: its block; verified: its
+    drafts and the block after them), 0 for none."""
     default = model.meta.k_max if model.meta is not None else 1
-    return max((cfg.block_tokens() or default for cfg in cfgs if cfg.priced_masks()), default=0)
+    return max((2 * (cfg.block_tokens() or default) - 1 for cfg in cfgs if cfg.priced_masks()), default=0)
 
 
 def _compile(
