@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 from mtplm.config import parse_mode
 from mtplm.decode.passes.backends import make_backend
@@ -23,9 +24,9 @@ from mtplm.text import chat_prompt_ids
 def run_engine(args, prompts: list[str], modes: list[str], summary) -> list[dict]:
     """Rows like the HTTP test's (`summary(mode, records, wall)`), one per mode, best of the rounds."""
     spec = args.model.partition("=")[2] or args.model
-    cfgs = {mode: parse_mode(mode) for mode in modes}
-    for cfg in cfgs.values():
-        cfg.max_new_tokens, cfg.temperature = args.max_tokens, 0.0
+    cfgs = {
+        mode: replace(parse_mode(mode), max_new_tokens=args.max_tokens, temperature=0.0) for mode in modes
+    }
     ids: list[list[int]] = []
 
     def build():  # on the engine's thread, as the server loads its models

@@ -10,6 +10,7 @@ that rounding alone gives, so a lossy mode's own cost is its distance below that
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -44,8 +45,7 @@ def main() -> None:
     ]
     rows = {}
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
-        cfg = parse_mode(mode, k_max=k_max)
-        cfg.max_new_tokens = args.max_new_tokens
+        cfg = dataclasses.replace(parse_mode(mode, k_max=k_max), max_new_tokens=args.max_new_tokens)
         agreeing = tokens = passes = 0
         for ids in tqdm(prompts, desc=mode, unit="prompt"):
             out = generate(model, ids, cfg, backend=backend)

@@ -4,6 +4,7 @@ asserts)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -156,8 +157,7 @@ def test_bench_prediction_matches_what_the_same_run_measured(chain_checkpoint):
     records = {name: [] for name, _ in modes}
     for ids in prompts:
         for name, cfg in modes:
-            cfg.max_new_tokens = 24
-            out = generate(model, ids, cfg)
+            out = generate(model, ids, dataclasses.replace(cfg, max_new_tokens=24))
             records[name].append(Record("chain", out.tokens, out.elapsed_s, out.accepted, out.ttft_s, 0.0))
     rows = {name: summarize(name, recs, records["ntp"]) for name, recs in records.items() if recs}
     predicted = predicted_rows(

@@ -4,6 +4,8 @@ greedy)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from conftest import tiny_mtp
@@ -57,9 +59,9 @@ def test_a_long_prompt_does_not_stall_a_decoding_sequence(backend):
     engine = _engine(model, backend, passes)
     running, newcomer = Collector(), Collector()
     try:
-        engine.submit(Job(_prompt(5, 1), plain, running, ignore_eos=True))
+        engine.submit(Job(_prompt(5, 1), replace(plain, ignore_eos=True), running))
         _started(running)
-        engine.submit(Job(_prompt(150), short, newcomer, ignore_eos=True))
+        engine.submit(Job(_prompt(150), replace(short, ignore_eos=True), newcomer))
         assert newcomer.done.wait(120) and running.done.wait(120)
     finally:
         engine.close(grace_s=5)
@@ -119,8 +121,8 @@ def test_a_sequence_part_way_through_its_prompt_moves_down_when_a_slot_frees():
     cfg = DecodeConfig(mode="ntp", max_new_tokens=12)
     try:
         stop = DecodeConfig(mode="ntp", max_new_tokens=4)  # 1 token from its first pass, then 3 decode passes
-        engine.submit(Job(_prompt(3, 4), stop, short, label="short", ignore_eos=True))
-        job = engine.submit(Job(_prompt(200), cfg, long, ignore_eos=True))  # 12 chunks of 16
+        engine.submit(Job(_prompt(3, 4), replace(stop, ignore_eos=True), short, label="short"))
+        job = engine.submit(Job(_prompt(200), replace(cfg, ignore_eos=True), long))  # 12 chunks of 16
         assert long.done.wait(60) and short.done.wait(60)
     finally:
         engine.close(grace_s=5)
@@ -142,7 +144,7 @@ def test_cancelling_a_prompt_part_way_frees_its_slot():
         while not any(p.kind == "chunk" for p in list(passes)):
             cancelled.done.wait(0.001)
         engine.cancel(job)
-        engine.submit(Job(_prompt(6, 8), DecodeConfig(mode="ntp", max_new_tokens=5), queued, ignore_eos=True))
+        engine.submit(Job(_prompt(6, 8), DecodeConfig(mode="ntp", max_new_tokens=5, ignore_eos=True), queued))
         assert queued.done.wait(60)
     finally:
         engine.close(grace_s=5)
@@ -158,7 +160,9 @@ def test_echo_scores_a_chunked_prompt_like_one_pass():
     collector = Collector()
     engine = _engine(model, "eager", [], slots=1)
     try:
-        engine.submit(Job(ids, DecodeConfig(mode="ntp", max_new_tokens=2), collector, logprobs=2, echo=True))
+        engine.submit(
+            Job(ids, DecodeConfig(mode="ntp", max_new_tokens=2, logprobs=2, prompt_logprobs=True), collector)
+        )
         assert collector.done.wait(60)
     finally:
         engine.close(grace_s=5)

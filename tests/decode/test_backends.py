@@ -70,7 +70,15 @@ def test_graphs_stay_bounded_over_a_long_generation_with_varying_k():
     model = tiny_mtp(seed=3, gated=True)  # random slots: drafts mostly rejected, so the window keeps moving
     backend = make_backend("compiled", model)
     cfg = DecodeConfig(mode="verified", k_max=6, drafting="quadratic", window="adaptive")
-    steps = list(stream(model, [1, 2, 3, 4], make_strategy(cfg, Thresholds()), 480, set(), backend=backend))
+    steps = list(
+        stream(
+            model,
+            [1, 2, 3, 4],
+            DecodeConfig(max_new_tokens=480, ignore_eos=True),
+            make_strategy(cfg, Thresholds()),
+            backend,
+        )
+    )
     assert sum(len(s.tokens) for s in steps) == 480 and len({s.offered for s in steps}) > 2  # k varied
     bound = len(ROW_BUCKETS) * 2  # rows x (with / without <mtp> rows): one graph for 128, 256, 512 keys
     assert len(backend.compiled_buckets) <= bound

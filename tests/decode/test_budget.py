@@ -3,6 +3,8 @@ which drafts it feeds changes no token."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import tiny_mtp
@@ -113,8 +115,7 @@ def test_priced_lookup_is_plain_decoding_at_any_price(dtype, kind):
         for name, curve in curves.items():
             backend = make_backend(kind, model, slots=1)
             backend.pass_cost = curve
-            cfg = parse_mode("verified:lookup")
-            cfg.max_new_tokens = 30
+            cfg = dataclasses.replace(parse_mode("verified:lookup"), max_new_tokens=30)
             out = generate(model, prompt, cfg, strategy=make_strategy(cfg, None), backend=backend)
             assert out.tokens == plain.tokens, (name, seed)
             fed[name] = sum(drafted for drafted, _ in out.drafts)
@@ -173,8 +174,7 @@ def test_priced_confadapt_is_plain_decoding_when_slots_never_pay_and_itself_when
     for name, curve in curves.items():
         backend = make_backend("eager", model, slots=1)
         backend.pass_cost = curve
-        cfg = parse_mode("confadapt")
-        cfg.max_new_tokens = 30
+        cfg = dataclasses.replace(parse_mode("confadapt"), max_new_tokens=30)
         strategy = make_strategy(cfg, Thresholds(tau=1e-6))  # every slot confident: blocks as long as fed
         runs[name] = generate(model, [1, 2, 3, 4], cfg, strategy=strategy, backend=backend)
     plain = generate(model, [1, 2, 3, 4], DecodeConfig(mode="ntp", max_new_tokens=30))
@@ -205,8 +205,7 @@ def test_priced_mask_drafts_give_plain_decoding_and_feed_none_where_mtp_rows_nev
     for name, curve in curves.items():
         backend = make_backend("eager", model, slots=1)
         backend.pass_cost = curve
-        cfg = parse_mode("verified")
-        cfg.max_new_tokens = 30
+        cfg = dataclasses.replace(parse_mode("verified"), max_new_tokens=30)
         runs[name] = generate(
             model, [1, 2, 3, 4], cfg, strategy=make_strategy(cfg, Thresholds()), backend=backend
         )

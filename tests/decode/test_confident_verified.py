@@ -3,6 +3,8 @@ the rest of the block is verified next pass, so the mode sits between ConfAdapt 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import tiny_mtp
@@ -26,10 +28,7 @@ def _prompts(n: int, seed: int, vocab: int = 60) -> list[list[int]]:
 
 
 def _run(model, prompt, mode: str, n: int, **knobs):
-    cfg = parse_mode(mode)
-    for key, value in knobs.items():
-        setattr(cfg, key, value)
-    cfg.max_new_tokens = n
+    cfg = dataclasses.replace(parse_mode(mode), **knobs, max_new_tokens=n)
     return generate(
         model, prompt, cfg, strategy=make_strategy(cfg.validate(), Thresholds(k_max=model.meta.k_max))
     )
@@ -88,7 +87,12 @@ def test_hybrid_respects_the_budget_and_caches_exactly_the_committed_tokens():
     prompt = _prompts(1, 3)[0]
     cfg = parse_mode("confadapt+quadratic+lookup:0.05")
     emitted = 0
-    for step in stream(model, prompt, make_strategy(cfg, Thresholds(k_max=5)), 29, stop_ids=set()):
+    for step in stream(
+        model,
+        prompt,
+        dataclasses.replace(cfg, max_new_tokens=29, ignore_eos=True),
+        make_strategy(cfg, Thresholds(k_max=5)),
+    ):
         # kept drafts stay cached; the tokens chosen after them (the confident run too) are fed next step
         assert step.cache_len == len(prompt) + emitted + step.accepted
         emitted += len(step.tokens)

@@ -270,9 +270,7 @@ def test_greedy_mask_drafts_stay_inside_the_grammar(model, drafting):
     backend = EagerBackend(model, slots=1)
     spec = describe(model, backend)
     ids = model.tokenizer("{", add_special_tokens=False)["input_ids"]
-    sequence = Decoding(
-        spec, ids, make_strategy(cfg, Thresholds()), 60, stop_ids(model), constraint=constraint
-    )
+    sequence = Decoding(spec, ids, make_strategy(cfg, Thresholds()), cfg, constraint)
     drafted = 0
     with torch.inference_mode():
         while not sequence.done:

@@ -37,10 +37,8 @@ def _fed_chains(model, cfg: DecodeConfig) -> tuple[list[int], int, int, int]:
         describe(model, backend),
         ids,
         strategy,
-        cfg.max_new_tokens,
-        stop_ids(model),
-        0,
-        constraint=grammar.start(),
+        cfg,
+        grammar.start(),
     )
     planned, original = [], strategy.plan
 

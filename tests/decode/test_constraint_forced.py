@@ -6,6 +6,8 @@ tokens stay constrained plain's."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from grammar_model import json_mtp
@@ -86,9 +88,7 @@ def _spelled_passes(model, ids: list[int]) -> tuple[list[int], int]:
     backend = EagerBackend(model, slots=1)
     grammar = C.compile(C.json_schema(SCHEMA), model.tokenizer, stop_ids(model))
     strategy = make_strategy(cfg, Thresholds())
-    sequence = Decoding(
-        describe(model, backend), ids, strategy, 60, stop_ids(model), 0, constraint=grammar.start()
-    )
+    sequence = Decoding(describe(model, backend), ids, strategy, cfg, grammar.start())
     planned, original = [], strategy.plan
 
     def plan(*args, **kwargs):
@@ -132,7 +132,11 @@ def test_the_first_pass_is_the_prompt_and_its_forced_tokens_alone():
         cfg = parse_mode(mode)
         strategy = make_strategy(cfg, Thresholds())
         sequence = Decoding(
-            describe(model, backend), ids, strategy, 60, stop_ids(model), 0, constraint=grammar.start()
+            describe(model, backend),
+            ids,
+            strategy,
+            dataclasses.replace(cfg, max_new_tokens=60),
+            grammar.start(),
         )
         feed = sequence.feed()
         forced = feed.tokens[len(ids) :]

@@ -5,6 +5,8 @@ a finished grammar ends the output without a pass of its own; the tokens stay co
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -51,10 +53,8 @@ def _steps(model, mode: str, knobs: dict, n: int = 80) -> list[tuple[list[int], 
         describe(model, backend),
         ids,
         make_strategy(cfg, Thresholds()),
-        n,
-        stop_ids(model),
-        0,
-        constraint=grammar.start(),
+        cfg,
+        grammar.start(),
     )
     out, kv = [], backend.kv(0)
     with torch.inference_mode():
@@ -127,11 +127,8 @@ def test_no_forced_end_with_logprobs(model):
         describe(model, backend),
         ids,
         make_strategy(cfg, Thresholds()),
-        10,
-        stop_ids(model),
-        0,
-        logprobs=1,
-        constraint=grammar.start(),
+        dataclasses.replace(cfg, logprobs=1),
+        grammar.start(),
     )
     passes, kv = 0, backend.kv(0)
     with torch.inference_mode():
@@ -169,9 +166,7 @@ def test_schema_strings_are_drafted_at_choice_points_and_tokens_stay_plain(model
     grammar = C.compile(C.json_schema(SCHEMA), model.tokenizer, stop_ids(model))
     assert grammar.literals
     strategy = make_strategy(cfg, Thresholds())
-    sequence = Decoding(
-        describe(model, backend), ids, strategy, 80, stop_ids(model), 0, constraint=grammar.start()
-    )
+    sequence = Decoding(describe(model, backend), ids, strategy, cfg, grammar.start())
     planned, original = [], strategy.plan
 
     def plan(*args, **kwargs):

@@ -11,7 +11,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from mtplm.config import DecodeConfig, Thresholds, parse_mode
 from mtplm.decode.fast import StaticBackend, fewrow, forward
-from mtplm.decode.passes.backends import stop_ids
 from mtplm.decode.protocol import Feed, PassLogits, Plan
 from mtplm.decode.run.loop import generate, stream
 from mtplm.decode.strategies import make_strategy
@@ -185,7 +184,7 @@ def test_verified_quadratic_lookup_greedy_is_plain_greedy_in_bf16():
             plain = generate(model, prompt, DecodeConfig(mode="ntp", max_new_tokens=48), backend=backend)
             cfg = DecodeConfig(**{**mode.__dict__, "max_new_tokens": 48})
             strategy = make_strategy(cfg, model.meta.decode_thresholds())
-            steps = list(stream(model, prompt, strategy, 48, stop_ids(model), 0, backend))
+            steps = list(stream(model, prompt, cfg, strategy, backend))
             fast = [t for step in steps for t in step.tokens]
             assert fast == plain.tokens, f"prompt {seed}, compiled {compiled}"
             off_chain += sum(1 for step in steps if step.drafted > step.accepted)

@@ -3,6 +3,8 @@ greedy."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import tiny_mtp
@@ -73,8 +75,7 @@ def test_lookup_output_is_plain_greedy_on_a_trained_model(chain_checkpoint, mode
     beyond_window = 0
     for i, prompt in enumerate(_repetitive_prompts(model, 4, seed=7)):
         plain = generate(model, prompt, DecodeConfig(mode="ntp", max_new_tokens=40))
-        cfg = parse_mode(mode, "adaptive", 4)
-        cfg.max_new_tokens = 40
+        cfg = dataclasses.replace(parse_mode(mode, "adaptive", 4), max_new_tokens=40)
         fast = generate(model, prompt, cfg, strategy=make_strategy(cfg, Thresholds(k_max=4)))
         assert fast.tokens == plain.tokens, f"prompt {i}"
         beyond_window += sum(n > (cfg.k_max or 4) for n in fast.accepted)
@@ -103,8 +104,7 @@ def test_lookup_alone_decodes_a_base_model_on_every_backend(base_dir):
     greedy."""
     model = load_model(str(base_dir), "fp32")
     assert model.meta is None  # no <mtp> token, no heads
-    cfg = parse_mode("verified:lookup")
-    cfg.max_new_tokens = 32
+    cfg = dataclasses.replace(parse_mode("verified:lookup"), max_new_tokens=32)
     for backend in ("eager", "static"):
         for prompt in _repetitive_prompts(model, 3, seed=3):
             run = make_backend(backend, model, slots=1)
@@ -128,7 +128,11 @@ def test_lookup_alone_samples_the_models_distribution():
     cfg = DecodeConfig(mode="verified", drafting="lookup", temperature=1.0, max_new_tokens=2)
 
     def sample_two(seed: int) -> tuple[list[int], int]:  # no stop tokens: every run yields the tokens
-        steps = list(stream(model, prompt, make_strategy(cfg, None), 2, set(), seed))
+        steps = list(
+            stream(
+                model, prompt, dataclasses.replace(cfg, seed=seed, ignore_eos=True), make_strategy(cfg, None)
+            )
+        )
         return [t for step in steps for t in step.tokens], sum(step.accepted for step in steps)
 
     assert sample_two(7) == sample_two(7)

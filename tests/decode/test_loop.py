@@ -53,7 +53,12 @@ def test_cache_holds_exactly_the_committed_tokens_after_every_step(mode, extra):
     prompt = _prompts(1, model.hf.config.vocab_size)[0]
     cfg = DecodeConfig(mode=mode, max_new_tokens=30, **extra)
     emitted = 0
-    for step in stream(model, prompt, make_strategy(cfg, Thresholds(k_max=5)), 30, stop_ids=set()):
+    for step in stream(
+        model,
+        prompt,
+        DecodeConfig(max_new_tokens=30, ignore_eos=True),
+        make_strategy(cfg, Thresholds(k_max=5)),
+    ):
         assert step.cache_len == len(prompt) + emitted  # this step's tokens are fed next step
         emitted += len(step.tokens)
     assert emitted == 30
@@ -74,7 +79,9 @@ def test_stop_token_inside_a_block_ends_generation_there():
     stop_token = free.tokens[5]  # lies inside the second block
     first = free.tokens.index(stop_token)
     steps = list(
-        stream(model, prompt, make_strategy(DecodeConfig(mode="static", k=4), Thresholds()), 12, {stop_token})
+        stream(
+            model, prompt, DecodeConfig(mode="static", k=4, max_new_tokens=12, stop_token_ids=(stop_token,))
+        )
     )
     emitted = [t for s in steps for t in s.tokens]
     assert emitted == free.tokens[: first + 1]
@@ -97,7 +104,10 @@ def test_backoff_shrinks_the_block_after_single_token_steps():
         mode="confadapt", k_max=8, tau=1.0, backoff=True, backoff_patience=2, max_new_tokens=12
     )
     strategy = make_strategy(cfg, Thresholds())
-    offered = [s.offered for s in stream(model, [1, 2, 3], strategy, 12, set())]
+    offered = [
+        s.offered
+        for s in stream(model, [1, 2, 3], DecodeConfig(max_new_tokens=12, ignore_eos=True), strategy)
+    ]
     assert offered[:6] == [8, 8, 4, 4, 2, 2]  # the floor holds; the last block is cut by the budget
 
 

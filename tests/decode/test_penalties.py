@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import tiny_mtp
@@ -93,7 +95,7 @@ def test_verified_sampling_under_penalties_has_the_penalized_distribution():
     counts, kept = torch.zeros(vocab), 0
     for seed in range(n):
         strategy = make_strategy(cfg, Thresholds())
-        steps = list(stream(model, prompt, strategy, 3, set(), seed, penalties=penalties))
+        steps = list(stream(model, prompt, dataclasses.replace(cfg, seed=seed, ignore_eos=True), strategy))
         counts[[t for s in steps for t in s.tokens][1]] += 1
         kept += sum(s.accepted for s in steps)
     assert kept > 0.2 * n  # drafts were kept, so verification decided tokens

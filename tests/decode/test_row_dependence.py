@@ -3,6 +3,7 @@ default mode decodes plainly there, saying why in one line."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -31,8 +32,7 @@ def test_a_lossless_mode_on_a_row_dependent_pass_is_refused_with_what_to_do():
     model = tiny_mtp(seed=2)
     model.hf.to(torch.bfloat16)
     for mode in ("verified:lookup", "verified", "verified:quadratic+lookup"):
-        cfg = parse_mode(mode)
-        cfg.max_new_tokens = 4
+        cfg = dataclasses.replace(parse_mode(mode), max_new_tokens=4)
         with pytest.raises(UserError, match="--mode ntp"):
             generate(model, [3, 4, 5], cfg, backend=make_backend("eager", model, 1))
     plain = generate(

@@ -115,7 +115,7 @@ def test_cache_bookkeeping_and_budget_in_verified_mode(chain_checkpoint):
     prompt = chat_prompt_ids(model.tokenizer, chain_rows(1, seed=5)[0]["prompt"])
     strategy = make_strategy(DecodeConfig(mode="verified", k_max=4, drafting="quadratic"), Thresholds())
     emitted = 0
-    for step in stream(model, prompt, strategy, 23, stop_ids=set()):
+    for step in stream(model, prompt, DecodeConfig(max_new_tokens=23, ignore_eos=True), strategy):
         assert (
             step.cache_len == len(prompt) + emitted + step.accepted
         )  # kept drafts are cached, the new token not
@@ -173,7 +173,14 @@ def test_verified_sampling_is_seeded_and_matches_the_models_distribution():
     cfg = dict(mode="verified", k_max=4, temperature=1.0, max_new_tokens=3)
 
     def sample_two(seed: int) -> tuple[list[int], int]:  # no stop tokens: every run yields the tokens
-        steps = list(stream(model, prompt, make_strategy(DecodeConfig(**cfg), Thresholds()), 3, set(), seed))
+        steps = list(
+            stream(
+                model,
+                prompt,
+                DecodeConfig(max_new_tokens=3, seed=seed, ignore_eos=True),
+                make_strategy(DecodeConfig(**cfg), Thresholds()),
+            )
+        )
         return [t for s in steps for t in s.tokens], sum(s.accepted for s in steps)
 
     assert sample_two(7) == sample_two(7)
@@ -224,7 +231,15 @@ def test_a_mask_slot_tree_stays_within_the_row_budget(chain_checkpoint):
         mode="verified", drafting="tree", tree_widths="3,3,2", k_max=8, window="fixed", max_new_tokens=24
     )
     backend = Recording(model, slots=1)
-    steps = list(stream(model, prompt, make_strategy(cfg, Thresholds(k_max=8)), 24, set(), backend=backend))
+    steps = list(
+        stream(
+            model,
+            prompt,
+            DecodeConfig(max_new_tokens=24, ignore_eos=True),
+            make_strategy(cfg, Thresholds(k_max=8)),
+            backend,
+        )
+    )
     plain = generate(model, prompt, DecodeConfig(mode="ntp", max_new_tokens=24)).tokens
     assert [t for step in steps for t in step.tokens][: len(plain)] == plain
     assert max(step.drafted for step in steps) >= 3  # trees were drafted ...

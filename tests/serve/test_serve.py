@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import time
 
@@ -81,8 +82,7 @@ def test_chat_answers_are_the_models_own_decoding(client, chain_model, mode):
     )
     from mtplm.config import parse_mode
 
-    cfg = parse_mode(mode)
-    cfg.max_new_tokens = 20
+    cfg = dataclasses.replace(parse_mode(mode), max_new_tokens=20)
     local = generate(chain_model, chat_prompt_ids(chain_model.tokenizer, prompt), cfg)
     assert reply.choices[0].message.content == chain_model.tokenizer.decode(
         local.tokens, skip_special_tokens=True

@@ -3,6 +3,7 @@ SIGTERM), its bad input, and the decode predictor against the real decoders."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -162,8 +163,7 @@ def test_predictor_matches_the_decoders_on_the_synthetic_language(chain_checkpoi
         for mode in modes:
             from mtplm.config import parse_mode
 
-            cfg = parse_mode(mode, "fixed", 4)
-            cfg.max_new_tokens = 24
+            cfg = dataclasses.replace(parse_mode(mode, "fixed", 4), max_new_tokens=24)
             out = generate(model, ids, cfg)
             measured[mode][0] += len(out.tokens)
             measured[mode][1] += out.forwards

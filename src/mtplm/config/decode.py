@@ -1,5 +1,5 @@
-"""Decoding records: a checkpoint's thresholds, one decoding mode's settings (DecodeConfig) and the mode
-string grammar (parse_mode), with their defaults."""
+"""Decoding records: a checkpoint's thresholds, one generation request (DecodeConfig: its mode, sampling,
+budget, penalties and what it asks back) and the mode string grammar (parse_mode), with their defaults."""
 
 from __future__ import annotations
 
@@ -58,8 +58,14 @@ class Thresholds:
         return out
 
 
-@dataclass
+@dataclass(frozen=True)
 class DecodeConfig:
+    """One generation request as the loop reads it: built once by each front end (the CLI's options,
+    cli/decode_options.py; the server's body, serve/checks.decode_config; Python: the constructor or
+    parse_mode), validated, never changed after (a variant is a `dataclasses.replace` copy), and carried
+    whole through the engine's Job to the sequence's Decoding. A server field named as one of these fields
+    reaches the loop by that name (serve/checks.py copies them)."""
+
     # a STRATEGIES registry name: ntp | static | confadapt | verified (lossless);
     # the CLI and server: DEFAULT_MODE
     mode: str = PLAIN_MODE
@@ -91,6 +97,11 @@ class DecodeConfig:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    # what the request asks of the loop beyond its tokens
+    ignore_eos: bool = False  # decode max_new_tokens whatever the model emits (no stop id ends it)
+    stop_token_ids: tuple[int, ...] = ()  # ids that end the output too, beside the model's own
+    logprobs: int | None = None  # each emitted token's logprob with this many alternatives (None: off)
+    prompt_logprobs: bool = False  # with logprobs: also the prompt tokens' (the first step carries them)
 
     def penalties(self) -> Penalties:
         """The penalty fields as one checked record."""
@@ -197,6 +208,8 @@ class DecodeConfig:
             raise UserError("temperature must be >= 0, top_p in (0, 1] and top_k >= 0")
         if self.max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise UserError(f"logprobs must be >= 0 (alternatives per token), got {self.logprobs}")
         self.penalties()
         return self
 

@@ -46,36 +46,24 @@ def _completion_routes(app: FastAPI, repository: Repository, settings: Settings)
         req: CompletionRequest = await parse(request, CompletionRequest, settings, repository)
         loaded = await repository.get(req.model)
         prompts = completion_prompts(req.prompt, loaded)
-        budget = max(
+        max_new_tokens = max(
             checks.max_tokens(req, len(ids), settings.limits, context(loaded), COMPLETIONS_DEFAULT_MAX_TOKENS)
             for ids in prompts
         )
         echo = [echo_text(req.prompt, ids, i, loaded) for i, ids in enumerate(prompts)] if req.echo else None
-        options = Options(
-            stops=checks.stops(req),
-            ignore_eos=req.ignore_eos,
-            logprobs=checks.logprobs(req),
-            echo=echo,
-            **grammar(req, loaded),
-        )
-        return await respond(request, "completions", req, loaded, prompts, budget, options, settings)
+        options = Options(stops=checks.stops(req), echo=echo, **grammar(req, loaded))
+        return await respond(request, "completions", req, loaded, prompts, max_new_tokens, options, settings)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         req: ChatRequest = await parse(request, ChatRequest, settings, repository)
         loaded = await repository.get(req.model)
         ids = chat_prompt(req, loaded)
-        budget = checks.max_tokens(
+        max_new_tokens = checks.max_tokens(
             req, len(ids), settings.limits, context(loaded), settings.limits.default_max_tokens
         )
-        options = Options(
-            stops=checks.stops(req),
-            ignore_eos=req.ignore_eos,
-            logprobs=checks.logprobs(req),
-            chat=True,
-            **grammar(req, loaded),
-        )
-        return await respond(request, "chat", req, loaded, [ids], budget, options, settings)
+        options = Options(stops=checks.stops(req), chat=True, **grammar(req, loaded))
+        return await respond(request, "chat", req, loaded, [ids], max_new_tokens, options, settings)
 
 
 def _responses_route(app: FastAPI, repository: Repository, settings: Settings) -> None:
@@ -90,7 +78,7 @@ def _responses_route(app: FastAPI, repository: Repository, settings: Settings) -
             chat = responses.as_chat(req)
             loaded = await repository.get(req.model)
             ids = chat_prompt(chat, loaded)
-            budget = checks.max_tokens(
+            max_new_tokens = checks.max_tokens(
                 chat, len(ids), settings.limits, context(loaded), settings.limits.default_max_tokens
             )
             options = Options(chat=True, **grammar(chat, loaded))
@@ -100,7 +88,7 @@ def _responses_route(app: FastAPI, repository: Repository, settings: Settings) -
                 chat,
                 loaded,
                 [ids],
-                budget,
+                max_new_tokens,
                 options,
                 settings,
                 view=responses.Rendering(req),

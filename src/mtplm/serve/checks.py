@@ -27,10 +27,30 @@ SEED_LIMIT = 2**63  # seeds lie in [0, 2^63); choice j of n decodes with (seed +
 TOP_P_FLOOR = 1e-6  # smaller top_p values round to 0 in float32 sampling: send temperature 0 for greedy
 
 
+# the DecodeConfig fields decode_config reads and checks itself; every other DecodeConfig field that a request
+# body declares under the same name (ignore_eos) is copied as sent, and DecodeConfig.validate checks it: a
+# field added to the body (protocol.py) and to DecodeConfig reaches the loop by its name
+BUILT = (
+    "mode",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "max_new_tokens",
+    "logprobs",
+    "prompt_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+)
+
+
 def decode_config(
-    req: _Sampling, spec: DecodeModel, default_mode: str, max_tokens: int, vocab: int | None = None
+    req: _Sampling, spec: DecodeModel, default_mode: str, max_new_tokens: int, vocab: int | None = None
 ) -> DecodeConfig:
-    """The request's sampling fields as a DecodeConfig the model can run; every refusal names the field."""
+    """The request as the one DecodeConfig the loop reads (the model can run it); every refusal names the
+    field."""
     refuse_unsupported(req)
     penalties = _penalties(req, vocab)
     cfg = _mode(req.mode, spec, default_mode)
@@ -51,8 +71,17 @@ def decode_config(
     if req.seed is not None and not 0 <= req.seed < SEED_LIMIT:
         raise APIError(400, f"seed must lie in [0, 2^63), got {req.seed}", "seed")
     seed = req.seed if req.seed is not None else uuid.uuid4().int % SEED_LIMIT
+    alternatives = logprobs(req)
     cfg = dataclasses.replace(
-        cfg, temperature=temperature, top_p=top_p, top_k=req.top_k or 0, seed=seed, max_new_tokens=max_tokens
+        cfg,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=req.top_k or 0,
+        seed=seed,
+        max_new_tokens=max_new_tokens,
+        logprobs=alternatives,
+        prompt_logprobs=isinstance(req, CompletionRequest) and req.echo and alternatives is not None,
+        **_same_named(req),
     ).with_penalties(penalties)
     if cfg.drafting == "tree" and temperature > 0:
         raise APIError(
@@ -65,6 +94,12 @@ def decode_config(
         return cfg.validate()
     except UserError as exc:
         raise APIError(400, str(exc)) from None
+
+
+def _same_named(req: _Sampling) -> dict:
+    """The fields the request sent that DecodeConfig declares under the same name, beside BUILT's."""
+    names = {f.name for f in dataclasses.fields(DecodeConfig)} - set(BUILT)
+    return {name: getattr(req, name) for name in sorted(names) if name in req.model_fields_set}
 
 
 def _penalties(req: _Sampling, vocab: int | None) -> Penalties:

@@ -34,14 +34,15 @@ async def respond(
     req,
     loaded: Loaded,
     prompts: list[list[int]],
-    budget: int,
+    max_new_tokens: int,
     options: Options,
     settings: Settings,
     view: responses.Rendering | None = None,
 ):
-    """Decode and answer; `view` renders another API's body and events (the Responses API)."""
+    """Decode and answer; `view` renders another API's body and events (the Responses API). The request's
+    one DecodeConfig is built here (checks.decode_config) and carried, per choice, to the engine's loop."""
     vocab = loaded.model.hf.get_input_embeddings().weight.shape[0]
-    cfg = checks.decode_config(req, loaded.engine.spec, loaded.default_mode, budget, vocab)
+    cfg = checks.decode_config(req, loaded.engine.spec, loaded.default_mode, max_new_tokens, vocab)
     ignored = view.ignored if view is not None else req.ignored_fields()
     if ignored:
         log.info("ignored request fields (no effect on local decoding): %s", ", ".join(ignored))

@@ -58,11 +58,9 @@ class Piece:
 
 @dataclass(frozen=True)
 class Options:
-    """What a request asks beyond decoding itself."""
+    """What a request asks of its answer beyond what it decodes (that is its DecodeConfig)."""
 
     stops: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None  # alternatives per token; None: no logprobs
     echo: list[str] | None = None  # per prompt: its text, sent before the completion
     chat: bool = False  # chat's logprob format (serve/logprobs.py)
     grammar: Grammar | None = None  # the output must match it (serve/structured.py); each sequence starts it
@@ -95,21 +93,17 @@ class Run:
                 len(ids),
                 TextStream(tokenizer, options.stops),
                 echo=options.echo[i] if options.echo is not None else None,
-                writer=LogprobWriter(tokenizer, options.chat) if options.logprobs is not None else None,
+                writer=LogprobWriter(tokenizer, options.chat) if cfg.logprobs is not None else None,
             )
             for i, ids in enumerate(prompts)
             for j in range(n)
         ]
-        echo_scores = options.echo is not None and options.logprobs is not None
         jobs = [
             Job(
                 ids,
                 dataclasses.replace(cfg, seed=(cfg.seed + j) % 2**63),
                 self._emitter(i * n + j),
                 label=label,
-                ignore_eos=options.ignore_eos,
-                logprobs=options.logprobs,
-                echo=echo_scores,
                 constraint=options.grammar.start() if options.grammar is not None else None,
             )
             for i, ids in enumerate(prompts)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtplm.config import Penalties
+from mtplm.config import DecodeConfig
 from mtplm.decode.constraints.constraint import ConstrainedLogits, Constraint
 from mtplm.decode.constraints.hook import GrammarHook
 from mtplm.decode.passes.backends import KV
@@ -65,14 +65,12 @@ class Decoding:
         model: DecodeModel,
         prompt_ids: list[int],
         strategy: Strategy,
-        max_new_tokens: int,
-        stop_ids: set[int] | frozenset[int],
-        seed: int = 0,
-        logprobs: int | None = None,
-        echo: bool = False,
+        request: DecodeConfig,
         constraint: Constraint | None = None,
-        penalties: Penalties | None = None,
     ) -> None:
+        """`request`: the one record the front end built (its budget, seed, penalties, stops, logprobs);
+        `strategy`: the sequence's own, made from it (strategies.make_strategy); `constraint`: the sequence's
+        own start of the request's grammar."""
         if not prompt_ids:
             raise UserError("the prompt is empty: give at least one token of input")
         if model.row_dependence is not None and strategy.traits.lossless:
@@ -81,13 +79,15 @@ class Decoding:
                 f"{model.row_dependence}: decode with --mode ntp, or --dtype fp32"
             )
         fit(strategy, model)  # drafts sized by what rows cost here (budget.py) and what the backend allows
-        self.model, self.strategy = model, strategy
-        self.generator = torch.Generator().manual_seed(seed)
-        self.seq = Committed.of(prompt_ids, max_new_tokens, stop_ids)
+        self.model, self.strategy, self.request = model, strategy, request
+        self.generator = torch.Generator().manual_seed(request.seed)
+        stops = frozenset() if request.ignore_eos else model.stop_ids | set(request.stop_token_ids)
+        self.seq = Committed.of(prompt_ids, request.max_new_tokens, stops)
+        logprobs = request.logprobs
         self.hooks = Hooks(
             GrammarHook(constraint, jump=logprobs is None) if constraint is not None else None,
-            Scores(logprobs, echo) if logprobs is not None else None,
-            penalizer(penalties, self.seq.text, self.seq.prompt_len),
+            Scores(logprobs, request.prompt_logprobs) if logprobs is not None else None,
+            penalizer(request.penalties(), self.seq.text, self.seq.prompt_len),
             HeadDrafts(model.drafter()) if model.drafter is not None else None,
         )
         self.inflight: InFlight | None = None  # feed() sets it, advance() reads it

@@ -52,16 +52,14 @@ class EngineClosed(RuntimeError):
 
 @dataclass
 class Job:
-    """One sequence to decode. `emit(step, None)` per step; `emit(None, error)` if it fails."""
+    """One sequence to decode: its prompt and its request (the one record the loop reads: budget, seed,
+    penalties, stops, logprobs). `emit(step, None)` per step; `emit(None, error)` if it fails."""
 
     prompt_ids: list[int]
     cfg: DecodeConfig
     emit: Callable[[Step | None, BaseException | None], None]
     label: str = ""  # the mode as the caller named it (metrics)
-    ignore_eos: bool = False  # decode max_new_tokens whatever the model emits (load tests)
-    logprobs: int | None = None  # Step.logprobs with this many alternatives per token (None: off)
-    echo: bool = False  # with logprobs: also the prompt's token logprobs (first step)
-    constraint: Constraint | None = None  # the grammar the output must match (decode/constraints/)
+    constraint: Constraint | None = None  # its own start of the request's grammar (decode/constraints/)
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
     decoding: Decoding = field(init=False)  # set by Engine.submit
@@ -134,18 +132,7 @@ class Engine:
     def submit(self, job: Job) -> Job:
         """Queue a job; raises UserError for a bad configuration, EngineClosed while shutting down."""
         strategy = make_strategy(job.cfg, self.spec.thresholds)
-        job.decoding = Decoding(
-            self.spec,
-            job.prompt_ids,
-            strategy,
-            job.cfg.max_new_tokens,
-            set() if job.ignore_eos else self.spec.stop_ids,
-            job.cfg.seed,
-            logprobs=job.logprobs,
-            echo=job.echo,
-            constraint=job.constraint,
-            penalties=job.cfg.penalties(),
-        )
+        job.decoding = Decoding(self.spec, job.prompt_ids, strategy, job.cfg, job.constraint)
         with self._wake:
             if self.closing:
                 raise EngineClosed("the server is shutting down")

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from mtplm.config import DecodeConfig, Penalties
+from mtplm.config import DecodeConfig
 from mtplm.decode.constraints.constraint import Constraint
 from mtplm.decode.passes.backends import KV, Backend, EagerBackend, describe
 from mtplm.decode.passes.backends import stop_ids as stop_ids  # (re-exported: callers take it with generate)
@@ -52,22 +52,19 @@ def run_pass(
 def stream(
     model: MTPModel,
     prompt_ids: list[int],
-    strategy: Strategy,
-    max_new_tokens: int,
-    stop_ids: set[int],
-    seed: int = 0,
+    request: DecodeConfig,
+    strategy: Strategy | None = None,
     backend: Backend | None = None,
     constraint: Constraint | None = None,
-    penalties: Penalties | None = None,
 ) -> Iterator[Step]:
-    """Yield each step's emitted tokens as soon as they are chosen (one sequence in slot 0 of `backend`).
-    A backend that warm_up (or pricing.price) priced lets the strategy size its drafts by this machine's
-    row cost (budget.py); an unpriced one feeds every draft offered."""
+    """Yield each step's emitted tokens as soon as they are chosen (one sequence in slot 0 of `backend`),
+    decoding `request` (its strategy made from it unless given). A backend that warm_up (or pricing.price)
+    priced lets the strategy size its drafts by this machine's row cost (budget.py); an unpriced one feeds
+    every draft offered."""
     backend = backend or EagerBackend(model, slots=1)
     spec = describe(model, backend)
-    sequence = Decoding(
-        spec, prompt_ids, strategy, max_new_tokens, stop_ids, seed, constraint=constraint, penalties=penalties
-    )
+    strategy = strategy or make_strategy(request, spec.thresholds)
+    sequence = Decoding(spec, prompt_ids, strategy, request, constraint)
     kv = backend.kv(0)
     with torch.inference_mode():
         while not sequence.done:
@@ -77,7 +74,7 @@ def stream(
 def generate(
     model: MTPModel,
     prompt_ids: list[int],
-    cfg: DecodeConfig,
+    request: DecodeConfig,
     strategy: Strategy | None = None,
     on_step: Callable[[Step], None] | None = None,
     backend: Backend | None = None,
@@ -86,15 +83,9 @@ def generate(
     """Run the loop to the end (calling `on_step` as each block arrives); TTFT and wall-clock measured here.
     `constraint` (constraint.py: `compile(spec, model.tokenizer, stop_ids(model)).start()`) makes the output
     match a grammar."""
-    strategy = strategy or make_strategy(
-        cfg, model.meta.decode_thresholds() if model.meta is not None else None
-    )
     result = Generation(prompt_len=len(prompt_ids))
     start = time.perf_counter()
-    most, penalties = cfg.max_new_tokens, cfg.penalties()
-    for step in stream(
-        model, prompt_ids, strategy, most, stop_ids(model), cfg.seed, backend, constraint, penalties
-    ):
+    for step in stream(model, prompt_ids, request, strategy, backend, constraint):
         if not result.tokens:
             result.ttft_s = time.perf_counter() - start
         result.tokens.extend(step.tokens)
