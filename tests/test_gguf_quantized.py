@@ -1,6 +1,7 @@
 """A GGUF's 4- and 8-bit weights run as they are (assets/quantized.py, decode/fast/gguf.py): a tiny Llama, its
 linear weights written into a GGUF in Q4_0, Q4_1 and Q8_0 (q and k rows permuted as llama.cpp's converter
-does), beside the Hugging Face directory conversion would make of it (the dequantized weights)."""
+does), or in Q4_K and Q6_K as a Q4_K_M file mixes them, beside the Hugging Face directory conversion would
+make of it (the dequantized weights)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from conftest import tiny_llama, tiny_tokenizer
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 
+from kquants import quantize as quantize_k
 from mtplm.assets import quantized
 from mtplm.assets.models import SOURCE_FILE
 from mtplm.config import DecodeConfig, parse_mode
@@ -24,6 +26,13 @@ from mtplm.model import load_model
 
 # q and k Q4_1 and v Q8_0 (q, k, v then run unfused), o Q4_0, the MLP Q4_1, the tied head Q8_0 (SmolLM2's mix)
 KINDS = {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_0"}
+# Q4_K_M's mix (Qwen2.5-Coder's): Q4_K, v and down Q6_K (q, k, v then unfused), the tied head Q6_K
+K_KINDS = {
+    **{part: "Q4_K" for part in quantized.LINEARS},
+    "attn_v": "Q6_K",
+    "ffn_down": "Q6_K",
+    "token_embd": "Q6_K",
+}
 MODULES = {v: k for k, v in quantized.LINEARS.items()}
 
 
@@ -47,7 +56,7 @@ def write_tiny_gguf(directory: Path, kinds: dict | None = None, hidden: int = 64
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "tiny.gguf"
     writer = GGUFWriter(str(path), "llama")
-    named = [("token_embd.weight", hf.model.embed_tokens, "Q8_0", 0)]
+    named = [("token_embd.weight", hf.model.embed_tokens, kinds.get("token_embd", "Q8_0"), 0)]
     for i, layer in enumerate(hf.model.layers):
         for part, module in quantized.LINEARS.items():
             parent = layer.self_attn if part.startswith("attn") else layer.mlp
@@ -71,7 +80,7 @@ def write_tiny_gguf(directory: Path, kinds: dict | None = None, hidden: int = 64
                 writer.add_tensor(name, blocks.astype(np.uint8), raw_dtype=GGMLQuantizationType.Q2_K)
                 continue
             qtype = GGMLQuantizationType[kind]
-            blocks = quants.quantize(stored, qtype)
+            blocks = quantize_k(stored, kind) if kind.endswith("_K") else quants.quantize(stored, qtype)
             writer.add_tensor(name, blocks, raw_dtype=qtype)
             values = quants.dequantize(blocks, qtype).reshape(weight.shape)  # what conversion writes
             module.weight.copy_(torch.from_numpy(_unpermute(values, permute) if permute else values))
@@ -96,6 +105,15 @@ def tiny_dir(tmp_path_factory) -> Path:
     return write_tiny_gguf(tmp_path_factory.mktemp("gguf"))
 
 
+@pytest.fixture(scope="module")
+def k_dir(tmp_path_factory) -> Path:
+    """The tiny Llama in Q4_K_M's mix (hidden 256: the K-quants' super-blocks)."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf_k"), K_KINDS, hidden=256)
+
+
+BOTH = ["tiny_dir", "k_dir"]  # the fixtures, for tests that run on either mix
+
+
 def test_every_block_type_this_loader_accepts_has_a_kernel():
     assert set(quantized.SUPPORTED) <= set(quant.BLOCK_TYPES)
 
@@ -111,8 +129,19 @@ def test_the_quantized_model_holds_no_float_linear_weights_and_its_head_is_the_g
         EagerBackend(model)
 
 
-def test_rows_are_in_hugging_faces_order(tiny_dir):
+def test_a_q4_k_m_mix_runs_quantized_under_auto(k_dir):
+    """Q4_K and Q6_K linears and a Q6_K tied head: `--dtype auto` keeps them all as the GGUF holds them."""
+    model = load_model(str(k_dir), "auto")
+    assert model.gguf is not None and model.gguf.head.kind == "Q6_K"
+    assert {linear.kind for linear in model.gguf.linears()} == {"Q4_K", "Q6_K"}
+    backend = StaticBackend(model, 1, capacity=64, compile=False)
+    assert backend.weights.blocks[0].quantized == "gguf"
+
+
+@pytest.mark.parametrize("which", BOTH)
+def test_rows_are_in_hugging_faces_order(which, request):
     """The permuted q and k blocks come back in HF's row order: their dequantized rows are the HF model's."""
+    tiny_dir = request.getfixturevalue(which)
     model, reference = load_model(str(tiny_dir), "gguf"), load_model(str(tiny_dir), "fp32")
     for module in ("q_proj", "k_proj", "v_proj"):
         source = model.gguf.layers[1][module]
@@ -121,8 +150,10 @@ def test_rows_are_in_hugging_faces_order(tiny_dir):
         assert torch.allclose(quant.dequantize(packed), expected, atol=1e-6), module
 
 
-def test_logits_match_the_dequantized_model_within_the_quantizations_rounding(tiny_dir):
+@pytest.mark.parametrize("which", BOTH)
+def test_logits_match_the_dequantized_model_within_the_quantizations_rounding(which, request):
     """Activations are quantized to int8 per 32 inputs in the products: close, not bitwise."""
+    tiny_dir = request.getfixturevalue(which)
     model, reference = load_model(str(tiny_dir), "gguf"), load_model(str(tiny_dir), "fp32")
     prompt = [(7 * i + 3) % 62 for i in range(45)]  # over 32 rows: the wide (prompt) pass
     backend = StaticBackend(model, 1, capacity=64, compile=False)
@@ -135,8 +166,10 @@ def test_logits_match_the_dequantized_model_within_the_quantizations_rounding(ti
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_a_rows_logits_are_the_same_bitwise_whatever_rows_share_its_pass(tiny_dir, compiled):
+@pytest.mark.parametrize("which", BOTH)
+def test_a_rows_logits_are_the_same_bitwise_whatever_rows_share_its_pass(which, request, compiled):
     """What makes every lossless mode exact on these weights: row 0's logits alone, beside 1-8 other rows."""
+    tiny_dir = request.getfixturevalue(which)
     model = load_model(str(tiny_dir), "gguf")
     backend = StaticBackend(model, 1, capacity=64, compile=compiled)
     prompt = [(7 * i) % 62 for i in range(37)]
@@ -150,10 +183,12 @@ def test_a_rows_logits_are_the_same_bitwise_whatever_rows_share_its_pass(tiny_di
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_verified_decoding_gives_the_quantized_models_plain_tokens(tiny_dir, compiled):
+@pytest.mark.parametrize("which", BOTH)
+def test_verified_decoding_gives_the_quantized_models_plain_tokens(which, request, compiled):
     """verified:lookup (k-row passes over the quantized weights) gives greedy plain decoding's exact tokens on
     the same quantized pass; sampled, it is reproducible by its seed (its acceptance rule keeps the
     quantized model's distribution: tests/decode/test_verified.py)."""
+    tiny_dir = request.getfixturevalue(which)
     model = load_model(str(tiny_dir), "gguf")
     backend = StaticBackend(model, 1, capacity=256, compile=compiled)
     lookup = parse_mode("verified:lookup")
@@ -204,9 +239,11 @@ def test_gguf_weights_need_a_gguf(tmp_path):
     assert load_model(str(tmp_path), "auto").gguf is None
 
 
-def test_a_gated_mtp_model_over_a_quantized_base_keeps_its_adapters_in_bf16(tiny_dir):
+@pytest.mark.parametrize("which", BOTH)
+def test_a_gated_mtp_model_over_a_quantized_base_keeps_its_adapters_in_bf16(which, request):
     """<mtp> row and adapters bf16 over the GGUF's blocks: <mtp> rows change with the adapters, plain rows
     do not, and verified decoding with <mtp> blocks still gives plain's tokens."""
+    tiny_dir = request.getfixturevalue(which)
     model = load_model(str(tiny_dir), "gguf")
     model.add_mask_token(k_max=4, base_identity={"name": "tiny"})
     model.attach_gated_lora(rank=4, alpha=8.0)

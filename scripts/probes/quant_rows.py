@@ -6,10 +6,11 @@ one row (docs/kernels.md's block-kernel table).
     python scripts/probes/quant_rows.py --shapes 49152x576 --types Q8_0,bf16 --rows 1,8
 
 Shapes are M x K (SmolLM2-135M: 1536x576 one of gate/up, 576x1536 down, 49152x576 the head; Qwen2.5-1.5B:
-17920x1536 gate + up, 1536x8960 down). Each call reads the next of several copies of the weight (together
---stream-mb), so the weights stream from memory as in a pass over a whole model rather than from the L3.
-Random codes and fp16 scales (the speed does not depend on the values). Each ISA runs in this process
-through fewrow.use_isa (the AVX-512 build's AVX2 kernels give the AVX2 build's bits); best of 5 rounds.
+17920x1536 gate + up, 1536x8960 down; the K-quants need K a multiple of 256). Each call reads the next of
+several copies of the weight (together --stream-mb), so the weights stream from memory as in a pass over a
+whole model rather than from the L3. Random codes and fp16 scales (the speed does not depend on the values).
+Each ISA runs in this process through fewrow.use_isa (the AVX-512 build's AVX2 kernels give the AVX2 build's
+bits); best of 5 rounds.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ import numpy as np
 import torch
 
 from mtplm.decode.fast import fewrow, quant
+
+FP16_BYTES = {
+    "Q4_1": (0, 4),
+    "Q4_K": (0, 4),
+    "Q6_K": (208, 210),
+}  # where a block's fp16 values lie (else 0-2)
 
 
 def cpu() -> str:
@@ -43,12 +50,15 @@ def weights(kind: str, m: int, k: int, copies: int) -> tuple[list[object], int]:
     if kind == "bf16":
         made = [fewrow.pack(torch.randn(m, k).bfloat16()) for _ in range(copies)]
         return list(made), made[0].untyped_storage().nbytes()
-    block, _, scales = quant._FORMATS[kind]
+    weights_per_block, block = quant.file_block(kind)
+    at = FP16_BYTES.get(kind, (0, 2))
     out = []
     for _ in range(copies):
-        raw = rng.integers(0, 256, size=(m, k // 32, block), dtype=np.uint8)
-        halves = (rng.standard_normal((m, k // 32, scales)) / 8).astype(np.float16)
-        raw[..., : 2 * scales] = halves.view(np.uint8).reshape(m, k // 32, -1)
+        raw = rng.integers(0, 256, size=(m, k // weights_per_block, block), dtype=np.uint8)
+        halves = (rng.standard_normal((m, k // weights_per_block, (at[1] - at[0]) // 2)) / 8).astype(
+            np.float16
+        )
+        raw[..., at[0] : at[1]] = halves.view(np.uint8).reshape(m, k // weights_per_block, -1)
         out.append(quant.pack(kind, torch.from_numpy(raw.reshape(m, -1)), m, k))
     return list(out), out[0].nbytes
 
@@ -84,7 +94,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--isas", default="avx512,avx2")
     p.add_argument("--shapes", default="1536x576,576x1536,49152x576,17920x1536,1536x8960")
-    p.add_argument("--types", default="Q8_0,Q4_0,Q4_1,Q5_0,bf16")
+    p.add_argument("--types", default="Q8_0,Q4_0,Q4_1,Q5_0,Q4_K,Q6_K,bf16")
     p.add_argument("--rows", default="1,2,4,8,16")
     p.add_argument("--stream-mb", type=int, default=192, help="the copies' total size per shape and type")
     args = p.parse_args()
@@ -98,6 +108,8 @@ def main() -> None:
         for shape in args.shapes.split(","):
             m, k = (int(n) for n in shape.split("x"))
             for kind in args.types.split(","):
+                if kind != "bf16" and k % quant.file_block(kind)[0]:
+                    continue  # the K-quants' super-blocks need K a multiple of 256
                 print(row(kind, m, k, rows, args.stream_mb), flush=True)
     fewrow.use_isa("auto")
 

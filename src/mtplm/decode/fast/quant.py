@@ -1,20 +1,25 @@
-"""Few-row products over GGUF's quantized blocks as the file holds them (Q8_0, Q4_0, Q4_1, Q5_0): the weights
-stay 4-, 5- or 8-bit in memory, and each product is integer dot products of int8-quantized activations with
-the block codes (csrc/quant*.cpp: AVX-512 VNNI, else AVX2), built into fewrow.py's library as
-`mtplm_fewrow::quant_linear`.
+"""Few-row products over GGUF's quantized blocks as the file holds them (Q8_0, Q4_0, Q4_1, Q5_0, and the
+K-quants Q4_K, Q6_K: kquant.py): the weights stay 4- to 8-bit in memory, and each product is integer dot
+products of int8-quantized activations with the block codes (csrc/quant*.cpp: AVX-512 VNNI, else AVX2),
+built into fewrow.py's library as `mtplm_fewrow::quant_linear`.
 
 The math, every ISA and `reference` alike (so every path gives the same bits):
 - a row's activations, per block of 32 inputs: d_x = max|x| / 127, q_x = round-half-even(x * (127 / max|x|))
   (int8), s_x = sum of q_x (all float32 ops, IEEE);
 - a weight block of output o: codes q_w and fp16 scale d_w (and min m_w, Q4_1), standing for
-  d_w * (q_w - offset) (Q8_0: offset 0, Q4_0: 8, Q5_0: 16) or d_w * q_w + m_w (Q4_1);
+  d_w * (q_w - offset) (Q8_0: offset 0, Q4_0: 8, Q5_0: 16) or d_w * q_w + m_w (Q4_1); Q4_K is Q4_1's math
+  with d_w = d * sc_j and m_w = -(dmin * m_j) (float32, exact) per block; Q6_K's block is two halves of 16
+  inputs, each with its int8 scale sc_h: d_w = the super-block's d, and dot_b below is the exact integer
+  sc_0 * dot_0 + sc_1 * dot_1 over the halves' integer dots of q_x with (q_w - 32);
 - per block b, in order b = 0, 1, ...: acc = fma(float(dot_b), d_w * d_x, acc), dot_b the exact integer dot of
-  q_x with (q_w - offset), then for Q4_1 acc = fma(m_w, d_x * float(s_x), acc); then + bias (float32), then
-  rounded to x's dtype. A row's outputs depend on that row alone: bitwise the same among any rows, threads.
+  q_x with (q_w - offset), then for Q4_1 and Q4_K acc = fma(m_w, d_x * float(s_x), acc); then + bias
+  (float32), then rounded to x's dtype. A row's outputs depend on that row alone: bitwise the same among any
+  rows, threads.
 
 pack() repacks a GGUF tensor's bytes once (the layout is csrc/quant.cpp's): codes uint8 [Mp/16, K/32, C]
 (16 outputs x 32 inputs a record: Q4 256 bytes, Q5_0 320, Q8_0 512) and scales float16 [Mp/16, K/32, 16 S]
-(d_w for 16 outputs, then m_w for Q4_1), Mp = M rounded up to 16: the file's bits per weight, no more.
+(d_w for 16 outputs, then m_w for Q4_1), Mp = M rounded up to 16: the file's bits per weight, no more. The
+K-quants' records and scales: kquant.py.
 """
 
 from __future__ import annotations
@@ -24,11 +29,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mtplm.decode.fast import fewrow
+from mtplm.decode.fast import fewrow, kquant
 
 # GGUF type -> (bytes a 32-weight block takes in the file, code bytes a 16-output record, scales a block)
 _FORMATS = {"Q8_0": (34, 512, 1), "Q4_0": (18, 256, 1), "Q4_1": (20, 256, 2), "Q5_0": (22, 320, 1)}
-BLOCK_TYPES = tuple(_FORMATS)
+BLOCK_TYPES = (*_FORMATS, *kquant.FILE_BYTES)
 _OFFSETS = {"Q8_0": 0, "Q4_0": 8, "Q4_1": 0, "Q5_0": 16}
 _READY: dict[str, bool] = {}  # "ops": whether quant_linear is loaded (its fake registered); set by load()
 
@@ -41,7 +46,7 @@ class QuantWeight:
     out_features: int
     in_features: int
     codes: torch.Tensor  # uint8 [Mp / 16, K / 32, record bytes]
-    scales: torch.Tensor  # float16 [Mp / 16, K / 32, 16 * scales per block]
+    scales: torch.Tensor  # float16 [Mp / 16, K / 32 (K-quants: K / 256), 16 * scales per block]
 
     @property
     def nbytes(self) -> int:
@@ -61,24 +66,36 @@ def _linear_shape(inputs, codes, scales, bias, kind: str, out_features: int) -> 
     return inputs.new_empty(inputs.shape[0], out_features)
 
 
-def _check(kind: str, in_features: int) -> tuple[int, int, int]:
+def file_block(kind: str) -> tuple[int, int]:
+    """(weights, bytes) of one of the file's blocks of this type (ValueError for a type not supported)."""
+    if kind in kquant.FILE_BYTES:
+        return kquant.SUPER, kquant.FILE_BYTES[kind]
     if kind not in _FORMATS:
         raise ValueError(f"GGUF block type {kind} is not supported (supported: {', '.join(BLOCK_TYPES)})")
-    if in_features % 32 or in_features <= 0:
-        raise ValueError(f"a {kind} weight needs in features a positive multiple of 32, not {in_features}")
-    return _FORMATS[kind]
+    return 32, _FORMATS[kind][0]
+
+
+def _check(kind: str, in_features: int) -> tuple[int, int]:
+    weights, block_bytes = file_block(kind)
+    if in_features % weights or in_features <= 0:
+        raise ValueError(
+            f"a {kind} weight needs in features a positive multiple of {weights}, not {in_features}"
+        )
+    return weights, block_bytes
 
 
 def pack(kind: str, raw: torch.Tensor, out_features: int, in_features: int) -> QuantWeight:
-    """raw: the GGUF tensor's bytes as the file holds them, uint8 [M, K / 32 * block bytes] (rows are output
-    channels) -> the kernel's layout. ValueError for a type not in BLOCK_TYPES or K not a multiple of 32."""
-    block_bytes, _, _ = _check(kind, in_features)
+    """raw: the GGUF tensor's bytes as the file holds them, uint8 [M, K / block * block bytes] (rows are
+    output channels) -> the kernel's layout. ValueError for a type not in BLOCK_TYPES or K not a multiple of
+    its block (32; the K-quants 256)."""
+    weights, block_bytes = _check(kind, in_features)
     load()
     m, kb = out_features, in_features // 32
-    if raw.dtype != torch.uint8 or raw.numel() != m * kb * block_bytes:
-        raise ValueError(
-            f"{kind} [{m}, {in_features}] needs {m * kb * block_bytes} uint8 bytes, got {raw.numel()}"
-        )
+    need = m * in_features // weights * block_bytes
+    if raw.dtype != torch.uint8 or raw.numel() != need:
+        raise ValueError(f"{kind} [{m}, {in_features}] needs {need} uint8 bytes, got {raw.numel()}")
+    if kind in kquant.FILE_BYTES:
+        return _pack_k(kind, raw.reshape(m, -1), m, in_features)
     mp = -(-m // 16) * 16
     blocks = torch.zeros(mp, kb, block_bytes, dtype=torch.uint8)
     blocks[:m] = raw.reshape(m, kb, block_bytes)
@@ -102,6 +119,20 @@ def pack(kind: str, raw: torch.Tensor, out_features: int, in_features: int) -> Q
     )
 
 
+def _pack_k(kind: str, raw: torch.Tensor, m: int, k: int, chunk: int = 4096) -> QuantWeight:
+    """kquant.pack over `chunk` outputs at a time (a multiple of 16) into the whole weight's tensors, so that
+    packing a large head holds little more than the result."""
+    g = -(-m // 16)
+    codes = torch.empty(g, k // 32, kquant.RECORD_BYTES[kind], dtype=torch.uint8)
+    scales = torch.empty(g, k // kquant.SUPER, 16 * kquant.SUPER_SCALES[kind], dtype=torch.float16)
+    for start in range(0, m, chunk):
+        rows = min(chunk, m - start)
+        part_codes, part_scales = kquant.pack(kind, raw[start : start + rows], rows, k)
+        codes[start // 16 : start // 16 + len(part_codes)] = part_codes
+        scales[start // 16 : start // 16 + len(part_scales)] = part_scales
+    return QuantWeight(kind, m, k, codes, scales)
+
+
 def _high_bit_masks(qh: torch.Tensor) -> torch.Tensor:
     """Q5_0's high bits qh [G, Kb, 16 outputs, 4 bytes] (bit e: input e's) -> per record 8 little-endian
     64-bit masks, mask t's bit 4 o + j being output o's input 4t + j."""
@@ -113,7 +144,10 @@ def _high_bit_masks(qh: torch.Tensor) -> torch.Tensor:
 
 
 def _codes(w: QuantWeight) -> torch.Tensor:
-    """The codes as integers [M, K] (Q4_1: q_w; the others: q_w - offset, the signed value d_w multiplies)."""
+    """The codes as integers [M, K] (Q4_1, Q4_K: q_w; the others: q_w - offset, the signed value d_w (Q6_K:
+    its half's scale) multiplies)."""
+    if w.kind in kquant.FILE_BYTES:
+        return kquant.unpack(w.kind, w.codes, w.scales, w.out_features)[0]
     g, kb = w.codes.shape[:2]
     if w.kind == "Q8_0":
         codes = w.codes.view(torch.int8).reshape(g, kb, 8, 16, 4).to(torch.int32)
@@ -129,7 +163,10 @@ def _codes(w: QuantWeight) -> torch.Tensor:
 
 
 def _scales(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """d_w [M, K / 32] float32 and (Q4_1) m_w."""
+    """d_w [M, K / 32] float32 and (Q4_1, Q4_K) m_w."""
+    if w.kind in kquant.FILE_BYTES:
+        _, per_block, supers = kquant.unpack(w.kind, w.codes, w.scales, w.out_features)
+        return kquant.block_scales(w.kind, per_block, supers)
     g, kb, width = w.scales.shape
     both = (
         w.scales.float().reshape(g, kb, width // 16, 16).permute(2, 0, 3, 1).reshape(width // 16, g * 16, kb)
@@ -142,8 +179,17 @@ def dequantize(w: QuantWeight) -> torch.Tensor:
     """The float32 [M, K] values the GGUF tensor stands for (gguf.quants.dequantize's, bitwise)."""
     codes = _codes(w).float().reshape(w.out_features, -1, 32)
     d, m = _scales(w)
+    if w.kind == "Q6_K":  # (d * sc_h) * (q_w - 32), as gguf computes it
+        halves = _halves(w).float()
+        values = (d[..., None] * halves)[..., None] * codes.reshape(w.out_features, -1, 2, 16)
+        return values.reshape(w.out_features, w.in_features)
     values = d[..., None] * codes
     return (values if m is None else values + m[..., None]).reshape(w.out_features, w.in_features)
+
+
+def _halves(w: QuantWeight) -> torch.Tensor:
+    """Q6_K: the int8 scales of each block's two halves of 16 inputs, int32 [M, K / 32, 2]."""
+    return kquant.unpack(w.kind, w.codes, w.scales, w.out_features)[1]
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -172,8 +218,13 @@ def reference(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None)
     """linear()'s math in plain torch, the same operations in the same order: linear()'s bits."""
     _check(w.kind, w.in_features)
     qx, dx, sx = quantize_activations(x)
-    codes = _codes(w).reshape(w.out_features, -1, 32).double()
-    dots = torch.einsum("nbk,mbk->bnm", qx.double(), codes).float()  # exact integers
+    if w.kind == "Q6_K":  # the halves' integer dots times their scales: exact integers
+        codes = _codes(w).reshape(w.out_features, -1, 2, 16).double()
+        halves = torch.einsum("nbhk,mbhk->bnmh", qx.reshape(*qx.shape[:2], 2, 16).double(), codes)
+        dots = (halves * _halves(w).permute(1, 0, 2)[:, None].double()).sum(-1).float()
+    else:
+        codes = _codes(w).reshape(w.out_features, -1, 32).double()
+        dots = torch.einsum("nbk,mbk->bnm", qx.double(), codes).float()  # exact integers
     d, m = _scales(w)
     acc = torch.zeros(x.shape[0], w.out_features)
     for b in range(dots.shape[0]):

@@ -1,6 +1,6 @@
 // Few-row products over GGUF's quantized blocks (quant.py): y[N, M] = x[N, K] @ W^T (+ bias), x bf16 or
-// float32, W Q8_0, Q4_0, Q4_1 or Q5_0 as the file holds it, repacked once. This file is the ISA-neutral part:
-// the op, the rows quantized to int8 and the choice of kernel. The kernels:
+// float32, W Q8_0, Q4_0, Q4_1, Q5_0, Q4_K or Q6_K as the file holds it, repacked once. This file is the
+// ISA-neutral part: the op, the rows quantized to int8 and the choice of kernel. The kernels:
 //   quant_avx512.cpp  AVX-512 VNNI (vpdpbusd), 16 outputs a vector     (the AVX-512 build)
 //   quant_avx2.cpp    AVX2 (vpmaddubsw + vpmaddwd), 8 outputs a vector  (every build)
 //
@@ -10,6 +10,10 @@
 // activations, so each kind's codes are unsigned u with a fixed offset (Q4_0: u - 8, Q5_0: u - 16, Q8_0 on
 // VNNI: (q ^ 0x80) - 128), folded in as the accumulator's start, -offset * s_x. Per block, in order:
 // acc = fma(float(dot), d_w * d_x, acc), then for Q4_1 (w = d_w u + m_w) acc = fma(m_w, d_x * float(s_x), acc).
+// The K-quants keep those per-32 activations: Q4_K is Q4_1's math with the block's d_w = d * sc_j and
+// m_w = -(dmin * m_j) (exact float32 products of the fp16 and the 6-bit integers); Q6_K's dot is the exact
+// integer sc_0 * dot_0 + sc_1 * dot_1 over the block's two halves of 16 inputs (codes u - 32, int8 scales
+// sc_h; on VNNI each half's start is -32 * its s_x), with d_w the super-block's d.
 // An output's sum is over its blocks in order whatever the rows, threads and ISA: a row's results do not
 // depend on the rows beside it. Threads split the records (16 outputs each), never a sum.
 //
@@ -21,10 +25,14 @@
 //         256 bytes
 //   Q5_0  the Q4 record, then 8 little-endian 64-bit masks, mask t's bit 4 o + j the fifth bit (16) of output
 //         o's input 4t + j;                                                                        320 bytes
-// scales [Mp / 16][K / 32][16 S] fp16: d_w of the 16 outputs, then (Q4_1) m_w. Mp: M rounded up to 16, the
-// padding zero. So a pass reads the file's bits per weight (4.5, 5, 5.5, 8.5), no more. An AVX2 vector is
-// half a record's vector: outputs 0-7 or 8-15. The K-quants (Q4_K, Q6_K) fit the same scheme with a record
-// per 256 inputs: integer sub-block dots times their 6-bit scales summed in int32, one fma per super-block.
+//   Q4_K  the Q4 record, then sc_j of the 16 outputs (a byte each), then m_j;                      288 bytes
+//   Q6_K  the Q4 record of the codes' low 4 bits, 2 vectors of their high 2 bits (vector u byte (o, j) bits
+//         2i, 2i + 1: output o's input 4 (4u + i) + j), then the int8 scales of inputs 0-15 of the 16
+//         outputs, then those of inputs 16-31;                                                      416 bytes
+// scales [Mp / 16][K / 32][16 S] fp16: d_w of the 16 outputs, then (Q4_1) m_w; the K-quants' [Mp / 16][K / 256]
+// [16 S]: d of the 16 outputs, then (Q4_K) dmin. Mp: M rounded up to 16, the padding zero. So a pass reads
+// about the file's bits per weight (4.5, 5, 5.5, 8.5; Q4_K 4.625, Q6_K 6.5625), no more. An AVX2 vector is
+// half a record's vector: outputs 0-7 or 8-15.
 
 #include "fewrow.h"
 #include "quant.h"
@@ -54,11 +62,18 @@ MTPLM_AVX2 inline __m256 load8(const c10::BFloat16* x) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
 
+MTPLM_AVX2 inline int32_t sum8(__m256i v) {
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+}
+
 // One row's K inputs -> its int8 codes, and per block of 32 d_x, the dots' start -offset * s_x and (ds not
 // null) d_x * s_x (the module comment's formula); block b's at index b * n (the Problem's block-major layout).
+// (halves not null: -32 * the sums over inputs 0-15 and 16-31 of each block, at index 2 (b * n) and + 1.)
 template <typename T>
 MTPLM_AVX2 void quantize_row(const T* x, int64_t kb, int64_t n, int32_t offset, int8_t* qx, float* dx,
-                             int32_t* start, float* ds) {
+                             int32_t* start, float* ds, int32_t* halves) {
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t b = 0; b < kb; ++b) {
@@ -72,7 +87,12 @@ MTPLM_AVX2 void quantize_row(const T* x, int64_t kb, int64_t n, int32_t offset, 
     const __m256 inverse = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
     __m256i q[4];
     for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));  // to nearest even
-    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    const __m256i first = _mm256_add_epi32(q[0], q[1]), second = _mm256_add_epi32(q[2], q[3]);
+    const __m256i total = _mm256_add_epi32(first, second);
+    if (halves != nullptr) {
+      halves[2 * b * n] = -32 * sum8(first);
+      halves[2 * b * n + 1] = -32 * sum8(second);
+    }
     __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
@@ -90,12 +110,16 @@ Kind kind_of(const std::string& name) {
   if (name == "Q8_0") return Kind::Q8_0;
   if (name == "Q4_0") return Kind::Q4_0;
   if (name == "Q4_1") return Kind::Q4_1;
-  TORCH_CHECK(name == "Q5_0", "quant_linear: block type ", name, " is not supported (Q8_0, Q4_0, Q4_1, Q5_0)");
+  if (name == "Q4_K") return Kind::Q4_K;
+  if (name == "Q6_K") return Kind::Q6_K;
+  TORCH_CHECK(name == "Q5_0", "quant_linear: block type ", name,
+              " is not supported (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K)");
   return Kind::Q5_0;
 }
 
 // The unsigned codes' offset in the kernel that runs (u - offset is the value d_w multiplies): Q8_0's signed
-// codes are offset by 128 for vpdpbusd, and multiplied as they are by AVX2's sign trick.
+// codes are offset by 128 for vpdpbusd, and multiplied as they are by AVX2's sign trick (as are Q6_K's,
+// u - 32; on VNNI its offset is per half: Problem::halves). Q4_1's and Q4_K's codes take none (their mins).
 int32_t offset(Kind kind, bool vnni) {
   return kind == Kind::Q8_0 ? (vnni ? 128 : 0) : kind == Kind::Q4_0 ? 8 : kind == Kind::Q5_0 ? 16 : 0;
 }
@@ -116,8 +140,8 @@ void groups(const Problem& p, bool vnni, int64_t begin, int64_t end) {
   mtplm::quant::avx2_groups(p, begin, end);
 }
 
-// inputs [N, K] bf16 or float32, codes uint8 [Mp / 16, K / 32, record], scales fp16 [Mp / 16, K / 32, 16 S],
-// bias float32 [M] or none -> [N, M] in the inputs' dtype.
+// inputs [N, K] bf16 or float32, codes uint8 [Mp / 16, K / 32, record], scales fp16 [Mp / 16, K / 32, 16 S]
+// (the K-quants: [Mp / 16, K / 256, 16 S]), bias float32 [M] or none -> [N, M] in the inputs' dtype.
 at::Tensor quant_linear(const at::Tensor& inputs, const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& bias, c10::string_view kind_name, int64_t out_features) {
   const Kind kind = kind_of(std::string(kind_name));
@@ -130,9 +154,11 @@ at::Tensor quant_linear(const at::Tensor& inputs, const at::Tensor& codes, const
                   codes.size(2) == mtplm::quant::record_bytes(kind),
               "quant_linear: codes of ", kind_name, " are contiguous uint8 records of ",
               mtplm::quant::record_bytes(kind), " bytes");
+  const int64_t per = mtplm::quant::scale_blocks(kind);
+  TORCH_CHECK(kb % per == 0, "quant_linear: ", kind_name, " needs in features a multiple of ", 32 * per);
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.size(0) == groups_m &&
-                  scales.size(1) == kb && scales.size(2) == mtplm::quant::record_scales(kind),
-              "quant_linear: scales [Mp / 16, K / 32, ", mtplm::quant::record_scales(kind), "] fp16");
+                  scales.size(1) == kb / per && scales.size(2) == mtplm::quant::record_scales(kind),
+              "quant_linear: scales [Mp / 16, K / ", 32 * per, ", ", mtplm::quant::record_scales(kind), "] fp16");
   TORCH_CHECK(k == kb * 32, "quant_linear: inputs have ", k, " features, the weight ", kb * 32);
   TORCH_CHECK(out_features > (groups_m - 1) * 16 && out_features <= groups_m * 16,
               "quant_linear: ", out_features, " out features in ", groups_m, " records");
@@ -143,24 +169,26 @@ at::Tensor quant_linear(const at::Tensor& inputs, const at::Tensor& codes, const
   at::Tensor qx = at::empty({kb, n, 32}, x.options().dtype(at::kChar));
   at::Tensor dx = at::empty({kb, n}, x.options().dtype(at::kFloat));
   at::Tensor start = at::empty({kb, n}, x.options().dtype(at::kInt));
-  at::Tensor ds = at::empty({kind == Kind::Q4_1 ? kb : 0, n}, x.options().dtype(at::kFloat));
+  const bool min = mtplm::quant::has_min(kind), use_vnni = vnni(), split = kind == Kind::Q6_K && use_vnni;
+  at::Tensor ds = at::empty({min ? kb : 0, n}, x.options().dtype(at::kFloat));
+  at::Tensor halves = at::empty({split ? kb : 0, n, 2}, x.options().dtype(at::kInt));
   at::Tensor y = at::empty({n, out_features}, x.options());
   if (n == 0 || out_features == 0) return y;
-  const bool use_vnni = vnni();
   const int32_t shift = offset(kind, use_vnni);
   at::parallel_for(0, n, std::max<int64_t>(1, 16384 / k), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       int8_t* q = qx.data_ptr<int8_t>() + r * 32;
       float* d = dx.data_ptr<float>() + r;
       int32_t* s = start.data_ptr<int32_t>() + r;
-      float* f = kind == Kind::Q4_1 ? ds.data_ptr<float>() + r : nullptr;
-      bf16 ? quantize_row(x.data_ptr<c10::BFloat16>() + r * k, kb, n, shift, q, d, s, f)
-           : quantize_row(x.data_ptr<float>() + r * k, kb, n, shift, q, d, s, f);
+      float* f = min ? ds.data_ptr<float>() + r : nullptr;
+      int32_t* h = split ? halves.data_ptr<int32_t>() + 2 * r : nullptr;
+      bf16 ? quantize_row(x.data_ptr<c10::BFloat16>() + r * k, kb, n, shift, q, d, s, f, h)
+           : quantize_row(x.data_ptr<float>() + r * k, kb, n, shift, q, d, s, f, h);
     }
   });
   const Problem p{kind, codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr()),
                   qx.data_ptr<int8_t>(), dx.data_ptr<float>(), start.data_ptr<int32_t>(),
-                  kind == Kind::Q4_1 ? ds.data_ptr<float>() : nullptr,
+                  min ? ds.data_ptr<float>() : nullptr, split ? halves.data_ptr<int32_t>() : nullptr,
                   b.defined() ? b.data_ptr<float>() : nullptr, bf16 ? nullptr : y.data_ptr<float>(),
                   bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr()) : nullptr, n, out_features, kb};
   at::parallel_for(0, (out_features + 15) / 16, 1, [&](int64_t begin, int64_t end) { groups(p, use_vnni, begin, end); });

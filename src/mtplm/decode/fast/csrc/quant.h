@@ -6,26 +6,32 @@
 
 namespace mtplm::quant {
 
-enum class Kind { Q8_0, Q4_0, Q4_1, Q5_0 };
+enum class Kind { Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K };
 
 constexpr int kOutputs = 16;  // outputs per record: one 512-bit vector's 32-bit lanes
 constexpr int kInputs = 32;   // inputs per GGUF block
 
-// Bytes of codes per record (16 outputs x 32 inputs) and fp16 scales per record (d_w, then m_w for Q4_1).
+// Bytes of codes per record (16 outputs x 32 inputs; the K-quants' with their sub-block scales), fp16 scales
+// per record of scales (d_w, then m_w for Q4_1; the K-quants' d, then dmin for Q4_K) and the blocks of 32
+// inputs such a record of scales covers (the K-quants: a super-block of 256 inputs).
 constexpr int64_t record_bytes(Kind kind) {
-  return kind == Kind::Q8_0 ? 512 : kind == Kind::Q5_0 ? 320 : 256;
+  return kind == Kind::Q8_0 ? 512 : kind == Kind::Q5_0 ? 320 : kind == Kind::Q4_K ? 288 : kind == Kind::Q6_K ? 416 : 256;
 }
-constexpr int64_t record_scales(Kind kind) { return kind == Kind::Q4_1 ? 32 : 16; }
+constexpr int64_t record_scales(Kind kind) { return kind == Kind::Q4_1 || kind == Kind::Q4_K ? 32 : 16; }
+constexpr int64_t scale_blocks(Kind kind) { return kind == Kind::Q4_K || kind == Kind::Q6_K ? 8 : 1; }
+// Whether the kind adds a min term m_w x d_x x s_x per block (ds below).
+constexpr bool has_min(Kind kind) { return kind == Kind::Q4_1 || kind == Kind::Q4_K; }
 
 struct Problem {
   Kind kind;
   const uint8_t* codes;    // [Mp / 16][Kb][record_bytes]
-  const uint16_t* scales;  // [Mp / 16][Kb][record_scales] fp16 bits
+  const uint16_t* scales;  // [Mp / 16][Kb / scale_blocks][record_scales] fp16 bits
   // The rows quantized, block-major (a block's rows side by side, one pointer reaches a tile's):
   const int8_t* qx;        // [Kb][N][32] the rows' int8 codes
   const float* dx;         // [Kb][N] their scales d_x
   const int32_t* start;    // [Kb][N] the integer dots' start: -offset * s_x (the kernel's offset)
-  const float* ds;         // [Kb][N] d_x * s_x, the min's factor (Q4_1; else null)
+  const float* ds;         // [Kb][N] d_x * s_x, the min's factor (Q4_1, Q4_K; else null)
+  const int32_t* halves;   // [Kb][N][2] Q6_K on VNNI: -32 * the sums of q_x over inputs 0-15 and 16-31
   const float* bias;       // [M] float32 or null
   float* f32;              // [N][M] float32 outputs, or null (then bf16)
   uint16_t* bf16;          // [N][M] bf16 outputs, or null

@@ -4,7 +4,9 @@
 // by a row's signed int8 inputs into int16 pair sums, vpmaddwd adds the pairs into int32: exact while the
 // int16 sums stay in range, so 4-bit codes (<= 15 x 127 x 2 a lane) add 8 vectors in int16 before one
 // vpmaddwd, Q5_0's 5-bit codes 4, and Q8_0's signed codes go one at a time by the sign trick (|q| unsigned,
-// q's sign moved onto the input: <= 128 x 127 x 2). The integer dots are the VNNI kernel's, and so, the fmas
+// q's sign moved onto the input: <= 128 x 127 x 2). Q4_K's codes are Q4_0's; Q6_K's (u - 32, signed) go by
+// the sign trick too, 4 vectors (a half of 16 inputs) in int16 (<= 4 x 32 x 127 x 2), then vpmaddwd by the
+// half's int8 scale in both int16 of each lane: the integer sc_0 dot_0 + sc_1 dot_1. The integer dots are the VNNI kernel's, and so, the fmas
 // being the same, are the results: every ISA gives the same bits. A half-record's codes are unpacked once per
 // block for a tile of up to 4 rows; more rows, and the record's other half, read them again from cache.
 
@@ -22,8 +24,10 @@ namespace {
 
 using mtplm::quant::Kind;
 using mtplm::quant::Problem;
+using mtplm::quant::has_min;
 using mtplm::quant::record_bytes;
 using mtplm::quant::record_scales;
+using mtplm::quant::scale_blocks;
 constexpr int kTileRows = 4;  // rows whose sums share the registers
 
 MTPLM_AVX2 inline __m256i broadcast4(const int8_t* q) {
@@ -60,6 +64,36 @@ MTPLM_AVX2 inline void dots(const Problem& p, int64_t row, int64_t b, const uint
         s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(pairs, ones));
       }
     }
+  } else if constexpr (K == Kind::Q6_K) {
+    const __m256i nibble = _mm256_set1_epi8(15), two = _mm256_set1_epi8(0x30), offset = _mm256_set1_epi8(32);
+    const __m256i bits[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(record + 256 + 32 * h)),
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(record + 320 + 32 * h))};
+    __m256i half[2][R];
+    for (int r = 0; r < R; ++r) half[0][r] = half[1][r] = _mm256_setzero_si256();
+    for (int v = 0; v < 4; ++v) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(record + 64 * v + 32 * h));
+      const __m256i nibbles[2] = {_mm256_and_si256(bytes, nibble),
+                                  _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble)};
+      for (int u = 0; u < 2; ++u) {  // input 16u + 4v + j: nibble u of vector v, bits 2v of high vector u
+        const __m256i top = v == 0 ? _mm256_slli_epi16(bits[u], 4) : v == 1 ? _mm256_slli_epi16(bits[u], 2)
+                          : v == 2 ? bits[u] : _mm256_srli_epi16(bits[u], 2);
+        const __m256i w = _mm256_sub_epi8(_mm256_or_si256(nibbles[u], _mm256_and_si256(top, two)), offset);
+        const __m256i magnitude = _mm256_abs_epi8(w);
+        for (int r = 0; r < R; ++r) {
+          const __m256i x = _mm256_sign_epi8(broadcast4(q[r] + 16 * u + 4 * v), w);
+          half[u][r] = _mm256_add_epi16(half[u][r], _mm256_maddubs_epi16(magnitude, x));
+        }
+      }
+    }
+    __m256i scale[2];
+    for (int u = 0; u < 2; ++u) {  // the half's int8 scale in both int16 of its output's lane
+      int64_t eight;
+      std::memcpy(&eight, record + 384 + 16 * u + 8 * h, 8);
+      const __m256i wide = _mm256_cvtepi8_epi32(_mm_cvtsi64_si128(eight));
+      scale[u] = _mm256_or_si256(_mm256_and_si256(wide, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(wide, 16));
+    }
+    for (int r = 0; r < R; ++r)
+      s[r] = _mm256_add_epi32(_mm256_madd_epi16(half[0][r], scale[0]), _mm256_madd_epi16(half[1][r], scale[1]));
   } else {
     const __m256i nibble = _mm256_set1_epi8(15);
     __m256i wide[R];
@@ -108,25 +142,37 @@ MTPLM_AVX2 inline void store_f32(float* y, __m256 value, int64_t valid) {
   std::memcpy(y, out, valid * 4);
 }
 
+// 8 bytes of a record's per-output scales -> 8 float32 (Q4_K's sc_j or m_j).
+MTPLM_AVX2 inline __m256 bytes8(const uint8_t* at) {
+  int64_t eight;
+  std::memcpy(&eight, at, 8);
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(eight)));
+}
+
 // Rows [row, row + R) x half h (outputs 8h .. 8h + 7) of record `group`: every block in order.
 template <Kind K, int R>
 MTPLM_AVX2 void tile(const Problem& p, int64_t row, int64_t group, int h) {
-  constexpr int64_t bytes = record_bytes(K), count = record_scales(K);
+  constexpr int64_t bytes = record_bytes(K), count = record_scales(K), per = scale_blocks(K);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const uint8_t* codes = p.codes + group * p.kb * bytes;
-  const uint16_t* scales = p.scales + group * p.kb * count + 8 * h;
+  const uint16_t* scales = p.scales + group * (p.kb / per) * count + 8 * h;
   for (int64_t b = 0; b < p.kb; ++b) {
     __m256i s[R];
-    dots<K, R>(p, row, b, codes + b * bytes, h, s);
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * count)));
+    const uint8_t* record = codes + b * bytes;
+    dots<K, R>(p, row, b, record, h, s);
+    const uint16_t* at = scales + b / per * count;
+    __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))), mw = dw;
+    if constexpr (has_min(K)) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + 16)));
+    if constexpr (K == Kind::Q4_K) {  // d * sc_j and dmin * m_j: exact
+      dw = _mm256_mul_ps(dw, bytes8(record + 256 + 8 * h));
+      mw = _mm256_mul_ps(mw, bytes8(record + 272 + 8 * h));
+    }
     for (int r = 0; r < R; ++r) {
       const float d = p.dx[b * p.n + row + r];
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(dw, _mm256_set1_ps(d)), acc[r]);
-      if constexpr (K == Kind::Q4_1) {
-        const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + b * count + 16)));
-        acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(p.ds[b * p.n + row + r]), acc[r]);
-      }
+      if constexpr (K == Kind::Q4_1) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(p.ds[b * p.n + row + r]), acc[r]);
+      if constexpr (K == Kind::Q4_K) acc[r] = _mm256_fnmadd_ps(mw, _mm256_set1_ps(p.ds[b * p.n + row + r]), acc[r]);
     }
   }
   const int64_t col = group * 16 + 8 * h, valid = std::min<int64_t>(8, p.m - col);
@@ -176,5 +222,7 @@ void mtplm::quant::avx2_groups(const Problem& p, int64_t begin, int64_t end) {
     case Kind::Q4_0: return records<Kind::Q4_0>(p, begin, end);
     case Kind::Q4_1: return records<Kind::Q4_1>(p, begin, end);
     case Kind::Q5_0: return records<Kind::Q5_0>(p, begin, end);
+    case Kind::Q4_K: return records<Kind::Q4_K>(p, begin, end);
+    case Kind::Q6_K: return records<Kind::Q6_K>(p, begin, end);
   }
 }

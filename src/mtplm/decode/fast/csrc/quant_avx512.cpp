@@ -2,7 +2,9 @@
 //
 // A record's vector is one vpdpbusd operand: 16 outputs x 4 inputs of unsigned codes. Per block (32 inputs)
 // a record's 8 vectors are loaded (and, for 4-bit codes, split into nibbles) once, then every row of the
-// tile multiplies them: 8 vpdpbusd with the row's 4 inputs broadcast, then one float32 fma (two for Q4_1).
+// tile multiplies them: 8 vpdpbusd with the row's 4 inputs broadcast, then one float32 fma (two for Q4_1 and
+// Q4_K; Q6_K first scales its two halves' sums by their int8 scales, vpmulld). The K-quants' per-block scales
+// (Q4_K: d * sc_j and dmin * m_j) are made once per record and block, for every row of the tile.
 // So extra rows cost their dot products, not their weight reads. A tile of up to 8 rows keeps its sums in
 // registers; more rows run further tiles over the same record, read again from cache.
 
@@ -21,8 +23,10 @@ namespace {
 
 using mtplm::quant::Kind;
 using mtplm::quant::Problem;
+using mtplm::quant::has_min;
 using mtplm::quant::record_bytes;
 using mtplm::quant::record_scales;
+using mtplm::quant::scale_blocks;
 constexpr int kTileRows = 8;  // rows whose sums share the registers
 
 // A record's block: its 8 vectors of unsigned codes (vector t: inputs 4t .. 4t + 3 of the 16 outputs).
@@ -37,6 +41,16 @@ inline void unpack(const uint8_t* record, __m512i (&w)[8]) {
       const __m512i bytes = _mm512_loadu_si512(record + 64 * v);
       w[v] = _mm512_and_si512(bytes, nibble);
       w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+    }
+    if constexpr (K == Kind::Q6_K) {  // high 2 bits: vector u, bits 2i, 2i + 1 of byte (o, j) -> t = 4u + i
+      const __m512i two = _mm512_set1_epi8(0x30);
+      for (int u = 0; u < 2; ++u) {
+        const __m512i bits = _mm512_loadu_si512(record + 256 + 64 * u);
+        w[4 * u] = _mm512_or_si512(w[4 * u], _mm512_and_si512(_mm512_slli_epi16(bits, 4), two));
+        w[4 * u + 1] = _mm512_or_si512(w[4 * u + 1], _mm512_and_si512(_mm512_slli_epi16(bits, 2), two));
+        w[4 * u + 2] = _mm512_or_si512(w[4 * u + 2], _mm512_and_si512(bits, two));
+        w[4 * u + 3] = _mm512_or_si512(w[4 * u + 3], _mm512_and_si512(_mm512_srli_epi16(bits, 2), two));
+      }
     }
     if constexpr (K == Kind::Q5_0) {
       const __m512i sixteen = _mm512_set1_epi8(16);
@@ -56,29 +70,57 @@ inline __m512i dot4(__m512i sum, __m512i w, const int8_t* q) {
   return sum;
 }
 
+// A record's 16 bytes of per-output scales -> 16 int32 (Q6_K's signed; Q4_K's unsigned).
+template <Kind K>
+inline __m512i bytes16(const uint8_t* at) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
+  if constexpr (K == Kind::Q6_K) return _mm512_cvtepi8_epi32(raw);
+  return _mm512_cvtepu8_epi32(raw);
+}
+
 // Rows [row, row + R) x record `group`: every block in order, each row's sums in registers.
 template <Kind K, int R>
 void tile(const Problem& p, int64_t row, int64_t group) {
-  constexpr int64_t bytes = record_bytes(K), count = record_scales(K);
+  constexpr int64_t bytes = record_bytes(K), count = record_scales(K), per = scale_blocks(K);
   __m512 acc[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const uint8_t* codes = p.codes + group * p.kb * bytes;
-  const uint16_t* scales = p.scales + group * p.kb * count;
+  const uint16_t* scales = p.scales + group * (p.kb / per) * count;
 #pragma GCC unroll 1
   for (int64_t b = 0; b < p.kb; ++b) {
     __m512i w[8];
-    unpack<K>(codes + b * bytes, w);
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + b * count)));
+    const uint8_t* record = codes + b * bytes;
+    unpack<K>(record, w);
+    const uint16_t* at = scales + b / per * count;
+    __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
     __m512 mw = dw;
-    if constexpr (K == Kind::Q4_1)
-      mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + b * count + 16)));
+    if constexpr (has_min(K))
+      mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 16)));
+    if constexpr (K == Kind::Q4_K) {  // d * sc_j and dmin * m_j: exact
+      dw = _mm512_mul_ps(dw, _mm512_cvtepi32_ps(bytes16<K>(record + 256)));
+      mw = _mm512_mul_ps(mw, _mm512_cvtepi32_ps(bytes16<K>(record + 272)));
+    }
+    __m512i first = _mm512_setzero_si512(), second = first;
+    if constexpr (K == Kind::Q6_K) {
+      first = bytes16<K>(record + 384);
+      second = bytes16<K>(record + 400);
+    }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const int64_t at = b * p.n + row + r;
       const int8_t* q = p.qx + at * 32;
-      __m512i sum = _mm512_set1_epi32(p.start[at]);
-      if constexpr (R == 1) {  // one row: two chains of dot products (more rows: the rows are the chains)
+      __m512i sum;
+      if constexpr (K == Kind::Q6_K) {  // each half's exact dot times its scale
+        __m512i low = _mm512_set1_epi32(p.halves[2 * at]), high = _mm512_set1_epi32(p.halves[2 * at + 1]);
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; ++t) {
+          low = dot4(low, w[t], q + 4 * t);
+          high = dot4(high, w[t + 4], q + 16 + 4 * t);
+        }
+        sum = _mm512_add_epi32(_mm512_mullo_epi32(low, first), _mm512_mullo_epi32(high, second));
+      } else if constexpr (R == 1) {  // one row: two chains of dot products (more rows: the rows are the chains)
+        sum = _mm512_set1_epi32(p.start[at]);
         __m512i odd = _mm512_setzero_si512();
 #pragma GCC unroll 8
         for (int t = 0; t < 8; t += 2) {
@@ -87,11 +129,13 @@ void tile(const Problem& p, int64_t row, int64_t group) {
         }
         sum = _mm512_add_epi32(sum, odd);
       } else {
+        sum = _mm512_set1_epi32(p.start[at]);
 #pragma GCC unroll 8
         for (int t = 0; t < 8; ++t) sum = dot4(sum, w[t], q + 4 * t);
       }
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(p.dx[at])), acc[r]);
       if constexpr (K == Kind::Q4_1) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(p.ds[at]), acc[r]);
+      if constexpr (K == Kind::Q4_K) acc[r] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(p.ds[at]), acc[r]);
     }
   }
   const int64_t col = group * 16;
@@ -142,6 +186,8 @@ void mtplm::quant::vnni_groups(const Problem& p, int64_t begin, int64_t end) {
     case Kind::Q4_0: return records<Kind::Q4_0>(p, begin, end);
     case Kind::Q4_1: return records<Kind::Q4_1>(p, begin, end);
     case Kind::Q5_0: return records<Kind::Q5_0>(p, begin, end);
+    case Kind::Q4_K: return records<Kind::Q4_K>(p, begin, end);
+    case Kind::Q6_K: return records<Kind::Q6_K>(p, begin, end);
   }
 }
 
