@@ -65,9 +65,6 @@ class BackgroundCompile:
             self.lock.release()
 
     def _run(self) -> None:
-        # the passes' thread count for the graphs (torch's count is per thread, and a new thread starts
-        # from the last count set anywhere: maybe a pass's one fewer)
-        torch.set_num_threads(self.threads)
         began = time.perf_counter()
         try:
             while True:
@@ -75,6 +72,11 @@ class BackgroundCompile:
                     todo = self.backend.to_compile(self.buckets)
                     if not todo:
                         break
+                    # each graph traced on the passes' thread count, which dynamo guards on. torch's count
+                    # is per thread, and a thread takes the last count set anywhere (maybe a pass's one
+                    # fewer) when it starts and again at the first parallel loop of each library it loads:
+                    # every compiled graph is one, so the count set before the last graph may not hold
+                    torch.set_num_threads(self.threads)
                     self.backend.compile_graph(todo[0])
                 self.done += 1
                 if self.progress is not None:
