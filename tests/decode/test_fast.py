@@ -13,6 +13,7 @@ from conftest import VOCAB, tiny_llama, tiny_mtp, tiny_tokenizer
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from mtplm.decode.fast import StaticBackend, forward
+from mtplm.decode.fast.architectures import ARCHITECTURES, LLAMA_PROJECTIONS, Architecture
 from mtplm.decode.passes.ragged import RaggedCache, ragged_pass
 from mtplm.decode.protocol import Feed
 from mtplm.errors import UserError
@@ -262,6 +263,27 @@ def test_unsupported_architectures_are_refused():
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2)).eval()
     with pytest.raises(UserError, match="GPT2LMHeadModel"):
         StaticBackend(MTPModel(gpt2, tiny_tokenizer(), None), 1, compile=False)
+
+
+def test_a_llama_shaped_family_is_one_entry_of_the_architecture_table(monkeypatch):
+    """A family the table does not name is refused; one entry saying where its layers keep their tensors
+    (here under other names than Llama's) makes it run, as the eager pass does."""
+    model = tiny_mtp(gated=True)
+    model.hf.__class__ = type("TinyFamilyForCausalLM", (type(model.hf),), {})
+    with pytest.raises(UserError, match="TinyFamilyForCausalLM"):
+        StaticBackend(model, 1, capacity=32, compile=False)
+    for layer in model.hf.get_decoder().layers:  # the family's own names for the same modules
+        layer.attention, layer.feed_forward = layer.self_attn, layer.mlp
+    renamed = {
+        group: tuple(
+            path.replace("self_attn.", "attention.").replace("mlp.", "feed_forward.") for path in paths
+        )
+        for group, paths in LLAMA_PROJECTIONS.items()
+    }
+    monkeypatch.setitem(ARCHITECTURES, "TinyFamilyForCausalLM", Architecture(renamed, attention="attention"))
+    pair = Pair(model, slots=1)
+    pair.step(0, [plain([3, 4, 5, 6, 7])], [0])
+    pair.step(0, [masked(model, [1, 2], 1, 3, quadratic=True)], [5])
 
 
 def dequantized(model: MTPModel, kind: str = "int8") -> MTPModel:

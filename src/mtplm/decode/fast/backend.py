@@ -36,17 +36,12 @@ from functools import partial
 import torch
 
 from mtplm.decode.fast import fewrow, forward, gguf, graphs, greedy
+from mtplm.decode.fast.architectures import check_supported, sliding_window
 from mtplm.decode.fast.background import BackgroundCompile
 from mtplm.decode.fast.graphs import GROUP_BATCH_ROWS, GROUP_LAYERS, GROUP_ROWS, WHOLE_PASS_ROWS
-from mtplm.decode.fast.inputs import Inputs, grow_store, pass_inputs
+from mtplm.decode.fast.inputs import PassInputs, grow_store, pass_inputs
 from mtplm.decode.fast.prefill import wide_pass
-from mtplm.decode.fast.weights import (
-    FastWeights,
-    check_supported,
-    packed_head,
-    return_freed_memory,
-    sliding_window,
-)
+from mtplm.decode.fast.weights import FastWeights, packed_head, return_freed_memory
 from mtplm.decode.passes.backends import SlotKV
 from mtplm.decode.passes.chunked import PREFILL_CHUNK, run_split
 from mtplm.decode.protocol import RowCost
@@ -301,7 +296,7 @@ class StaticBackend:
         rows: int | str = 1 if q == 1 else f"{max(2, low)}-{high}"
         return (1 if one else f"2-{_bucket(self.slots)}", rows, adapters, *long)
 
-    def _inputs(self, start: int, feeds: list, lengths: list[int], batch: int, rows: int) -> Inputs:
+    def _inputs(self, start: int, feeds: list, lengths: list[int], batch: int, rows: int) -> PassInputs:
         return pass_inputs(start, feeds, lengths, batch, rows, self.slots, self._identities, self.weights)
 
     def _key_length(self, needed: int) -> int:

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from mtplm.decode.fast import fewrow, kernels
-from mtplm.decode.fast.weights import FastWeights, Shape
+from mtplm.decode.fast.architectures import Shape
+from mtplm.decode.fast.weights import FastWeights
 
 # Attention's two float32 products: BLAS picks its kernel by the product's row count, and on some CPUs (MKL
 # on a 2-vCPU AMD EPYC, measured) the kernel for 3 rows sums otherwise than the one for 6, so a row would

@@ -1,13 +1,26 @@
-"""A compiled-backend pass's input tensors, built from the feeds (fast/backend.py): padded to the pass's
-bucket, padding entries in the scratch slot; and the KV store they index, grown."""
+"""A compiled-backend pass's input tensors (PassInputs), built from the feeds (fast/backend.py): padded to
+the pass's bucket, padding entries in the scratch slot; and the KV store they index, grown."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from mtplm.decode.fast.weights import FastWeights
 
-Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+class PassInputs(NamedTuple):
+    """What a pass varies, as tensors padded to its bucket (b sequences x Q rows). A tuple: the pass
+    functions (forward.decode_pass, prefill.wide_pass, the compiled graphs of graphs.py) take its fields
+    as flat arguments after the weights and the store (`*inputs`), so a compiled graph guards on, and its
+    cache keys by, each tensor as before."""
+
+    ids: torch.Tensor  # [b, Q] long: fed tokens (padding rows: 0)
+    positions: torch.Tensor  # [b, Q] long: each row's RoPE position
+    lengths: torch.Tensor  # [b] long: cached positions of each sequence (padding entries: 0)
+    allowed: torch.Tensor  # [b, Q, Q] bool: which fed rows each fed row attends to (masks.step_layout)
+    slots: torch.Tensor  # [b] long: each sequence's store slot (padding entries: the scratch slot)
 
 
 def pass_inputs(
@@ -19,10 +32,10 @@ def pass_inputs(
     scratch: int,
     identities: dict[tuple[int, int], torch.Tensor],
     weights: FastWeights,
-) -> Inputs:
-    """ids, positions [b, Q]; lengths [b]; allowed [b, Q, Q]; slots [b] for feeds in slots start.. behind
-    lengths[i] cached positions each, padded to b x Q (padded entries: slot `scratch`, length 0). Built from
-    Python lists (one torch.tensor each) and a cached identity for `allowed`: a few us a pass."""
+) -> PassInputs:
+    """The PassInputs of feeds in slots start.. behind lengths[i] cached positions each, padded to b x Q
+    (padded entries: slot `scratch`, length 0). Built from Python lists (one torch.tensor each) and a
+    cached identity for `allowed`: a few us a pass."""
     ids, positions = [0] * (batch * rows), list(range(rows)) * batch  # padded rows: any finite position
     cached, slots = [0] * batch, [scratch] * batch  # padded entries: the scratch slot, length 0
     allowed = _identity(identities, batch, rows).clone()  # padded rows see themselves
@@ -36,7 +49,7 @@ def pass_inputs(
         cached[i], slots[i] = past, start + i
         if q > 1:  # one row sees itself: the identity already says so
             allowed[i, :q, :q] = local
-    built = (
+    built = PassInputs(
         torch.tensor(ids).view(batch, rows),
         torch.tensor(positions).view(batch, rows),
         torch.tensor(cached),
@@ -46,7 +59,7 @@ def pass_inputs(
     device = weights.embed.device  # built on the host, moved in one go (a GPU model: five copies)
     if device.type == "cpu":
         return built
-    return tuple(t.to(device, non_blocking=True) for t in built)  # type: ignore
+    return PassInputs(*(t.to(device, non_blocking=True) for t in built))
 
 
 def _identity(identities: dict[tuple[int, int], torch.Tensor], batch: int, rows: int) -> torch.Tensor:

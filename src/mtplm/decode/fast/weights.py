@@ -1,9 +1,8 @@
 """What the fast forward reads from a Hugging Face Llama-family model: its weights, regrouped, and its shape.
 
-The fast pass never runs HF modules; it reads their tensors. Supported: LlamaForCausalLM,
-Qwen2ForCausalLM, MistralForCausalLM (RMSNorm, rotary positions with a static inverse-frequency table,
-grouped-query attention, SiLU-gated MLP, optional q/k/v/o and MLP biases). Anything else is a UserError:
-the eager HF path (ragged.py) stays the reference and the fallback.
+The fast pass never runs HF modules; it reads their tensors, where its family's entry of the architecture
+table says a decoder layer keeps them (fast/architectures.py: Llama, Qwen2, Mistral). Anything else is a
+UserError: the eager HF path (ragged.py) stays the reference and the fallback.
 
 Two regroupings, both optional (`fuse`): the q, k, v projections become one [(H + 2 KVH) d, D] matrix and
 gate/up one [2 I, D] matrix, so a pass reads each layer's weights in 4 GEMMs instead of 7. The fused
@@ -22,41 +21,16 @@ Shapes: D hidden, H query heads, KVH key/value heads, d head dim, I MLP width, r
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch import nn
 
 from mtplm.decode.fast import fewrow, gguf, kernels
+from mtplm.decode.fast.architectures import Architecture, architecture, check_supported
 from mtplm.errors import UserError
 from mtplm.lora import GatedLoRALinear
 from mtplm.model import MTPModel
-
-SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-STATIC_ROPE = (
-    "default",
-    "linear",
-    "llama3",
-    "yarn",
-)  # inv_freq fixed at load time; "dynamic" rescales per pass
-
-
-@dataclass(frozen=True)
-class Shape:
-    """The architecture numbers the forward needs (from the HF config and modules)."""
-
-    layers: int
-    hidden: int  # D
-    heads: int  # H
-    kv_heads: int  # KVH
-    head_dim: int  # d
-    eps: float  # RMSNorm epsilon
-    scaling: float  # attention score scale (HF's module.scaling)
-    rope_scaling: float  # multiplies cos and sin (HF's attention_scaling: 1 except yarn-like types)
-    gated: bool  # gated LoRA adapters present
-    lora_scale: float  # alpha / rank
-    mask_id: int  # the <mtp> id (-1: none, the gate never opens)
 
 
 class FastWeights(nn.Module):
@@ -116,8 +90,9 @@ class FastWeights(nn.Module):
         linears = (
             source.layers if (source := gguf.source(model)) is not None else [None] * len(decoder.layers)
         )
+        family = architecture(model)
         self.blocks = nn.ModuleList(
-            _Block(layer, fuse, self.prepacked, kind, share, linears[i])
+            _Block(layer, family, fuse, self.prepacked, kind, share, linears[i])
             for i, layer in enumerate(decoder.layers)
         )
 
@@ -128,6 +103,7 @@ class _Block(nn.Module):
     def __init__(
         self,
         layer: Any,
+        family: Architecture,
         fuse: bool,
         prepack: bool,
         quantize: str | None = None,
@@ -139,15 +115,10 @@ class _Block(nn.Module):
         self.quant = nn.ModuleDict()  # quant.QuantLinear by forward.linear's key (quantize "gguf")
         self.out_features: dict[str, int] = {}  # int4 weights are padded to 16 rows: the real output width
         self.adapter_parts: dict[str, list[int]] = {}  # widened weights laid out for fewrow.lora_linear
-        attn, mlp = layer.self_attn, layer.mlp
-        self.register_buffer("attn_norm", layer.input_layernorm.weight, persistent=False)  # [D]
-        self.register_buffer("mlp_norm", layer.post_attention_layernorm.weight, persistent=False)  # [D]
-        homes = {
-            "qkv": [(attn, "q_proj"), (attn, "k_proj"), (attn, "v_proj")],
-            "o": [(attn, "o_proj")],
-            "gate_up": [(mlp, "gate_proj"), (mlp, "up_proj")],
-            "down": [(mlp, "down_proj")],
-        }
+        before_attention, before_mlp = (getattr(layer, norm).weight for norm in family.norms)
+        self.register_buffer("attn_norm", before_attention, persistent=False)  # [D]
+        self.register_buffer("mlp_norm", before_mlp, persistent=False)  # [D]
+        homes = {name: [_home(layer, path) for path in paths] for name, paths in family.projections.items()}
         groups = {name: [getattr(parent, attr) for parent, attr in places] for name, places in homes.items()}
         self.parts = {
             name: 1 if fuse else len(linears) for name, linears in groups.items()
@@ -298,6 +269,12 @@ def prepack_default(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and kernels.packed_bf16_supported()
 
 
+def _home(layer: nn.Module, path: str) -> tuple[nn.Module, str]:
+    """A projection's (parent module, attribute) in a decoder layer, from its path (`self_attn.q_proj`)."""
+    parent, _, attribute = path.rpartition(".")
+    return (layer.get_submodule(parent) if parent else layer), attribute
+
+
 def _base(linear: nn.Module) -> nn.Linear:
     return cast(nn.Linear, linear.base if isinstance(linear, GatedLoRALinear) else linear)
 
@@ -316,61 +293,6 @@ def _cat_bias(linears: list[nn.Linear]) -> torch.Tensor | None:
             for linear in linears
         ]
     )
-
-
-def check_supported(model: MTPModel) -> Shape:
-    """The Shape of a model the fast pass can run; UserError naming what is not supported otherwise."""
-    hf = model.hf
-    name = type(hf).__name__
-    if model.feature_layers:
-        raise UserError(
-            "the compiled backend returns final hidden states only; an EAGLE-3 drafter reads inner "
-            "layers too: use --backend eager"
-        )
-    if name not in SUPPORTED:
-        raise UserError(
-            f"the compiled backend runs {', '.join(SUPPORTED)}; this model is {name}: use --backend eager"
-        )
-    config = hf.config
-    rotary = hf.get_decoder().rotary_emb
-    rope_type = getattr(rotary, "rope_type", "default")
-    if rope_type not in STATIC_ROPE:
-        raise UserError(
-            f"the compiled backend needs a static RoPE table; {name} uses rope type "
-            f"{rope_type!r}: use --backend eager"
-        )
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise UserError(
-            f"the compiled backend runs SiLU MLPs; {name} uses {config.hidden_act!r}: use --backend eager"
-        )
-    attn = hf.get_decoder().layers[0].self_attn
-    head_dim = attn.head_dim
-    gate = model.gate
-    return Shape(
-        layers=config.num_hidden_layers,
-        hidden=config.hidden_size,
-        heads=config.num_attention_heads,
-        kv_heads=config.num_key_value_heads,
-        head_dim=head_dim,
-        eps=float(config.rms_norm_eps),
-        scaling=float(attn.scaling),
-        rope_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
-        gated=gate is not None,
-        lora_scale=float(gate.scale) if gate is not None else 0.0,
-        mask_id=model.meta.mask_id if model.meta is not None and model.meta.mask_id is not None else -1,
-    )
-
-
-def sliding_window(model: MTPModel) -> int | None:
-    """The attention window if any layer uses one (Mistral v0.1, Qwen2 with use_sliding_window)."""
-    config = model.hf.config
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    if window is None or (types is not None and "sliding_attention" not in types):
-        return None
-    if type(model.hf).__name__ == "Qwen2ForCausalLM" and not getattr(config, "use_sliding_window", False):
-        return None
-    return int(window)
 
 
 def rope_tables(
