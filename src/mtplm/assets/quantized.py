@@ -43,6 +43,11 @@ LINEARS = {
 PERMUTED = ("llama",)  # architectures whose attn_q / attn_k rows llama.cpp's converter permutes
 
 
+class UnsupportedWeights(UserError):
+    """A GGUF whose linear tensors mtplm cannot run as they are (a block type without a kernel, a tensor
+    missing or of another shape): the model's files, not the machine, are at fault (the server: a 400)."""
+
+
 @dataclass(frozen=True)
 class GGUFLinear:
     """One linear weight [out_features, in_features] as the GGUF stores it."""
@@ -120,7 +125,9 @@ def read_gguf_weights(path: Path, config: Any) -> GGUFWeights:
     def linear(name: str, permute: int = 0) -> GGUFLinear:
         tensor = tensors.get(name)
         if tensor is None:
-            raise UserError(f"{path.name} has no tensor {name}; it does not hold this model's weights")
+            raise UnsupportedWeights(
+                f"{path.name} has no tensor {name}; it does not hold this model's weights"
+            )
         in_features, out_features = (int(n) for n in tensor.shape[:2])
         block, type_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
         row_bytes = in_features // block * type_bytes
@@ -160,7 +167,7 @@ def quantized_model(directory: Path, dtype: str) -> tuple[Any, Any, GGUFWeights]
     reason = weights.unsupported()
     if reason is not None:
         if dtype == "gguf":
-            raise UserError(reason)
+            raise UnsupportedWeights(reason)
         log.info(f"[mtplm] {reason}: running it dequantized to bf16 (--dtype bf16)")
         return None
     return _without_linears(directory, config, weights), AutoTokenizer.from_pretrained(directory), weights
@@ -168,7 +175,7 @@ def quantized_model(directory: Path, dtype: str) -> tuple[Any, Any, GGUFWeights]
 
 def _check_shape(linear: GGUFLinear, expected: tuple, what: str) -> None:
     if (linear.out_features, linear.in_features) != expected:
-        raise UserError(
+        raise UnsupportedWeights(
             f"{linear.path.name}: tensor {linear.name} is [{linear.out_features}, {linear.in_features}]; "
             f"this model's {what} is {list(expected)}: the GGUF does not hold this model's weights"
         )

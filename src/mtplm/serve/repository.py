@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mtplm.assets.quantized import UnsupportedWeights
 from mtplm.compat import tomllib
 from mtplm.config import DEFAULT_MODE, DecodeConfig, parse_mode
 from mtplm.decode.fast.gguf import decode_dtype
@@ -239,6 +240,12 @@ class Repository:
         (warm(); fast/background.py)."""
         try:
             model = load_model(entry.path, decode_dtype(entry.dtype, self.backend))
+        except UnsupportedWeights as exc:  # its GGUF holds what mtplm cannot run: the request's to fix
+            self.failed[entry.id] = str(exc)
+            log.error("mtplm: model %r (%s) cannot run: %s", entry.id, entry.path, exc)
+            raise APIError(
+                400, f"model {entry.id!r} cannot run: {exc}", "model", "unsupported_model"
+            ) from None
         except (UserError, OSError, ValueError) as exc:
             self.failed[entry.id] = str(exc)
             log.error("mtplm: model %r (%s) failed to load: %s", entry.id, entry.path, exc)
