@@ -15,7 +15,11 @@ constexpr int kInputs = 32;   // inputs per GGUF block
 // per record of scales (d_w, then m_w for Q4_1; the K-quants' d, then dmin for Q4_K) and the blocks of 32
 // inputs such a record of scales covers (the K-quants: a super-block of 256 inputs).
 constexpr int64_t record_bytes(Kind kind) {
-  return kind == Kind::Q8_0 ? 512 : kind == Kind::Q5_0 ? 320 : kind == Kind::Q4_K ? 288 : kind == Kind::Q6_K ? 416 : 256;
+  return kind == Kind::Q8_0   ? 512
+         : kind == Kind::Q5_0 ? 320
+         : kind == Kind::Q4_K ? 288
+         : kind == Kind::Q6_K ? 416
+                              : 256;
 }
 constexpr int64_t record_scales(Kind kind) { return kind == Kind::Q4_1 || kind == Kind::Q4_K ? 32 : 16; }
 constexpr int64_t scale_blocks(Kind kind) { return kind == Kind::Q4_K || kind == Kind::Q6_K ? 8 : 1; }

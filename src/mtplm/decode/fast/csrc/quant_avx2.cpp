@@ -6,9 +6,10 @@
 // vpmaddwd, Q5_0's 5-bit codes 4, and Q8_0's signed codes go one at a time by the sign trick (|q| unsigned,
 // q's sign moved onto the input: <= 128 x 127 x 2). Q4_K's codes are Q4_0's; Q6_K's (u - 32, signed) go by
 // the sign trick too, 4 vectors (a half of 16 inputs) in int16 (<= 4 x 32 x 127 x 2), then vpmaddwd by the
-// half's int8 scale in both int16 of each lane: the integer sc_0 dot_0 + sc_1 dot_1. The integer dots are the VNNI kernel's, and so, the fmas
-// being the same, are the results: every ISA gives the same bits. A half-record's codes are unpacked once per
-// block for a tile of up to 4 rows; more rows, and the record's other half, read them again from cache.
+// half's int8 scale in both int16 of each lane: the integer sc_0 dot_0 + sc_1 dot_1. The integer dots are
+// the VNNI kernel's, and so, the fmas being the same, are the results: every ISA gives the same bits. A
+// half-record's codes are unpacked once per block for a tile of up to 4 rows; more rows, and the record's
+// other half, read them again from cache.
 
 #include "quant.h"
 
