@@ -79,7 +79,9 @@ class Registry(Generic[T]):
 STRATEGIES: Registry = Registry("decoding mode", "mtplm.decode.modes")  # the built-ins: one composition root
 CONFIDENCE: Registry = Registry("confidence measure", "mtplm.decode.sampling")
 WINDOWS: Registry = Registry("window policy", "mtplm.decode.windows")
-PROPOSERS: Registry = Registry("draft source", "mtplm.decode.drafts.lookup")  # text drafts (drafts/)
+PROPOSERS: Registry = Registry(
+    "draft source", "mtplm.decode.drafts.lookup", "mtplm.decode.drafts.draft"
+)  # text drafts (drafts/)
 BACKENDS: Registry = Registry("backend", "mtplm.decode.passes.backends", "mtplm.decode.fast.variants")
 # training
 OBJECTIVES: Registry = Registry("objective", "mtplm.train.objectives")

@@ -60,7 +60,7 @@ def test_a_registered_draft_source_is_a_mode_string_everywhere(period):
     assert (alone.drafting, alone.draft_source(), alone.needs_conversion()) == ("period", "period", False)
     assert (beside.drafting, beside.draft_source(), beside.lookup > 0) == ("quadratic", "period", True)
     assert parse_mode("confadapt+period:0.8").draft_source() == "period"
-    assert "+(lookup|period)" in mode_grammar() and "|lookup|period[" in mode_grammar()
+    assert "|period)" in mode_grammar() and "|period[" in mode_grammar()
     bench = dict(parse_modes("verified:period,verified:quadratic+period@3", None, "top1"))
     assert bench["verified:period"].draft_source() == "period"
     assert bench["verified:quadratic+period@3"].k_max == 3

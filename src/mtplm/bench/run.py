@@ -26,10 +26,11 @@ from mtplm.bench.report import markdown_table, write_report
 from mtplm.bench.tasks import Scorer
 from mtplm.config import PLAIN_MODE, DecodeConfig, mode_grammar, parse_mode
 from mtplm.config.modes import mode_entry
+from mtplm.decode.drafts.drafter import check_request, drafts_with_model
 from mtplm.decode.fast.gguf import decode_dtype
 from mtplm.errors import UserError
 from mtplm.llamacpp.server import BaselineOutput
-from mtplm.options import add_backend_argument, add_decode_dtype_argument
+from mtplm.options import add_backend_argument, add_decode_dtype_argument, add_draft_model_argument
 from mtplm.registry import CONFIDENCE
 
 __all__ = [  # Record, summarize, markdown_table and write_report lived here; their old path still works
@@ -99,6 +100,7 @@ def _add_mode_arguments(p) -> None:
     """The rows mtplm decodes: dtype, backend, modes and their settings."""
     add_decode_dtype_argument(p)
     add_backend_argument(p)
+    add_draft_model_argument(p)
     p.add_argument(
         "--no-eager-baseline",
         action="store_true",
@@ -203,7 +205,7 @@ def run_bench(args) -> dict:
     baselines = hf_baselines(args, model, stops)
     servers = llama_server.start_servers(args, model, prompts, stops)  # None without --llama-server
     baselines |= servers.runs() if servers else {}
-    backend_name, backend, runners = _runners(args, model, modes)
+    backend_name, backend, runners = _runners(args, model, modes, prompts)
     records: dict[str, list[Record]] = {name: [] for name, _ in modes} | {name: [] for name in baselines}
     scorer = Scorer(model.tokenizer, enabled=not args.no_score)
 
@@ -263,8 +265,9 @@ def _load(args, modes: list):
     """The bench's model; a llama-server setting that cannot work fails in one line before it loads."""
     from mtplm.model import load_model
 
-    # bad variants or no binary: one line before the model loads
+    # bad variants or no binary, a draft model missing or not asked for: one line before the model loads
     llama_server.check(args.llama_server, args.model)
+    check_request([cfg for _, cfg in modes], getattr(args, "draft_model", None))
     vllm.check(args)
     # rows that time Hugging Face's forward keep its own weights and kernels (a second copy in memory)
     hf_rows = not (args.no_hf and args.no_eager_baseline) or bool(args.assisted)
@@ -283,9 +286,20 @@ def _load(args, modes: list):
     return model
 
 
+def _attach_drafter(args, model, modes: list, backend_name: str, prompts: list) -> None:
+    """--draft-model: the drafter on the bench's pass, compiled for the prompts (decode/drafts/drafter.py)."""
+    from mtplm.decode.drafts.drafter import attach, warm
+
+    if any(drafts_with_model(cfg) for _, cfg in modes):
+        draft = attach(model, args.draft_model, backend_name)
+        warm(draft, (min(map(len, prompts)), max(map(len, prompts))), args.max_new_tokens)
+
+
 def _predicted(args, model, modes, prompts, records, rows, backend_name: str, backend) -> dict:
-    """Every replayable row's prediction from the plain answers, beside what the run measured."""
+    """Every replayable row's prediction from the plain answers, beside what the run measured (not a
+    draft model's: its drafts cost passes the replay does not price)."""
     measured = {r["mode"]: r for r in rows}
+    modes = [(name, cfg) for name, cfg in modes if not drafts_with_model(cfg)]
     return predicted_rows(
         model, modes, prompts, records[PLAIN_MODE], measured, backend, backend_name, args.max_new_tokens
     )
@@ -319,12 +333,14 @@ def _write(report: dict, rows: list[dict], predicted: dict, out: Path) -> None:
     print(f"\nreport: {out / 'report.md'}")
 
 
-def _runners(args, model, modes: list) -> tuple[str, object, dict]:
+def _runners(args, model, modes: list, prompts: list) -> tuple[str, object, dict]:
     """The bench's backend (name, instance) and each mode's runner: its own [backend] or the bench's. Adds
-    the `ntp[eager]` row (plain decoding on the reference pass) unless the bench runs eager already."""
+    the `ntp[eager]` row (plain decoding on the reference pass) unless the bench runs eager already; with
+    --draft-model, the drafter on the bench's kind of pass."""
     from mtplm.decode.passes.backends import make_backend, resolve_backend
 
     name = resolve_backend(args.backend, model)
+    _attach_drafter(args, model, modes, name, prompts)
     if name != "eager" and not args.no_eager_baseline:
         modes.append((f"{PLAIN_MODE}[eager]", DecodeConfig(mode=PLAIN_MODE)))
     backends = {

@@ -16,7 +16,7 @@ from mtplm.config import (
     read_mode,
 )
 from mtplm.errors import UserError
-from mtplm.options import add_backend_argument, add_decode_dtype_argument
+from mtplm.options import add_backend_argument, add_decode_dtype_argument, add_draft_model_argument
 from mtplm.registry import CONFIDENCE, STRATEGIES, WINDOWS
 
 
@@ -78,6 +78,7 @@ def add_decode_arguments(p: argparse.ArgumentParser) -> None:
     _add_penalty_arguments(p, d)
     add_decode_dtype_argument(p)
     add_backend_argument(p)
+    add_draft_model_argument(p)
 
 
 def _add_penalty_arguments(p: argparse.ArgumentParser, d: DecodeConfig) -> None:

@@ -62,9 +62,9 @@ def _setup(args) -> None:
 
 def _generate(args) -> None:
     from mtplm.decode.constraints.constraint import compile as compile_constraint
-    from mtplm.decode.passes.backends import make_backend
+    from mtplm.decode.drafts.drafter import check_request
     from mtplm.decode.run.loop import generate, stop_ids
-    from mtplm.decode.run.warm import one_shot_backend, warm_up
+    from mtplm.decode.run.warm import warm_up
     from mtplm.decode.strategies import is_lossless
     from mtplm.model import load_model
     from mtplm.text import StreamDecoder, chat_prompt_ids
@@ -78,12 +78,13 @@ def _generate(args) -> None:
     if prompt is None or not prompt.strip():
         raise UserError('the prompt is empty: pass some text, e.g. mtplm generate "What is 2 + 3?"')
     cfg, spec = decode_config(args), constraint_spec(args)
+    drafting = check_request([cfg], args.draft_model)  # a draft model named where a mode drafts with one
     if args.backend != "auto":
         BACKENDS.check(args.backend)  # a bad name fails before the model loads
     model = load_model(args.model, decode_dtype(args.dtype, args.backend))
     ids = model.tokenizer(prompt)["input_ids"] if args.raw else chat_prompt_ids(model.tokenizer, prompt)
     constraint = compile_constraint(spec, model.tokenizer, stop_ids(model)).start() if spec else None
-    backend = make_backend(one_shot_backend(args.backend, model, cfg), model, slots=1)
+    backend = _backend(args, model, cfg, len(ids), drafting)
     if (
         backend.row_dependence is not None
         and args.mode is None
@@ -116,6 +117,19 @@ def _generate(args) -> None:
         f"{out.tokens_per_second:.1f} tokens/s, mode {cfg.mode}{_constraint_note(out)}]",
         file=sys.stderr,
     )
+
+
+def _backend(args, model, cfg: DecodeConfig, prompt: int, drafting: bool):
+    """The one generation's backend; with a draft model, the drafter on the same kind of pass, compiled for
+    this prompt before the answer (decode/drafts/drafter.py)."""
+    from mtplm.decode.drafts.drafter import attach, warm
+    from mtplm.decode.passes.backends import make_backend
+    from mtplm.decode.run.warm import one_shot_backend
+
+    name = one_shot_backend(args.backend, model, cfg)
+    if drafting:
+        warm(attach(model, args.draft_model, name), (prompt, prompt), cfg.max_new_tokens)
+    return make_backend(name, model, slots=1)
 
 
 def _constraint_note(out) -> str:

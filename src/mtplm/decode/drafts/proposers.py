@@ -26,7 +26,7 @@ Shapes: V vocabulary, n block slots.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -34,7 +34,7 @@ import torch
 
 from mtplm.config import DecodeConfig
 from mtplm.decode.budget import DraftBudget
-from mtplm.decode.protocol import Plan
+from mtplm.decode.protocol import Plan, Priced, RowCost
 from mtplm.decode.sampling import greedy, sample, warp
 from mtplm.registry import PROPOSERS
 
@@ -105,8 +105,14 @@ class TextDrafts:
         self.kind: Hashable = 0  # the offer behind the drafts of the pass in flight (the budget's kind)
         self.offered: tuple[int, ...] = ()  # those drafts (observe() counts how many were kept)
 
-    def price(self, cost: Callable[[int], float]) -> None:
-        """Feed the drafts alone by what a pass of n rows costs here relative to one row (budget.py)."""
+    def price(self, cost: RowCost) -> None:
+        """Feed the drafts alone by what a pass of n rows costs here relative to one row (budget.py). A
+        proposer whose drafts cost passes of their own (Priced: a draft model, draft.py) sizes its offer
+        itself, before drafting, and every draft it offers is fed."""
+        if isinstance(self.proposer, Priced):
+            self.proposer.price(cost)
+            self.budget = None
+            return
         self.budget = DraftBudget(cost) if self.alone else None
 
     def plan(
