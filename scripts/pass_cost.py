@@ -164,7 +164,8 @@ def main() -> None:
     model = (
         random_model(args.random_like, args.dtype) if args.random_like else load_model(args.model, args.dtype)
     )
-    model.hf.to(args.device)
+    if args.device != "cpu":  # (a GGUF-blocks model holds its linears on meta: it runs on the CPU only)
+        model.hf.to(args.device)
     torch.set_default_device(args.device)  # the backends' inputs and caches follow the weights
     rows_list = [int(r) for r in args.rows.split(",")]
     print(

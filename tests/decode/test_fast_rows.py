@@ -205,14 +205,16 @@ def test_batched_plain_buckets_take_the_grouped_graphs(dtype):
 def test_a_fused_projection_keeps_its_adapters_in_one_layout():
     """Where the kernel packs the weights, a fused projection's adapters are the widened weight with each
     output's own columns and A packed, nothing else (no block-diagonal B beside them); int8 weights keep A
-    and B for the low-rank delta instead."""
+    and the block-diagonal B packed, the low-rank delta's two few-row products, instead."""
     model = five_layers(torch.bfloat16)
     packed = StaticBackend(model, 1, capacity=64, compile=False).weights.blocks[0]
     int8 = StaticBackend(model, 1, capacity=64, compile=False, quantize=True).weights.blocks[0]
     for name in ("qkv", "o", "gate_up", "down"):
         assert hasattr(packed, f"{name}_wb_w") and hasattr(packed, f"{name}_ap"), name
         assert not hasattr(packed, f"{name}_a") and not hasattr(packed, f"{name}_b"), name
-        assert hasattr(int8, f"{name}_a") and hasattr(int8, f"{name}_b") and not hasattr(int8, f"{name}_wb_w")
+        assert (
+            hasattr(int8, f"{name}_ap") and hasattr(int8, f"{name}_bp") and not hasattr(int8, f"{name}_wb_w")
+        )
     parts = packed.adapter_parts
     assert len(parts["qkv"]) == 3 and sum(parts["qkv"]) == packed.out_features["qkv"]  # q, k, v
     assert len(parts["gate_up"]) == 2 and parts["o"] == [packed.out_features["o"]]

@@ -181,9 +181,12 @@ def project(block, name: str, inputs: torch.Tensor, gate: torch.Tensor | None) -
         out = torch.cat([linear(block, f"{name}{i}", inputs) for i in range(parts)], dim=-1)
     if gate is None:
         return out
-    up = getattr(
-        block, f"{name}_b"
-    )  # [out, n r]; unfused or int8 weights only (the rest take _project_widened)
+    # quantized or unfused weights only (the rest take _project_widened)
+    if hasattr(block, f"{name}_bp"):  # two few-row products: bf16(gate * bf16(x A^T)) B^T
+        low = kernels.packed_linear(inputs, getattr(block, f"{name}_ap"), None)  # [b, Q, n r]
+        low = (low.float() * gate).to(low.dtype)
+        return out + kernels.packed_linear(low, getattr(block, f"{name}_bp"), None).to(out.dtype)
+    up = getattr(block, f"{name}_b")  # [out, n r]
     delta = _low_rank_up(_low_rank(inputs, getattr(block, f"{name}_a"), gate), up)  # [b, Q, out]
     return out + delta.to(out.dtype)
 

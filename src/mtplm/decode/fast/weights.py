@@ -184,10 +184,16 @@ class _Block(nn.Module):
         self.register_buffer(f"{name}_a", down, persistent=False)
 
     def _add_low_rank(self, name: str, downs: list[torch.Tensor], ups: list[torch.Tensor]) -> None:
-        """The adapters as forward.project's low-rank delta reads them: A [n r, in] and block_diag(B_p)
-        [out, n r]."""
-        self.register_buffer(f"{name}_a", torch.cat(downs), persistent=False)
-        self.register_buffer(f"{name}_b", torch.block_diag(*ups), persistent=False)
+        """The adapters as forward.project's low-rank delta reads them beside a quantized product: A [n r, in]
+        and block_diag(B_p) [out, n r], packed for mtplm's few-row kernel where it loads (bf16 adapters:
+        `{name}_ap`, `{name}_bp`, two small products), else as they are (`{name}_a`, `{name}_b`)."""
+        down, up = torch.cat(downs), torch.block_diag(*ups)
+        if _fewrow_packs(down, True) and up.dtype == torch.bfloat16:
+            self.register_buffer(f"{name}_ap", fewrow.pack(down), persistent=False)
+            self.register_buffer(f"{name}_bp", fewrow.pack(up), persistent=False)
+            return
+        self.register_buffer(f"{name}_a", down, persistent=False)
+        self.register_buffer(f"{name}_b", up, persistent=False)
 
     def _add(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool = False) -> None:
         """Buffers `{name}_w` [out, in] (prepacked, int8 with `{name}_scale` [out], int4 packed with
