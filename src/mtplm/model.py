@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from mtplm import lora, modelio
+from mtplm.assets.embedding import resize_vocab, set_row
 from mtplm.assets.quantized import GGUFWeights, quantized_model
 from mtplm.config import Thresholds
 from mtplm.errors import UserError
@@ -70,14 +71,14 @@ class MTPModel:
         emb = self.hf.get_input_embeddings()
         num_rows = emb.weight.shape[0]
         if mask_id >= num_rows:
-            self.hf.resize_token_embeddings(mask_id + 1, mean_resizing=False)
+            resize_vocab(self.hf, mask_id + 1)
         generator = torch.Generator().manual_seed(seed)
         weights = [self.hf.get_input_embeddings().weight]
         head = self.hf.get_output_embeddings()
         if head is not None and head.weight.data_ptr() != weights[0].data_ptr():
             weights.append(head.weight)
         with torch.no_grad():
-            for weight in weights:
+            for weight in [w for w in weights if not w.is_meta]:  # a GGUF's rows: its delta sets them
                 weight[mask_id] = _sample_like_rows(weight[: min(num_rows, mask_id)], generator).to(weight)
         self.meta = MTPMeta(mask_id=mask_id, k_max=k_max, base_model=base_identity)
 
@@ -88,8 +89,7 @@ class MTPModel:
 
     def attach_adapters(self, rank: int, alpha: float) -> None:
         self.gate = lora.attach_gated_lora(self.hf, rank, alpha)
-        # the adapters compute in float32 but must live on the base model's device
-        device = next(self.hf.parameters()).device
+        device = next(p.device for p in self.hf.parameters() if not p.is_meta)  # adapters: f32, the model's
         for p in lora.adapter_parameters(self.hf):
             p.data = p.data.to(device=device, dtype=torch.float32)
 
@@ -356,7 +356,7 @@ def _apply_delta(model: MTPModel, path: Path, meta: MTPMeta) -> MTPModel:
     if model.mask_id != meta.mask_id:
         raise UserError(f"{path}: mask id {meta.mask_id} does not match the base tokenizer ({model.mask_id})")
     with torch.no_grad():
-        model.hf.get_input_embeddings().weight[meta.mask_id] = delta.pop("mask_embedding")
+        set_row(model.hf, meta.mask_id, delta.pop("mask_embedding"))  # (a GGUF's: assets/embedding.py)
         if "mask_head_row" in delta:
             model.hf.get_output_embeddings().weight[meta.mask_id] = delta.pop("mask_head_row")
     if meta.trainable == "gated-lora":

@@ -2,11 +2,12 @@
 
 Conversion (models.py) dequantizes a GGUF once into a float32 Hugging Face directory and records the GGUF
 in its mtplm_source.json. Run quantized (`--dtype gguf`, or `auto` where every block type is supported),
-a model is built from both: config, tokenizer, embedding, norms and biases from the converted directory
-(the embedding in bf16), and every linear weight (q, k, v, o, gate, up, down and the LM head, tied or not)
-left as the GGUF's own blocks, read from the memory-mapped file only when the fast backend packs them
-(decode/fast/gguf.py). The Hugging Face model's linear weights are never materialized: they sit on the
-meta device, so its own forward cannot run (the eager backend refuses such a model).
+a model is built from both: config, tokenizer, norms and biases from the converted directory, the
+embedding read from the GGUF row by row (assets/embedding.py), and every linear weight (q, k, v, o, gate,
+up, down and the LM head, tied or not) left as the GGUF's own blocks, read from the memory-mapped file only
+when the fast backend packs them (decode/fast/gguf.py). The Hugging Face model's linear weights are never
+materialized: they sit on the meta device, so its own forward cannot run (the eager backend refuses such a
+model).
 
 llama.cpp's converter permutes the rows of attn_q and attn_k for the llama architecture (its RoPE pairs
 adjacent dimensions; Hugging Face's pairs halves); `GGUFLinear.raw` undoes it on whole rows of blocks, as
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mtplm.assets.embedding import GGUFEmbedding
 from mtplm.assets.models import MODELS, SOURCE_FILE, locate_gguf
 from mtplm.errors import UserError
 
@@ -78,6 +80,7 @@ class GGUFWeights:
     path: Path
     layers: list[dict[str, GGUFLinear]]
     head: GGUFLinear  # output.weight, or token_embd.weight where the head is tied to the embedding
+    embedding: GGUFLinear | None = None  # token_embd.weight, read row by row (assets/embedding.py)
 
     def linears(self) -> list[GGUFLinear]:
         return [linear for layer in self.layers for linear in layer.values()] + [self.head]
@@ -144,7 +147,7 @@ def read_gguf_weights(path: Path, config: Any) -> GGUFWeights:
         for i in range(config.num_hidden_layers)
     ]
     head = linear("output.weight" if "output.weight" in tensors else "token_embd.weight")
-    return GGUFWeights(path, layers, head)
+    return GGUFWeights(path, layers, head, linear("token_embd.weight"))
 
 
 def quantized_model(directory: Path, dtype: str) -> tuple[Any, Any, GGUFWeights] | None:
@@ -192,6 +195,11 @@ def _without_linears(directory: Path, config: Any, weights: GGUFWeights) -> Any:
     with torch.device("meta"):
         hf = model_class(config).to(torch.bfloat16)
     skipped = {"lm_head.weight"}  # tied: the embedding's; else never read (the GGUF's head runs)
+    embedding = weights.embedding
+    if embedding is not None:  # read from the GGUF on demand (assets/embedding.py), never loaded whole
+        if embedding.in_features != config.hidden_size or embedding.out_features > config.vocab_size:
+            _check_shape(embedding, (config.vocab_size, config.hidden_size), "the input embedding")
+        skipped.add(_parameter_name(hf, hf.get_input_embeddings().weight))
     for i, layer in enumerate(weights.layers):
         for module, linear in layer.items():
             name = f"model.layers.{i}.{'self_attn' if module[0] in 'qkvo' else 'mlp'}.{module}"
@@ -201,13 +209,18 @@ def _without_linears(directory: Path, config: Any, weights: GGUFWeights) -> Any:
     if head.in_features != config.hidden_size or head.out_features > config.vocab_size:
         _check_shape(head, (config.vocab_size, config.hidden_size), "the LM head")
     state: dict[str, torch.Tensor] = {}
+    extra = None  # the converted embedding's rows past the GGUF's, if any
     files = sorted(Path(directory).glob("*.safetensors"))
     for file in files:
         with safe_open(str(file), framework="pt") as stream:
             for name in stream.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if name not in skipped:
                     state[name] = stream.get_tensor(name).to(torch.bfloat16)
+                elif embedding is not None and name == _parameter_name(hf, hf.get_input_embeddings().weight):
+                    extra = stream.get_slice(name)[embedding.out_features :].to(torch.bfloat16)
     hf.load_state_dict(state, strict=False, assign=True)
+    if embedding is not None:
+        hf.set_input_embeddings(GGUFEmbedding(embedding, config.vocab_size, torch.bfloat16, extra))
     if getattr(config, "tie_word_embeddings", False):
         hf.tie_weights()
     decoder = hf.get_decoder()
@@ -219,3 +232,8 @@ def _without_linears(directory: Path, config: Any, weights: GGUFWeights) -> Any:
     if (Path(directory) / "generation_config.json").is_file():
         hf.generation_config = GenerationConfig.from_pretrained(directory)
     return hf.eval()
+
+
+def _parameter_name(module: Any, parameter: torch.Tensor) -> str:
+    """`parameter`'s name in `module` ("model.embed_tokens.weight")."""
+    return next(name for name, p in module.named_parameters() if p is parameter)

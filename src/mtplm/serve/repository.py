@@ -264,7 +264,7 @@ class Repository:
                 what=entry.id,
                 # on a CPU, answering at once, uncompiled where a graph is not ready yet (CUDA graphs are
                 # recorded per thread: a GPU compiles before it answers)
-                background=model.hf.device.type == "cpu",
+                background=all(p.device.type in ("cpu", "meta") for p in model.hf.parameters()),
             )
         return model, backend
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from mtplm.decode.fast import fewrow, kernels
+from mtplm.decode.fast import fewrow, gguf, kernels
 from mtplm.decode.fast.architectures import Shape
 from mtplm.decode.fast.weights import FastWeights
 
@@ -128,7 +128,7 @@ def prepare(
     attention_mask's additive [b, 1, 1, Q, T] by default), the adapters' gate [b, Q, 1] (None without
     adapters), store write positions [b, Q]."""
     shape = weights.shape
-    hidden = F.embedding(ids, weights.embed)  # [b, Q, D]
+    hidden = gguf.embed(weights, ids)  # [b, Q, D] (a GGUF's rows read from the file: fast/gguf.py)
     # gathered from one table: cos and sin computed inside a graph round by how it vectorizes them, so a
     # position's rotation would differ between the 1-row and the k-row graphs (seen on Qwen2.5-1.5B)
     at = positions.clamp(max=weights.rope_cos.shape[0] - 1)

@@ -4,9 +4,10 @@ A model loaded with `--dtype gguf` (or `auto` where every block type is supporte
 its linear weights (assets/quantized.py); FastWeights packs them from the memory-mapped GGUF one tensor at
 a time (quant.pack), so the process keeps the packed blocks only, about the file's size. q, k and v (and
 gate and up) are fused into one product where their block types agree, by stacking their rows of blocks;
-else each runs on its own. Biases, norms, the embedding (bf16) and the gated adapters are float tensors as
+else each runs on its own. Biases, norms and the gated adapters are float tensors as
 with bf16 weights; the adapters' low-rank delta runs beside the quantized product (forward.project).
 
+The embedding's rows are read from the GGUF on demand (assets/embedding.py; `embed`, an op of its own).
 The LM head, tied or not, is the GGUF's quantized one (QuantHead); rows the model has beyond the GGUF's
 (a converted checkpoint's `<mtp>` row, never predicted) come from the model's own float head.
 
@@ -19,11 +20,14 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from mtplm.assets import embedding
 from mtplm.assets.quantized import GGUFLinear, GGUFWeights
 from mtplm.config import BACKEND_ENV
 from mtplm.decode.fast import fewrow, kernels, quant
@@ -113,6 +117,39 @@ def decode_dtype(dtype: str, backend: str = "auto") -> str:
         log.info(f"[mtplm] GGUF block kernels are not available here ({why}): running bf16 weights")
         return "bf16"
     return dtype
+
+
+@torch.library.custom_op("mtplm_gguf::embedding", mutates_args=())
+def _embedding(
+    ids: torch.Tensor,
+    row_ids: torch.Tensor,
+    rows: torch.Tensor,
+    path: str,
+    offset: int,
+    row_bytes: int,
+    kind: str,
+    gguf_rows: int,
+) -> torch.Tensor:
+    source = GGUFLinear("token_embd.weight", kind, gguf_rows, rows.shape[-1], Path(path), offset, row_bytes)
+    return embedding.lookup(source, ids, row_ids, rows)
+
+
+@_embedding.register_fake
+def _embedding_shape(ids, row_ids, rows, path, offset, row_bytes, kind, gguf_rows) -> torch.Tensor:
+    return rows.new_empty(*ids.shape, rows.shape[-1])
+
+
+def embed(weights: Any, ids: torch.Tensor) -> torch.Tensor:
+    """The embeddings [*ids.shape, D] of `ids`: FastWeights' `embed` rows, or where the model's embedding is
+    its GGUF's (assets/embedding.py) the rows it reads from the file (an op of its own, so a compiled graph
+    calls it as it is)."""
+    source = weights.embed_source
+    if source is None:
+        return F.embedding(ids, weights.embed)
+    return torch.ops.mtplm_gguf.embedding(
+        ids, weights.embed_ids, weights.embed, str(source.path), source.offset, source.row_bytes, source.kind,
+        source.out_features,
+    )  # fmt: skip
 
 
 def source(model: Any) -> GGUFWeights | None:

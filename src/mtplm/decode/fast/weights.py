@@ -38,6 +38,7 @@ class FastWeights(nn.Module):
     graph inputs shared by every compiled bucket (not constants baked into each graph)."""
 
     embed: torch.Tensor  # buffers, declared for type checkers
+    embed_ids: torch.Tensor | None
     final_norm: torch.Tensor
     inv_freq: torch.Tensor
     rope_cos: torch.Tensor
@@ -63,15 +64,19 @@ class FastWeights(nn.Module):
         kind = "gguf" if gguf.source(model) is not None else kind  # assets/quantized.py, fast/gguf.py
         hf = model.hf
         self.shape = check_supported(model)
-        on_cpu = hf.get_input_embeddings().weight.device.type == "cpu"
+        decoder: Any = hf.get_decoder()  # an HF module tree: attributes by name
+        # a GGUF's embedding read on demand (assets/embedding.py): `embed` holds its bf16 rows only
+        self.embed_source = getattr(decoder.embed_tokens, "source", None)
+        embed = decoder.embed_tokens.rows if self.embed_source is not None else decoder.embed_tokens.weight
+        self.register_buffer("embed", embed, persistent=False)  # [V, D] (GGUF: [n, D], ids embed_ids)
+        self.register_buffer("embed_ids", getattr(decoder.embed_tokens, "row_ids", None), persistent=False)
+        on_cpu = self.embed.device.type == "cpu"
         # where bf16 prepacking pays: the LM head always (int8 kernels read it slower), projections
         # unless int8
         self.pack_head = on_cpu and (prepack_default(model.dtype) if prepack is None else prepack)
         self.prepacked = self.pack_head and not kind
         if (self.prepacked or kind in ("int8", "int4")) and not fuse:
             raise ValueError("prepacked and quantized weights are fused copies: they need fuse")
-        decoder: Any = hf.get_decoder()  # an HF module tree: attributes by name
-        self.register_buffer("embed", decoder.embed_tokens.weight, persistent=False)  # [V, D]
         self.register_buffer("final_norm", decoder.norm.weight, persistent=False)  # [D]
         self.register_buffer(
             "inv_freq", decoder.rotary_emb.inv_freq.float().clone(), persistent=False
@@ -79,9 +84,8 @@ class FastWeights(nn.Module):
         # cos and sin [P, d] of every position the model takes, computed once here: a pass gathers its rows'
         # (forward.prepare), so every graph rotates a position bitwise alike
         positions = torch.arange(getattr(hf.config, "max_position_embeddings", 32768) or 32768)
-        dtype = decoder.embed_tokens.weight.dtype
-        cos, sin = rope_tables(positions, self.inv_freq, self.shape.rope_scaling, dtype)
-        device = decoder.embed_tokens.weight.device
+        cos, sin = rope_tables(positions, self.inv_freq, self.shape.rope_scaling, self.embed.dtype)
+        device = self.embed.device
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
         self.fused = fuse
