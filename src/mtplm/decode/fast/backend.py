@@ -114,7 +114,9 @@ class StaticBackend:
         if compile:
             self._step, self._whole = graphs.compile_steps(self.weights, regional, whole_rows)
             self.whole_rows = whole_rows if self._whole is not None else 0
-            if regional and group_rows and not self.weights.embed.is_cuda and not self.weights.quantized:
+            # GGUF blocks trace as one op each (so their layers group too); int8 and int4 keep a graph a layer
+            grouped = not self.weights.quantized or self.weights.quantized == "gguf"
+            if regional and group_rows and grouped and not self.weights.embed.is_cuda:
                 self._grouped = graphs.compile_grouped(self.weights, group, group_cpp)
                 self.group_rows, self.group_batch_rows = group_rows, group_batch_rows
 

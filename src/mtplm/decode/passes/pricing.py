@@ -62,10 +62,19 @@ def cache_key(backend: object, model) -> str:
     isa = getattr(backend, "kernel_isa", "")
     if isa and isa != "onednn":  # the kernels' own build (their source and flags) too
         isa += " " + fewrow.build_dir().name
+    weights = getattr(backend, "weights", None)  # the blocks the pass reads and the graphs that run it
+    layout = f"{getattr(weights, 'quantized', None) or 'float'} weights, {_graphs(backend)}"
     return (
         f"{cpu_identity()} | torch {torch.__version__}, {torch.get_num_threads()} threads | "
-        f"{type(backend).__name__} {_pass_kind(backend)} {isa} | {shape} {model.hf.dtype} {model.hf.device}"
+        f"{type(backend).__name__} {_pass_kind(backend)} {isa} | {layout} | {shape} {model.hf.dtype} "
+        f"{model.hf.device}"
     )
+
+
+def _graphs(backend: object) -> str:
+    """Which graphs run which rows: the whole pass, layers in groups, or a graph per layer."""
+    rows = [getattr(backend, name, 0) for name in ("whole_rows", "group_rows", "group_batch_rows")]
+    return "whole {} grouped {} batched {}".format(*rows)
 
 
 def _pass_kind(backend: object) -> str:
