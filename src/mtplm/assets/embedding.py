@@ -14,17 +14,33 @@ is tied to it, and the fast backend's head is the GGUF's packed one (decode/fast
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from mtplm.assets.quantized import GGUFLinear
+
+class RowSource(Protocol):
+    """Where a GGUF tensor's rows lie (assets/quantized.py's GGUFLinear is one): its block type, shape, file,
+    the offset its data begins at and the bytes a row takes."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def out_features(self) -> int: ...
+    @property
+    def in_features(self) -> int: ...
+    @property
+    def path(self) -> Path: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def row_bytes(self) -> int: ...
 
 
-def read_rows(source: GGUFLinear, ids: torch.Tensor) -> torch.Tensor:
+def read_rows(source: RowSource, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` [N] (each < source.out_features) of the GGUF tensor, float32 [N, in_features], as
     gguf.quants.dequantize gives them."""
     from gguf import GGMLQuantizationType, quants
@@ -45,7 +61,7 @@ def read_rows(source: GGUFLinear, ids: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(values[picked], dtype=np.float32))
 
 
-def lookup(source: GGUFLinear, ids: torch.Tensor, row_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def lookup(source: RowSource, ids: torch.Tensor, row_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Embeddings [*ids.shape, D] in rows' dtype: the GGUF's rows, where `row_ids` [n] names none of them,
     else `rows` [n, D]'s."""
     flat = ids.reshape(-1).cpu()
@@ -64,9 +80,7 @@ class GGUFEmbedding(nn.Module):
     row_ids: torch.Tensor
     rows: torch.Tensor
 
-    def __init__(
-        self, source: GGUFLinear, vocab: int, dtype: torch.dtype, extra: torch.Tensor | None
-    ) -> None:
+    def __init__(self, source: RowSource, vocab: int, dtype: torch.dtype, extra: torch.Tensor | None) -> None:
         super().__init__()
         self.source = source
         dim = source.in_features
