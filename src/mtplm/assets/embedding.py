@@ -13,6 +13,7 @@ is tied to it, and the fast backend's head is the GGUF's packed one (decode/fast
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any, Protocol
@@ -48,17 +49,20 @@ def read_rows(source: RowSource, ids: torch.Tensor) -> torch.Tensor:
     wanted = ids.reshape(-1).tolist()
     unique = sorted(set(wanted))
     raw = np.empty((len(unique), source.row_bytes), dtype=np.uint8)
-    descriptor = os.open(source.path, os.O_RDONLY)
-    try:
-        for i, row in enumerate(unique):
-            data = os.pread(descriptor, source.row_bytes, source.offset + row * source.row_bytes)
-            raw[i] = np.frombuffer(data, dtype=np.uint8)
-    finally:
-        os.close(descriptor)
+    descriptor = _opened(str(source.path))
+    for i, row in enumerate(unique):
+        data = os.pread(descriptor, source.row_bytes, source.offset + row * source.row_bytes)
+        raw[i] = np.frombuffer(data, dtype=np.uint8)
     values = quants.dequantize(raw, GGMLQuantizationType[source.kind]).reshape(len(unique), -1)
     where = {row: i for i, row in enumerate(unique)}
     picked = np.asarray([where[row] for row in wanted], dtype=np.int64)
     return torch.from_numpy(np.ascontiguousarray(values[picked], dtype=np.float32))
+
+
+@functools.cache
+def _opened(path: str) -> int:
+    """The GGUF file's descriptor, opened once for the process (every pass reads its rows through it)."""
+    return os.open(path, os.O_RDONLY)
 
 
 def lookup(source: RowSource, ids: torch.Tensor, row_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
