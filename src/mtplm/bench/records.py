@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mtplm.config import PLAIN_MODE
+from mtplm.decode.drafts.drafter import common_prefix
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ def summarize(mode: str, records: list[Record], plain: list[Record]) -> dict:
         "identical_outputs": sum(a.tokens == b.tokens for a, b in zip(records, plain, strict=False))
         / len(plain),
         "prefix_agreement": sum(
-            _common_prefix(a.tokens, b.tokens) / max(1, len(b.tokens))
+            common_prefix(a.tokens, b.tokens) / max(1, len(b.tokens))
             for a, b in zip(records, plain, strict=False)
         )
         / len(plain),
@@ -91,12 +92,3 @@ def histogram(accepted: list[int]) -> dict[int, float]:
     """Share of forward passes that emitted each number of tokens."""
     total = max(1, len(accepted))
     return {n: accepted.count(n) / total for n in sorted(set(accepted))}
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
