@@ -65,13 +65,17 @@ def training_curves(run_dir: Path) -> Path | None:
 
 
 def bench_plot(report: dict, out: Path) -> Path | None:
-    """Speed vs quality per mode, as agreement with plain greedy and (where tasks were scored) as task
-    accuracy: static k and ConfAdapt thresholds are joined into curves; plus tokens/forward histograms."""
+    """Speed vs quality per mode, as agreement with plain greedy, with bf16 plain greedy (where the run has
+    a bf16 plain row) and (where tasks were scored) as task accuracy: static k and ConfAdapt thresholds are
+    joined into curves; plus tokens/forward histograms."""
     plt = pyplot()
     if plt is None:
         return None
     rows = [r for r in report["rows"] if r["mode"] != "hf-generate"]
     quality = [("prefix_agreement", "agreement with plain greedy (% of tokens before the first divergence)")]
+    if any(r.get("prefix_agreement_bf16_plain") is not None for r in rows):  # the run has a bf16 plain row
+        against = f"agreement with bf16 plain {report['bf16_plain']} (% of tokens before first divergence)"
+        quality.append(("prefix_agreement_bf16_plain", against))
     if any(r.get("task_accuracy") is not None for r in rows):
         quality.append(("task_accuracy", "task accuracy (% of scored prompts that pass)"))
     fig, axes = plt.subplots(1, len(quality) + 1, figsize=(6 * (len(quality) + 1), 4.5))

@@ -1,5 +1,6 @@
 """The bench's records and their totals: one Record per prompt and mode, summed into a row per mode,
-compared prompt by prompt with the mode it is measured against (plain, or an outside baseline's own)."""
+compared prompt by prompt with the mode it is measured against (plain, or an outside baseline's own) and
+with the run's bf16 plain row (bench/rows.py), by the same `agreement`."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def summarize(mode: str, records: list[Record], plain: list[Record]) -> dict:
     forwards = sum(len(r.accepted) if r.passes is None else r.passes for r in records)
     plain_rate = sum(len(r.tokens) for r in plain) / max(1e-9, sum(r.seconds for r in plain))
     ttfts = [r.ttft_s for r in records if r.ttft_s is not None]
+    identical, prefix = agreement(records, plain)
     return {
         "mode": mode,
         "prompts": len(records),
@@ -40,36 +42,69 @@ def summarize(mode: str, records: list[Record], plain: list[Record]) -> dict:
         "ms_per_forward": 1000 * seconds / forwards if forwards else None,
         "ttft_ms": 1000 * sum(ttfts) / len(ttfts) if ttfts else None,
         "peak_rss_mb": max(r.peak_rss_mb for r in records),
-        "identical_outputs": sum(a.tokens == b.tokens for a, b in zip(records, plain, strict=False))
-        / len(plain),
-        "prefix_agreement": sum(
-            common_prefix(a.tokens, b.tokens) / max(1, len(b.tokens))
-            for a, b in zip(records, plain, strict=False)
-        )
-        / len(plain),
+        "identical_outputs": identical,
+        "prefix_agreement": prefix,
         "task_scores": _mean_scores(records),
         "task_accuracy": _task_accuracy(records),
     }
 
 
+def agreement(records: list[Record], reference: list[Record]) -> tuple[float, float]:
+    """(share of prompts whose tokens are the reference's, mean share of the reference's tokens before the
+    first difference), prompt by prompt."""
+    pairs = list(zip(records, reference, strict=False))
+    identical = sum(a.tokens == b.tokens for a, b in pairs)
+    prefix = sum(common_prefix(a.tokens, b.tokens) / max(1, len(b.tokens)) for a, b in pairs)
+    return identical / len(reference), prefix / len(reference)
+
+
 def summarize_all(
-    records: dict[str, list[Record]], compared_with: dict[str, str]
+    records: dict[str, list[Record]],
+    compared_with: dict[str, str],
+    bf16_plain: str | None = None,
+    weights: dict[str, str] | None = None,
 ) -> tuple[list[dict], dict[str, list[dict]]]:
     """A row per mode over every prompt, and the same rows per prompt source; each mode is compared with
-    `compared_with[mode]`, plain (`ntp`) where it names none."""
+    `compared_with[mode]`, plain (`ntp`) where it names none, and with the row `bf16_plain` (None: the run
+    has none); `weights` names the weights kind of mtplm's rows."""
     reference = {name: records[compared_with.get(name, PLAIN_MODE)] for name in records}
-    rows = [summarize(name, recs, reference[name]) for name, recs in records.items()]
-    sources = sorted({r.source for r in records[PLAIN_MODE]})
-    by_source = {
-        src: [
-            summarize(
-                name, [r for r in recs if r.source == src], [r for r in reference[name] if r.source == src]
-            )
+
+    def rows_of(keep) -> list[dict]:
+        def only(recs: list[Record]) -> list[Record]:
+            return [r for r in recs if keep(r)]
+
+        bf16 = only(records[bf16_plain]) if bf16_plain else None
+        return [
+            summarize(name, only(recs), only(reference[name]))
+            | {"weights": (weights or {}).get(name)}
+            | _versus_bf16(only(recs), bf16 if _same_model(name, compared_with) else None, bf16_plain)
             for name, recs in records.items()
         ]
-        for src in sources
+
+    sources = sorted({r.source for r in records[PLAIN_MODE]})
+    by_source = {src: rows_of(lambda r, src=src: r.source == src) for src in sources}
+    return rows_of(lambda r: True), by_source
+
+
+def _versus_bf16(records: list[Record], bf16: list[Record] | None, bf16_plain: str | None) -> dict:
+    """A row's agreement with the bf16 plain row's records `bf16` (named `bf16_plain`; None: the run has
+    none); None for a row of another model (`bf16` None)."""
+    identical, prefix = agreement(records, bf16) if bf16 is not None else (None, None)
+    return {
+        "bf16_plain": bf16_plain,
+        "identical_to_bf16_plain": identical,
+        "prefix_agreement_bf16_plain": prefix,
     }
-    return rows, by_source
+
+
+def _same_model(name: str, compared_with: dict[str, str]) -> bool:
+    """Whether a row decodes the run's model: its chain of references reaches plain (`ntp`), not another
+    model's own plain (HF assisted decoding's target, compared with itself)."""
+    seen = set()
+    while name != PLAIN_MODE and name not in seen:
+        seen.add(name)
+        name = compared_with.get(name, PLAIN_MODE)
+    return name == PLAIN_MODE
 
 
 HEADLINE = ("gsm8k", "humaneval_first_try", "json", "sql")  # one pass/fail per scored record

@@ -15,21 +15,30 @@ from mtplm.plots import bench_plot
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| mode | tokens/s | speedup vs plain | tokens/forward | ms/forward | TTFT ms | peak RSS MB | "
-        "identical to plain | prefix agreement | task accuracy | task scores |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | weights | tokens/s | speedup vs plain | tokens/forward | ms/forward | TTFT ms | "
+        "peak RSS MB | identical to plain | prefix agreement | identical to bf16 plain | "
+        "prefix agreement with bf16 plain | task accuracy | task scores |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         tpf = f"{r['tokens_per_forward']:.2f}" if r["tokens_per_forward"] else "–"
         ms = f"{r['ms_per_forward']:.0f}" if r.get("ms_per_forward") else "–"
         ttft = f"{r['ttft_ms']:.0f}" if r["ttft_ms"] is not None else "–"
         lines.append(
-            f"| {r['mode']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× | {tpf} | {ms} | {ttft} | "
-            f"{r['peak_rss_mb']:.0f} | {100 * r['identical_outputs']:.0f} % | "
-            f"{100 * r['prefix_agreement']:.0f} % | {_percent(r.get('task_accuracy'))} | "
+            f"| {r['mode']} | {r.get('weights') or '–'} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× | "
+            f"{tpf} | {ms} | {ttft} | {r['peak_rss_mb']:.0f} | {100 * r['identical_outputs']:.0f} % | "
+            f"{100 * r['prefix_agreement']:.0f} % | {_versus_bf16(r, 'identical_to_bf16_plain')} | "
+            f"{_versus_bf16(r, 'prefix_agreement_bf16_plain')} | {_percent(r.get('task_accuracy'))} | "
             f"{_format_scores(r.get('task_scores', {}))} |"
         )
     return "\n".join(lines)
+
+
+def _versus_bf16(row: dict, key: str) -> str:
+    """A row's agreement with bf16 plain; what stands instead where the run has no bf16 plain row."""
+    if "bf16_plain" in row and row["bf16_plain"] is None:
+        return "no bf16 plain row"
+    return _percent(row.get(key))
 
 
 def _percent(value: float | None) -> str:
@@ -87,5 +96,22 @@ def _summary_lines(report: dict) -> list[str]:
         "Task accuracy: the share of scored prompts that pass (GSM8K: exact match of the final number; "
         "HumanEval: pass@1 of the first code block, run with time and memory limits; structured: the "
         "output parses as JSON / SQL). `humaneval_final` scores the last code block instead.",
+        "",
+        *_bf16_note(report.get("bf16_plain")),
+    ]
+
+
+def _bf16_note(bf16_plain: str | None) -> list[str]:
+    """What the bf16 plain columns compare, or how to get them."""
+    if bf16_plain is None:
+        return [
+            "Agreement with bf16 plain: this run has no plain row on bf16 weights (add `ntp[bf16]` to "
+            "--modes, or run --dtype bf16).",
+            "",
+        ]
+    return [
+        f"Agreement with bf16 plain: each row's answers against `{bf16_plain}`'s (plain greedy decoding on "
+        "bf16 weights), prompt by prompt: the share identical, and the mean share of its tokens before the "
+        "first difference. Weights: what a row decodes with (gguf: the GGUF's own blocks).",
         "",
     ]

@@ -23,8 +23,9 @@ from mtplm.bench.predicted import markdown as predicted_markdown
 from mtplm.bench.predicted import predicted_rows
 from mtplm.bench.records import Record, histogram, summarize, summarize_all
 from mtplm.bench.report import markdown_table, write_report
+from mtplm.bench.rows import Rows, build_rows, parse_modes, split_row, warm_rows
 from mtplm.bench.tasks import Scorer
-from mtplm.config import PLAIN_MODE, DecodeConfig, mode_grammar, parse_mode
+from mtplm.config import PLAIN_MODE, DecodeConfig, mode_grammar
 from mtplm.config.modes import mode_entry
 from mtplm.decode.drafts.drafter import check_request, drafts_with_model
 from mtplm.decode.fast.gguf import decode_dtype
@@ -53,8 +54,9 @@ DEFAULT_MODES = (
 def _mode_help() -> str:
     return (
         f"comma list of {mode_grammar()}; @K sets a confadapt or verified mode's k_max; "
-        "a [BACKEND] suffix runs that row on another backend, e.g. ntp[compiled-int8] "
-        "(default: %(default)s)"
+        "a [BACKEND], [WEIGHTS] or [BACKEND+WEIGHTS] suffix runs that row on another backend or weights "
+        "kind (gguf|bf16|fp32), e.g. ntp[compiled-int8], verified:lookup[bf16]; a plain bf16 row such as "
+        "ntp[bf16] is what every row's agreement with bf16 plain is measured against (default: %(default)s)"
     )
 
 
@@ -168,28 +170,9 @@ def _add_report_arguments(p) -> None:
     )
 
 
-def parse_modes(spec: str, default_k_max: int | None, confidence: str) -> list[tuple[str, DecodeConfig]]:
-    """The bench's comma list of modes (config.parse_mode each; a bare `verified` keeps a fixed window);
-    plain decoding always comes first, as every speedup's baseline."""
-    items = [s.strip() for s in spec.split(",") if s.strip()]
-    modes = [(item, parse_mode(_on_backend(item)[0], "fixed", default_k_max, confidence)) for item in items]
-    if not modes or modes[0][0] != PLAIN_MODE:  # the baseline row, named as its records are
-        modes = [(PLAIN_MODE, DecodeConfig(mode=PLAIN_MODE))] + [m for m in modes if m[0] != PLAIN_MODE]
-    return modes
-
-
-def _on_backend(item: str) -> tuple[str, str | None]:
-    """`verified@4[compiled-int8]` -> ("verified@4", "compiled-int8"): a row run on a named backend."""
-    if item.endswith("]") and "[" in item:
-        mode, backend = item[:-1].split("[", 1)
-        return mode, backend
-    return item, None
-
-
 def run_bench(args) -> dict:
     from mtplm.assets.datasets import prompt_set
     from mtplm.decode.run.loop import stop_ids
-    from mtplm.decode.run.warm import warm_runners
     from mtplm.text import eval_prompt_ids
 
     if args.prompts < 1 or args.max_new_tokens < 1:
@@ -205,40 +188,35 @@ def run_bench(args) -> dict:
     baselines = hf_baselines(args, model, stops)
     servers = llama_server.start_servers(args, model, prompts, stops)  # None without --llama-server
     baselines |= servers.runs() if servers else {}
-    backend_name, backend, runners = _runners(args, model, modes, prompts)
+    own = build_rows(args, model, modes, prompts)  # each mtplm row's model and backend
     records: dict[str, list[Record]] = {name: [] for name, _ in modes} | {name: [] for name in baselines}
     scorer = Scorer(model.tokenizer, enabled=not args.no_score)
 
-    warm_up_s = warm_runners(model, modes, runners, prompts, args.max_new_tokens, "the bench")
+    warm_up_s = warm_rows(own, modes, prompts, args.max_new_tokens)
     with servers or nullcontext():  # the servers stop however the loop ends
         for example, ids in tqdm(list(zip(examples, prompts, strict=False)), desc="bench", unit="prompt"):
-            _one_prompt(model, example, ids, modes, runners, baselines, records, scorer, args.max_new_tokens)
+            _one_prompt(own, example, ids, modes, baselines, records, scorer, args.max_new_tokens)
     outside = vllm.bench_rows(args, llama_server.base_dir(model), examples, prompts, stops, records, scorer)
     records |= outside.records  # vLLM's rows (--vllm), run after mtplm's in vLLM's own venv
     compared_with = {name: ref for name, (_, ref) in baselines.items()} | outside.compared_with
-    rows, by_source = summarize_all(records, compared_with)
+    rows, by_source = summarize_all(records, compared_with, own.reference(modes), own.weights)
     predicted = (
         {}
         if args.no_predict
-        else _predicted(args, model, modes, prompts, records, rows, backend_name, backend)
+        else _predicted(args, model, modes, prompts, records, rows, own.name, own.backend)
     )
     report = {
-        **_setting(args, len(prompts), backend_name, backend, warm_up_s),
+        **_setting(args, len(prompts), own.name, own.backend, warm_up_s),
         "rows": rows,
         "by_source": by_source,
+        "bf16_plain": own.reference(modes),
         "histograms": {
             name: histogram([n for r in recs for n in r.accepted])
             for name, recs in records.items()
             if name not in compared_with
         },
         "compared_with": compared_with,
-        "cost_assumptions": asdict(
-            Assumptions(
-                daily_tokens=args.daily_tokens,
-                machine_watts=args.machine_watts,
-                machine_usd_per_hour=args.machine_usd_per_hour,
-            )
-        ),
+        "cost_assumptions": _assumptions(args),
         "checkpoint": model.meta.training if model.meta else None,
         "llama_server": servers.summary() if servers else {},
         **({"vllm": outside.summary} if outside.summary else {}),
@@ -246,6 +224,17 @@ def run_bench(args) -> dict:
     }
     _write(report, rows, predicted, args.out)
     return report
+
+
+def _assumptions(args) -> dict:
+    """The cost table's assumptions, as the report keeps them."""
+    return asdict(
+        Assumptions(
+            daily_tokens=args.daily_tokens,
+            machine_watts=args.machine_watts,
+            machine_usd_per_hour=args.machine_usd_per_hour,
+        )
+    )
 
 
 def _constrained(args, modes: list) -> dict:
@@ -256,8 +245,8 @@ def _constrained(args, modes: list) -> dict:
         raise UserError(
             f"--constrained runs the structured set: use --prompt-set structured, not {args.prompt_set}"
         )
-    if any(_on_backend(item)[1] for item, _ in modes):
-        raise UserError("--constrained: rows on another [backend] are not supported; name modes without one")
+    if any(any(split_row(item)[1]) for item, _ in modes):
+        raise UserError("--constrained: rows with a [backend] or [weights] suffix are not supported")
     return run_structured_bench(args, modes, _load(args, modes))
 
 
@@ -284,15 +273,6 @@ def _load(args, modes: list):
             f"{args.model} is not a converted model: only plain decoding and verified:lookup can be measured"
         )
     return model
-
-
-def _attach_drafter(args, model, modes: list, backend_name: str, prompts: list) -> None:
-    """--draft-model: the drafter on the bench's pass, compiled for the prompts (decode/drafts/drafter.py)."""
-    from mtplm.decode.drafts.drafter import attach, warm
-
-    if any(drafts_with_model(cfg) for _, cfg in modes):
-        draft = attach(model, args.draft_model, backend_name)
-        warm(draft, (min(map(len, prompts)), max(map(len, prompts))), args.max_new_tokens)
 
 
 def _predicted(args, model, modes, prompts, records, rows, backend_name: str, backend) -> dict:
@@ -333,44 +313,28 @@ def _write(report: dict, rows: list[dict], predicted: dict, out: Path) -> None:
     print(f"\nreport: {out / 'report.md'}")
 
 
-def _runners(args, model, modes: list, prompts: list) -> tuple[str, object, dict]:
-    """The bench's backend (name, instance) and each mode's runner: its own [backend] or the bench's. Adds
-    the `ntp[eager]` row (plain decoding on the reference pass) unless the bench runs eager already; with
-    --draft-model, the drafter on the bench's kind of pass."""
-    from mtplm.decode.passes.backends import make_backend, resolve_backend
-
-    name = resolve_backend(args.backend, model)
-    _attach_drafter(args, model, modes, name, prompts)
-    if name != "eager" and not args.no_eager_baseline:
-        modes.append((f"{PLAIN_MODE}[eager]", DecodeConfig(mode=PLAIN_MODE)))
-    backends = {
-        each: make_backend(each, model, slots=1)
-        for each in {name} | {_on_backend(item)[1] or name for item, _ in modes}
-    }
-    return name, backends[name], {item: backends[_on_backend(item)[1] or name] for item, _ in modes}
-
-
 def _one_prompt(
-    model,
+    own: Rows,
     example,
     ids: list[int],
     modes: list,
-    runners: dict,
     baselines: dict,
     records: dict,
     scorer,
     max_new_tokens: int,
 ) -> None:
-    """One prompt in every mode (each on its backend), then in every outside baseline; records grow."""
+    """One prompt in every mode (each on its model and backend), then in every outside baseline; records
+    grow."""
     from mtplm.decode.run.loop import generate
     from mtplm.decode.run.warm import untimed_compiles
 
     source = example.id.split("/")[0]
     for name, cfg in modes:
+        model, runner = own.models[name], own.runners[name]
         baseline = model.pristine() if mode_entry(cfg.mode).plain else nullcontext()
         with baseline, PeakMemory() as mem:
             full = DecodeConfig(**{**asdict(cfg), "max_new_tokens": max_new_tokens})
-            out = untimed_compiles(partial(generate, model, ids, full, backend=runners[name]), runners[name])
+            out = untimed_compiles(partial(generate, model, ids, full, backend=runner), runner)
         records[name].append(
             Record(
                 source,
