@@ -89,21 +89,37 @@ class HostedFields(BaseModel):
     parallel_tool_calls: Optional[bool] = None
 
 
-class _Sampling(HostedFields):
-    """Fields shared by both endpoints."""
+class Decoding(BaseModel):
+    """The decoding fields every generation endpoint takes, declared once: /v1/completions and
+    /v1/chat/completions (_Sampling) and /v1/responses (serve/responses.py, which decodes as a chat request
+    carrying these fields by their names). checks.decode_config copies a sent field named as a DecodeConfig
+    field into the request's one DecodeConfig, so a field added here and to DecodeConfig
+    (config/decode.py) reaches the loop from all three endpoints."""
 
     model_config = STRICT
     model: str
-    max_tokens: Optional[int] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
-    n: int = 1
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    stop: Optional[Union[str, list[str]]] = None
     seed: Optional[int] = None
     mode: Optional[str] = Field(default=None, description=f"mtplm decoding mode: {mode_grammar()}")
     top_k: Optional[int] = None  # vLLM's extension, also through extra_body
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        return null_is_unset(cls, data)
+
+
+class _Sampling(Decoding, HostedFields):
+    """The fields of /v1/completions and /v1/chat/completions beside Decoding's: /v1/responses takes none
+    of them (its stream_options its own way)."""
+
+    model_config = STRICT
+    max_tokens: Optional[int] = None
+    n: int = 1
+    stream_options: Optional[StreamOptions] = None
+    stop: Optional[Union[str, list[str]]] = None
     ignore_eos: bool = False  # vLLM's extension: always decode max_tokens (load tests)
     # penalties and logit bias on the target's logits (config/penalties.py; repetition_penalty: vLLM's)
     presence_penalty: Optional[float] = None
@@ -118,11 +134,6 @@ class _Sampling(HostedFields):
     guided_regex: Optional[str] = None
     guided_grammar: Optional[str] = None
     structured_outputs: Optional[dict[str, Any]] = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_unset(cls, data: Any) -> Any:
-        return null_is_unset(cls, data)
 
     def ignored_fields(self) -> list[str]:
         """The IGNORED fields this request set to something other than null."""

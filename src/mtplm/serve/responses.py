@@ -1,6 +1,7 @@
 """POST /v1/responses: OpenAI's Responses API for text in and text out, decoded on the chat path.
 
-A request becomes a chat request (as_chat): `instructions` a leading system message, `input` (a string, or
+A request becomes a chat request (as_chat): the decoding fields every endpoint shares (protocol.Decoding)
+by their names, `instructions` a leading system message, `input` (a string, or
 a list of messages whose content is a string or input_text/output_text parts) the messages,
 `max_output_tokens` the budget, `text.format` chat's `response_format` (format_as_response_format: the one
 place structured outputs reach this endpoint). The field policy is chat's (serve/protocol.py): strict types,
@@ -21,9 +22,9 @@ import json
 import logging
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict
 
 from mtplm.serve.protocol import (
     HOSTED,
@@ -31,10 +32,10 @@ from mtplm.serve.protocol import (
     APIError,
     ChatMessage,
     ChatRequest,
+    Decoding,
     HostedFields,
     new_id,
     now,
-    null_is_unset,
 )
 from mtplm.serve.run import Run
 
@@ -63,20 +64,14 @@ class InputMessage(BaseModel):
     content: Union[str, list[dict[str, Any]]]
 
 
-class ResponsesRequest(HostedFields):
-    model_config = STRICT
-    model: str
+class ResponsesFields(BaseModel):
+    """This API's own fields: what as_chat turns into chat's (RENAMED), refuses or ignores."""
+
     input: Union[str, list[InputMessage]]
     instructions: Optional[str] = None
     max_output_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    stream: bool = False
     stream_options: Optional[dict[str, Any]] = None  # include_obfuscation: a transport detail
     text: Optional[TextConfig] = None
-    seed: Optional[int] = None  # mtplm's extension, like chat's
-    mode: Optional[str] = None  # mtplm's decoding mode (config.mode_grammar()), through extra_body
-    top_k: Optional[int] = None  # vLLM's extension
     # accepted only at their neutral values
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
@@ -93,33 +88,36 @@ class ResponsesRequest(HostedFields):
     moderation: Optional[Any] = None
     context_management: Optional[list[Any]] = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_unset(cls, data: Any) -> Any:
-        return null_is_unset(cls, data)
+
+class ResponsesRequest(ResponsesFields, Decoding, HostedFields):
+    """A Responses API body: this API's own fields, the hosted-service fields every endpoint ignores, and the
+    decoding fields every endpoint shares (protocol.Decoding: model, temperature, top_p, stream, seed,
+    mtplm's mode, vLLM's top_k), which the chat request it decodes as (as_chat) carries by their names."""
+
+    model_config = STRICT
+    # the chat request class it decodes as: a subclass that declares more decoding fields names a chat
+    # request class that declares them too
+    decodes_as: ClassVar[type[ChatRequest]] = ChatRequest
 
     def ignored_fields(self) -> list[str]:
         return [name for name in IGNORED if name in self.model_fields_set and getattr(self, name) is not None]
 
 
 def as_chat(req: ResponsesRequest) -> ChatRequest:
-    """The chat request this Responses request decodes as; refusals name this API's fields."""
+    """The chat request this Responses request decodes as: every field it sent that is neither this API's
+    own (ResponsesFields) nor a hosted one by its name, this API's renamed fields (RENAMED) as chat's;
+    refusals name this API's fields."""
     _refuse_unsupported(req)
     messages = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
     if isinstance(req.input, str):
         messages.append(ChatMessage(role="user", content=req.input))
     for number, item in enumerate(req.input if isinstance(req.input, list) else []):
         messages.append(ChatMessage(role=item.role, content=_text(item.content, number)))
-    return ChatRequest(
-        model=req.model,
+    shared = req.model_fields_set - {*ResponsesFields.model_fields, *HostedFields.model_fields}
+    return req.decodes_as(
+        **{name: getattr(req, name) for name in sorted(shared)},
         messages=messages,
         max_completion_tokens=req.max_output_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        seed=req.seed,
-        mode=req.mode,
-        top_k=req.top_k,
-        stream=req.stream,
         response_format=format_as_response_format(req.text),
     )
 
