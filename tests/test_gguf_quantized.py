@@ -1,7 +1,7 @@
 """A GGUF's 4- and 8-bit weights run as they are (assets/quantized.py, decode/fast/gguf.py): a tiny Llama, its
 linear weights written into a GGUF in Q4_0, Q4_1 and Q8_0 (q and k rows permuted as llama.cpp's converter
-does), or in Q4_K and Q6_K as a Q4_K_M file mixes them, beside the Hugging Face directory conversion would
-make of it (the dequantized weights)."""
+does), or in Q4_K and Q6_K as a Q4_K_M file mixes them, or Q5_K and Q6_K as a Q5_K_M file does, beside the
+Hugging Face directory conversion would make of it (the dequantized weights)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ K_KINDS = {
     "ffn_down": "Q6_K",
     "token_embd": "Q6_K",
 }
+# Q5_K_M's mix: Q5_K, v and down Q6_K, the tied head Q6_K
+K5_KINDS = {**K_KINDS, **{part: "Q5_K" for part in quantized.LINEARS if K_KINDS[part] == "Q4_K"}}
 MODULES = {v: k for k, v in quantized.LINEARS.items()}
 
 
@@ -111,7 +113,16 @@ def k_dir(tmp_path_factory) -> Path:
     return write_tiny_gguf(tmp_path_factory.mktemp("gguf_k"), K_KINDS, hidden=256)
 
 
+@pytest.fixture(scope="module")
+def k5_dir(tmp_path_factory) -> Path:
+    """The tiny Llama in Q5_K_M's mix."""
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf_k5"), K5_KINDS, hidden=256)
+
+
 BOTH = ["tiny_dir", "k_dir"]  # the fixtures, for tests that run on either mix
+EVERY = [*BOTH, "k5_dir"]  # and Q5_K_M's, for the bitwise tests that keep decoding lossless
+# (mix, compiled): Q5_K_M's uncompiled only (the op is the same opaque call in a graph whatever its kind)
+PASSES = [(which, compiled) for which in EVERY for compiled in (False, True) if which in BOTH or not compiled]
 
 
 def test_every_block_type_this_loader_accepts_has_a_kernel():
@@ -129,16 +140,18 @@ def test_the_quantized_model_holds_no_float_linear_weights_and_its_head_is_the_g
         EagerBackend(model)
 
 
-def test_a_q4_k_m_mix_runs_quantized_under_auto(k_dir):
-    """Q4_K and Q6_K linears and a Q6_K tied head: `--dtype auto` keeps them all as the GGUF holds them."""
-    model = load_model(str(k_dir), "auto")
+@pytest.mark.parametrize(("which", "kind"), [("k_dir", "Q4_K"), ("k5_dir", "Q5_K")])
+def test_a_k_quant_mix_runs_quantized_under_auto(which, kind, request):
+    """Q4_K (or Q5_K) and Q6_K linears and a Q6_K tied head: `--dtype auto` keeps them all as the GGUF holds
+    them."""
+    model = load_model(str(request.getfixturevalue(which)), "auto")
     assert model.gguf is not None and model.gguf.head.kind == "Q6_K"
-    assert {linear.kind for linear in model.gguf.linears()} == {"Q4_K", "Q6_K"}
+    assert {linear.kind for linear in model.gguf.linears()} == {kind, "Q6_K"}
     backend = StaticBackend(model, 1, capacity=64, compile=False)
-    assert backend.weights.blocks[0].quantized == "gguf"
+    assert backend.weights.quantized == "gguf"
 
 
-@pytest.mark.parametrize("which", BOTH)
+@pytest.mark.parametrize("which", EVERY)
 def test_rows_are_in_hugging_faces_order(which, request):
     """The permuted q and k blocks come back in HF's row order: their dequantized rows are the HF model's."""
     tiny_dir = request.getfixturevalue(which)
@@ -150,7 +163,7 @@ def test_rows_are_in_hugging_faces_order(which, request):
         assert torch.allclose(quant.dequantize(packed), expected, atol=1e-6), module
 
 
-@pytest.mark.parametrize("which", BOTH)
+@pytest.mark.parametrize("which", EVERY)
 def test_logits_match_the_dequantized_model_within_the_quantizations_rounding(which, request):
     """Activations are quantized to int8 per 32 inputs in the products: close, not bitwise."""
     tiny_dir = request.getfixturevalue(which)
@@ -165,8 +178,7 @@ def test_logits_match_the_dequantized_model_within_the_quantizations_rounding(wh
     assert (logits.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-@pytest.mark.parametrize("which", BOTH)
+@pytest.mark.parametrize(("which", "compiled"), PASSES)
 def test_a_rows_logits_are_the_same_bitwise_whatever_rows_share_its_pass(which, request, compiled):
     """What makes every lossless mode exact on these weights: row 0's logits alone, beside 1-8 other rows."""
     tiny_dir = request.getfixturevalue(which)
@@ -182,8 +194,7 @@ def test_a_rows_logits_are_the_same_bitwise_whatever_rows_share_its_pass(which, 
             assert torch.equal(shared, alone), f"{rows} rows"
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-@pytest.mark.parametrize("which", BOTH)
+@pytest.mark.parametrize(("which", "compiled"), PASSES)
 def test_verified_decoding_gives_the_quantized_models_plain_tokens(which, request, compiled):
     """verified:lookup (k-row passes over the quantized weights) gives greedy plain decoding's exact tokens on
     the same quantized pass; sampled, it is reproducible by its seed (its acceptance rule keeps the
@@ -253,7 +264,7 @@ def test_a_gated_mtp_model_over_a_quantized_base_keeps_its_adapters_in_bf16(whic
                 p.normal_(0, 0.2, generator=torch.Generator().manual_seed(len(name)))
     model.adapters_to(torch.bfloat16)
     backend = StaticBackend(model, 1, capacity=256, compile=False)
-    assert backend.weights.blocks[0].quantized == "gguf" and backend.weights.shape.gated
+    assert backend.weights.quantized == "gguf" and backend.weights.shape.gated
     prompt = [5, 9, 13, 5, 9, 13, 5, 9]
     plain = generate(model, prompt, DecodeConfig(mode="ntp", max_new_tokens=16), backend=backend)
     fast = generate(model, prompt, DecodeConfig(mode="verified", max_new_tokens=16), backend=backend)

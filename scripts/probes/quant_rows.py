@@ -29,6 +29,7 @@ from mtplm.decode.fast import fewrow, quant
 FP16_BYTES = {
     "Q4_1": (0, 4),
     "Q4_K": (0, 4),
+    "Q5_K": (0, 4),
     "Q6_K": (208, 210),
 }  # where a block's fp16 values lie (else 0-2)
 
@@ -94,7 +95,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--isas", default="avx512,avx2")
     p.add_argument("--shapes", default="1536x576,576x1536,49152x576,17920x1536,1536x8960")
-    p.add_argument("--types", default="Q8_0,Q4_0,Q4_1,Q5_0,Q4_K,Q6_K,bf16")
+    p.add_argument("--types", default="Q8_0,Q4_0,Q4_1,Q5_0,Q4_K,Q5_K,Q6_K,bf16")
     p.add_argument("--rows", default="1,2,4,8,16")
     p.add_argument("--stream-mb", type=int, default=192, help="the copies' total size per shape and type")
     args = p.parse_args()

@@ -18,7 +18,8 @@ from kquants import random_bytes as random_k_bytes
 from mtplm.decode.fast import fewrow, quant
 
 ROWS = (1, 2, 3, 7, 16, 32, 33)
-K_QUANTS = ("Q4_K", "Q6_K")
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+PADDED = {"Q4_K": (37, 36), "Q5_K": (45, 44)}  # bytes over the file's: Q4_K 4.625 bits, not 4.5; Q5_K 5.625
 
 
 def width(kind: str, k: int) -> int:
@@ -72,7 +73,8 @@ def test_pack_keeps_the_values_gguf_dequantizes(kind: str):
             quant.dequantize(quant.pack(kind, torch.from_numpy(other), m, k)), torch.from_numpy(expected)
         )
         padded = raw.size + (-m % 16) * raw.shape[1]  # the file's bytes, padded to 16 outputs
-        assert weight.nbytes == (padded * 37 // 36 if kind == "Q4_K" else padded)  # Q4_K: 4.625 bits, not 4.5
+        over, file = PADDED.get(kind, (1, 1))
+        assert weight.nbytes == padded * over // file
 
 
 @pytest.mark.parametrize("kind", quant.BLOCK_TYPES)
@@ -102,11 +104,12 @@ def test_the_largest_codes_do_not_overflow(isa: str, kind: str):
 
 
 def k_quant_extremes(kind: str) -> quant.QuantWeight:
-    """20 outputs x 512 inputs of the K-quants' largest products: Q4_K every code, scale and min 63 (bytes
-    0xFF) under d = dmin = 0.5; Q6_K codes -32 (even outputs) or 31 (odd) under scales -128 or 127."""
+    """20 outputs x 512 inputs of the K-quants' largest products: Q4_K and Q5_K every code (15, 31), scale and
+    min 63 (bytes 0xFF) under d = dmin = 0.5; Q6_K codes -32 (even outputs) or 31 (odd) under scales -128 or
+    127."""
     raw = np.full((20, 2, quant.file_block(kind)[1]), 0xFF, dtype=np.uint8)
     half = np.full((20, 2, 1), 0.5, dtype=np.float16).view(np.uint8)
-    if kind == "Q4_K":
+    if kind != "Q6_K":
         raw[..., 0:2] = raw[..., 2:4] = half
     else:
         raw[0::2, :, :192] = 0  # codes 0: q - 32 = -32
@@ -156,7 +159,7 @@ def test_every_isa_gives_the_same_bits(kind: str):
 
 
 def test_an_unsupported_type_or_width_is_one_clear_error():
-    with pytest.raises(ValueError, match="Q2_K is not supported.*Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K"):
+    with pytest.raises(ValueError, match="Q2_K is not supported.*Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K"):
         quant.pack("Q2_K", torch.zeros(16, 84, dtype=torch.uint8), 16, 256)
     with pytest.raises(ValueError, match="multiple of 256, not 288"):
         quant.pack("Q6_K", torch.zeros(4, 9 * 22, dtype=torch.uint8), 4, 288)
@@ -190,7 +193,7 @@ for kind in quant.BLOCK_TYPES:
     k = 3 * weights
     raw = rng.integers(0, 256, size=(45, 3, block), dtype=np.uint8)
     # fp16 scales (and mins) where the file keeps them: first; Q6_K's d last
-    at = {"Q4_1": (0, 4), "Q4_K": (0, 4), "Q6_K": (208, 210)}.get(kind, (0, 2))
+    at = {"Q4_1": (0, 4), "Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210)}.get(kind, (0, 2))
     halves = (rng.standard_normal((45, 3, (at[1] - at[0]) // 2)) / 64).astype(np.float16)
     raw[..., at[0] : at[1]] = halves.view(np.uint8).reshape(45, 3, -1)
     weight = quant.pack(kind, torch.from_numpy(raw.reshape(45, -1)), 45, k)

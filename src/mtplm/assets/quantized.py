@@ -31,7 +31,7 @@ from mtplm.errors import UserError
 
 log = logging.getLogger(__name__)
 # the block types mtplm.decode.fast.quant runs (its BLOCK_TYPES; a test checks that it runs all of these)
-SUPPORTED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K")
+SUPPORTED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
 # Hugging Face's module names of a layer's linears, by the GGUF tensor name's part
 LINEARS = {
     "attn_q": "q_proj",

@@ -1,5 +1,5 @@
 """Few-row products over GGUF's quantized blocks as the file holds them (Q8_0, Q4_0, Q4_1, Q5_0, and the
-K-quants Q4_K, Q6_K: kquant.py): the weights stay 4- to 8-bit in memory, and each product is integer dot
+K-quants Q4_K, Q5_K, Q6_K: kquant.py): the weights stay 4- to 8-bit in memory, and each product is integer dot
 products of int8-quantized activations with the block codes (csrc/quant*.cpp: AVX-512 VNNI, else AVX2),
 built into fewrow.py's library as `mtplm_fewrow::quant_linear`.
 
@@ -7,12 +7,12 @@ The math, every ISA and `reference` alike (so every path gives the same bits):
 - a row's activations, per block of 32 inputs: d_x = max|x| / 127, q_x = round-half-even(x * (127 / max|x|))
   (int8), s_x = sum of q_x (all float32 ops, IEEE);
 - a weight block of output o: codes q_w and fp16 scale d_w (and min m_w, Q4_1), standing for
-  d_w * (q_w - offset) (Q8_0: offset 0, Q4_0: 8, Q5_0: 16) or d_w * q_w + m_w (Q4_1); Q4_K is Q4_1's math
-  with d_w = d * sc_j and m_w = -(dmin * m_j) (float32, exact) per block; Q6_K's block is two halves of 16
-  inputs, each with its int8 scale sc_h: d_w = the super-block's d, and dot_b below is the exact integer
-  sc_0 * dot_0 + sc_1 * dot_1 over the halves' integer dots of q_x with (q_w - 32);
+  d_w * (q_w - offset) (Q8_0: offset 0, Q4_0: 8, Q5_0: 16) or d_w * q_w + m_w (Q4_1); Q4_K and Q5_K are
+  Q4_1's math with d_w = d * sc_j and m_w = -(dmin * m_j) (float32, exact) per block; Q6_K's block is two
+  halves of 16 inputs, each with its int8 scale sc_h: d_w = the super-block's d, and dot_b below is the exact
+  integer sc_0 * dot_0 + sc_1 * dot_1 over the halves' integer dots of q_x with (q_w - 32);
 - per block b, in order b = 0, 1, ...: acc = fma(float(dot_b), d_w * d_x, acc), dot_b the exact integer dot of
-  q_x with (q_w - offset), then for Q4_1 and Q4_K acc = fma(m_w, d_x * float(s_x), acc); then + bias
+  q_x with (q_w - offset), then for Q4_1, Q4_K and Q5_K acc = fma(m_w, d_x * float(s_x), acc); then + bias
   (float32), then rounded to x's dtype. A row's outputs depend on that row alone: bitwise the same among any
   rows, threads.
 
@@ -144,8 +144,8 @@ def _high_bit_masks(qh: torch.Tensor) -> torch.Tensor:
 
 
 def _codes(w: QuantWeight) -> torch.Tensor:
-    """The codes as integers [M, K] (Q4_1, Q4_K: q_w; the others: q_w - offset, the signed value d_w (Q6_K:
-    its half's scale) multiplies)."""
+    """The codes as integers [M, K] (Q4_1, Q4_K, Q5_K: q_w; the others: q_w - offset, the signed value d_w
+    (Q6_K: its half's scale) multiplies)."""
     if w.kind in kquant.FILE_BYTES:
         return kquant.unpack(w.kind, w.codes, w.scales, w.out_features)[0]
     g, kb = w.codes.shape[:2]
@@ -163,7 +163,7 @@ def _codes(w: QuantWeight) -> torch.Tensor:
 
 
 def _scales(w: QuantWeight) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """d_w [M, K / 32] float32 and (Q4_1, Q4_K) m_w."""
+    """d_w [M, K / 32] float32 and (Q4_1, Q4_K, Q5_K) m_w."""
     if w.kind in kquant.FILE_BYTES:
         _, per_block, supers = kquant.unpack(w.kind, w.codes, w.scales, w.out_features)
         return kquant.block_scales(w.kind, per_block, supers)

@@ -1,5 +1,5 @@
 // Few-row products over GGUF's quantized blocks (quant.py): y[N, M] = x[N, K] @ W^T (+ bias), x bf16 or
-// float32, W Q8_0, Q4_0, Q4_1, Q5_0, Q4_K or Q6_K as the file holds it, repacked once. This file is the
+// float32, W Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K or Q6_K as the file holds it, repacked once. This file is the
 // ISA-neutral part: the op, the rows quantized to int8 and the choice of kernel. The kernels:
 //   quant_avx512.cpp  AVX-512 VNNI (vpdpbusd), 16 outputs a vector     (the AVX-512 build)
 //   quant_avx2.cpp    AVX2 (vpmaddubsw + vpmaddwd), 8 outputs a vector  (every build)
@@ -10,8 +10,8 @@
 // activations, so each kind's codes are unsigned u with a fixed offset (Q4_0: u - 8, Q5_0: u - 16, Q8_0 on
 // VNNI: (q ^ 0x80) - 128), folded in as the accumulator's start, -offset * s_x. Per block, in order:
 // acc = fma(float(dot), d_w * d_x, acc), then for Q4_1 (w = d_w u + m_w) acc = fma(m_w, d_x * float(s_x), acc).
-// The K-quants keep those per-32 activations: Q4_K is Q4_1's math with the block's d_w = d * sc_j and
-// m_w = -(dmin * m_j) (exact float32 products of the fp16 and the 6-bit integers); Q6_K's dot is the exact
+// The K-quants keep those per-32 activations: Q4_K and Q5_K are Q4_1's math with the block's d_w = d * sc_j
+// and m_w = -(dmin * m_j) (exact float32 products of the fp16 and the 6-bit integers); Q6_K's dot is the exact
 // integer sc_0 * dot_0 + sc_1 * dot_1 over the block's two halves of 16 inputs (codes u - 32, int8 scales
 // sc_h; on VNNI each half's start is -32 * its s_x), with d_w the super-block's d.
 // An output's sum is over its blocks in order whatever the rows, threads and ISA: a row's results do not
@@ -26,12 +26,13 @@
 //   Q5_0  the Q4 record, then 8 little-endian 64-bit masks, mask t's bit 4 o + j the fifth bit (16) of output
 //         o's input 4t + j;                                                                        320 bytes
 //   Q4_K  the Q4 record, then sc_j of the 16 outputs (a byte each), then m_j;                      288 bytes
+//   Q5_K  the Q5_0 record of the codes (low 4 bits, fifth-bit masks), then sc_j, then m_j as Q4_K;  352 bytes
 //   Q6_K  the Q4 record of the codes' low 4 bits, 2 vectors of their high 2 bits (vector u byte (o, j) bits
 //         2i, 2i + 1: output o's input 4 (4u + i) + j), then the int8 scales of inputs 0-15 of the 16
 //         outputs, then those of inputs 16-31;                                                      416 bytes
 // scales [Mp / 16][K / 32][16 S] fp16: d_w of the 16 outputs, then (Q4_1) m_w; the K-quants' [Mp / 16][K / 256]
-// [16 S]: d of the 16 outputs, then (Q4_K) dmin. Mp: M rounded up to 16, the padding zero. So a pass reads
-// about the file's bits per weight (4.5, 5, 5.5, 8.5; Q4_K 4.625, Q6_K 6.5625), no more. An AVX2 vector is
+// [16 S]: d of the 16 outputs, then (Q4_K, Q5_K) dmin. Mp: M rounded up to 16, the padding zero. So a pass
+// reads about the file's bits per weight (4.5, 5, 5.5, 8.5; Q4_K 4.625, Q5_K 5.625, Q6_K 6.5625), no more. An AVX2 vector is
 // half a record's vector: outputs 0-7 or 8-15.
 
 #include "fewrow.h"
@@ -111,15 +112,16 @@ Kind kind_of(const std::string& name) {
   if (name == "Q4_0") return Kind::Q4_0;
   if (name == "Q4_1") return Kind::Q4_1;
   if (name == "Q4_K") return Kind::Q4_K;
+  if (name == "Q5_K") return Kind::Q5_K;
   if (name == "Q6_K") return Kind::Q6_K;
   TORCH_CHECK(name == "Q5_0", "quant_linear: block type ", name,
-              " is not supported (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K)");
+              " is not supported (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K)");
   return Kind::Q5_0;
 }
 
 // The unsigned codes' offset in the kernel that runs (u - offset is the value d_w multiplies): Q8_0's signed
 // codes are offset by 128 for vpdpbusd, and multiplied as they are by AVX2's sign trick (as are Q6_K's,
-// u - 32; on VNNI its offset is per half: Problem::halves). Q4_1's and Q4_K's codes take none (their mins).
+// u - 32; on VNNI its offset is per half: Problem::halves). Q4_1's, Q4_K's and Q5_K's take none (their mins).
 int32_t offset(Kind kind, bool vnni) {
   return kind == Kind::Q8_0 ? (vnni ? 128 : 0) : kind == Kind::Q4_0 ? 8 : kind == Kind::Q5_0 ? 16 : 0;
 }

@@ -4,12 +4,12 @@
 // by a row's signed int8 inputs into int16 pair sums, vpmaddwd adds the pairs into int32: exact while the
 // int16 sums stay in range, so 4-bit codes (<= 15 x 127 x 2 a lane) add 8 vectors in int16 before one
 // vpmaddwd, Q5_0's 5-bit codes 4, and Q8_0's signed codes go one at a time by the sign trick (|q| unsigned,
-// q's sign moved onto the input: <= 128 x 127 x 2). Q4_K's codes are Q4_0's; Q6_K's (u - 32, signed) go by
-// the sign trick too, 4 vectors (a half of 16 inputs) in int16 (<= 4 x 32 x 127 x 2), then vpmaddwd by the
-// half's int8 scale in both int16 of each lane: the integer sc_0 dot_0 + sc_1 dot_1. The integer dots are
-// the VNNI kernel's, and so, the fmas being the same, are the results: every ISA gives the same bits. A
-// half-record's codes are unpacked once per block for a tile of up to 4 rows; more rows, and the record's
-// other half, read them again from cache.
+// q's sign moved onto the input: <= 128 x 127 x 2). Q4_K's codes go as Q4_0's and Q5_K's as Q5_0's (4 vectors,
+// <= 4 x 31 x 127 x 2); Q6_K's (u - 32, signed) go by the sign trick too, 4 vectors (a half of 16 inputs) in
+// int16 (<= 4 x 32 x 127 x 2), then vpmaddwd by the half's int8 scale in both int16 of each lane: the integer
+// sc_0 dot_0 + sc_1 dot_1. The integer dots are the VNNI kernel's, and so, the fmas being the same, are the
+// results: every ISA gives the same bits. A half-record's codes are unpacked once per block for a tile of up
+// to 4 rows; more rows, and the record's other half, read them again from cache.
 
 #include "quant.h"
 
@@ -25,10 +25,12 @@ namespace {
 
 using mtplm::quant::Kind;
 using mtplm::quant::Problem;
+using mtplm::quant::fifth_bits;
 using mtplm::quant::has_min;
 using mtplm::quant::record_bytes;
 using mtplm::quant::record_scales;
 using mtplm::quant::scale_blocks;
+using mtplm::quant::sub_scales;
 constexpr int kTileRows = 4;  // rows whose sums share the registers
 
 MTPLM_AVX2 inline __m256i broadcast4(const int8_t* q) {
@@ -37,8 +39,9 @@ MTPLM_AVX2 inline __m256i broadcast4(const int8_t* q) {
   return _mm256_set1_epi32(four);
 }
 
-// Q5_0: 32 bits of a record's mask (bit k: byte k of the half-vector) -> 16 in the bytes whose bit is set.
-MTPLM_AVX2 inline __m256i fifth_bits(const uint8_t* mask) {
+// Q5_0, Q5_K: 32 bits of a record's mask (bit k: byte k of the half-vector) -> 16 in the bytes whose bit is
+// set.
+MTPLM_AVX2 inline __m256i fifth(const uint8_t* mask) {
   uint32_t bits;
   std::memcpy(&bits, mask, 4);
   const __m256i spread = _mm256_shuffle_epi8(
@@ -104,16 +107,16 @@ MTPLM_AVX2 inline void dots(const Problem& p, int64_t row, int64_t b, const uint
     for (int v = 0; v < 4; ++v) {
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(record + 64 * v + 32 * h));
       __m256i low = _mm256_and_si256(bytes, nibble), high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
-      if constexpr (K == Kind::Q5_0) {
-        low = _mm256_or_si256(low, fifth_bits(record + 256 + 8 * v + 4 * h));
-        high = _mm256_or_si256(high, fifth_bits(record + 256 + 8 * (v + 4) + 4 * h));
+      if constexpr (fifth_bits(K)) {
+        low = _mm256_or_si256(low, fifth(record + 256 + 8 * v + 4 * h));
+        high = _mm256_or_si256(high, fifth(record + 256 + 8 * (v + 4) + 4 * h));
       }
       for (int r = 0; r < R; ++r) {
         const __m256i both = _mm256_add_epi16(_mm256_maddubs_epi16(low, broadcast4(q[r] + 4 * v)),
                                               _mm256_maddubs_epi16(high, broadcast4(q[r] + 16 + 4 * v)));
         narrow[r] = _mm256_add_epi16(narrow[r], both);
       }
-      if (K == Kind::Q5_0 ? v % 2 == 1 : v == 3) {  // int16 sums flushed before they could overflow
+      if (fifth_bits(K) ? v % 2 == 1 : v == 3) {  // int16 sums flushed before they could overflow
         for (int r = 0; r < R; ++r) {
           wide[r] = _mm256_add_epi32(wide[r], _mm256_madd_epi16(narrow[r], ones));
           narrow[r] = _mm256_setzero_si256();
@@ -143,7 +146,7 @@ MTPLM_AVX2 inline void store_f32(float* y, __m256 value, int64_t valid) {
   std::memcpy(y, out, valid * 4);
 }
 
-// 8 bytes of a record's per-output scales -> 8 float32 (Q4_K's sc_j or m_j).
+// 8 bytes of a record's per-output scales -> 8 float32 (Q4_K's or Q5_K's sc_j or m_j).
 MTPLM_AVX2 inline __m256 bytes8(const uint8_t* at) {
   int64_t eight;
   std::memcpy(&eight, at, 8);
@@ -165,15 +168,15 @@ MTPLM_AVX2 void tile(const Problem& p, int64_t row, int64_t group, int h) {
     const uint16_t* at = scales + b / per * count;
     __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))), mw = dw;
     if constexpr (has_min(K)) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at + 16)));
-    if constexpr (K == Kind::Q4_K) {  // d * sc_j and dmin * m_j: exact
-      dw = _mm256_mul_ps(dw, bytes8(record + 256 + 8 * h));
-      mw = _mm256_mul_ps(mw, bytes8(record + 272 + 8 * h));
+    if constexpr (sub_scales(K)) {  // d * sc_j and dmin * m_j: exact
+      dw = _mm256_mul_ps(dw, bytes8(record + bytes - 32 + 8 * h));
+      mw = _mm256_mul_ps(mw, bytes8(record + bytes - 16 + 8 * h));
     }
     for (int r = 0; r < R; ++r) {
       const float d = p.dx[b * p.n + row + r];
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(dw, _mm256_set1_ps(d)), acc[r]);
       if constexpr (K == Kind::Q4_1) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(p.ds[b * p.n + row + r]), acc[r]);
-      if constexpr (K == Kind::Q4_K) acc[r] = _mm256_fnmadd_ps(mw, _mm256_set1_ps(p.ds[b * p.n + row + r]), acc[r]);
+      if constexpr (sub_scales(K)) acc[r] = _mm256_fnmadd_ps(mw, _mm256_set1_ps(p.ds[b * p.n + row + r]), acc[r]);
     }
   }
   const int64_t col = group * 16 + 8 * h, valid = std::min<int64_t>(8, p.m - col);
@@ -224,6 +227,7 @@ void mtplm::quant::avx2_groups(const Problem& p, int64_t begin, int64_t end) {
     case Kind::Q4_1: return records<Kind::Q4_1>(p, begin, end);
     case Kind::Q5_0: return records<Kind::Q5_0>(p, begin, end);
     case Kind::Q4_K: return records<Kind::Q4_K>(p, begin, end);
+    case Kind::Q5_K: return records<Kind::Q5_K>(p, begin, end);
     case Kind::Q6_K: return records<Kind::Q6_K>(p, begin, end);
   }
 }

@@ -2,9 +2,10 @@
 //
 // A record's vector is one vpdpbusd operand: 16 outputs x 4 inputs of unsigned codes. Per block (32 inputs)
 // a record's 8 vectors are loaded (and, for 4-bit codes, split into nibbles) once, then every row of the
-// tile multiplies them: 8 vpdpbusd with the row's 4 inputs broadcast, then one float32 fma (two for Q4_1 and
-// Q4_K; Q6_K first scales its two halves' sums by their int8 scales, vpmulld). The K-quants' per-block scales
-// (Q4_K: d * sc_j and dmin * m_j) are made once per record and block, for every row of the tile.
+// tile multiplies them: 8 vpdpbusd with the row's 4 inputs broadcast, then one float32 fma (two for Q4_1,
+// Q4_K and Q5_K; Q6_K first scales its two halves' sums by their int8 scales, vpmulld). The K-quants'
+// per-block scales (Q4_K, Q5_K: d * sc_j and dmin * m_j) are made once per record and block, for every row of
+// the tile.
 // So extra rows cost their dot products, not their weight reads. A tile of up to 8 rows keeps its sums in
 // registers; more rows run further tiles over the same record, read again from cache.
 
@@ -23,10 +24,12 @@ namespace {
 
 using mtplm::quant::Kind;
 using mtplm::quant::Problem;
+using mtplm::quant::fifth_bits;
 using mtplm::quant::has_min;
 using mtplm::quant::record_bytes;
 using mtplm::quant::record_scales;
 using mtplm::quant::scale_blocks;
+using mtplm::quant::sub_scales;
 constexpr int kTileRows = 8;  // rows whose sums share the registers
 
 // A record's block: its 8 vectors of unsigned codes (vector t: inputs 4t .. 4t + 3 of the 16 outputs).
@@ -52,7 +55,7 @@ inline void unpack(const uint8_t* record, __m512i (&w)[8]) {
         w[4 * u + 3] = _mm512_or_si512(w[4 * u + 3], _mm512_and_si512(_mm512_srli_epi16(bits, 2), two));
       }
     }
-    if constexpr (K == Kind::Q5_0) {
+    if constexpr (fifth_bits(K)) {
       const __m512i sixteen = _mm512_set1_epi8(16);
       for (int t = 0; t < 8; ++t) {
         uint64_t bits;
@@ -70,7 +73,7 @@ inline __m512i dot4(__m512i sum, __m512i w, const int8_t* q) {
   return sum;
 }
 
-// A record's 16 bytes of per-output scales -> 16 int32 (Q6_K's signed; Q4_K's unsigned).
+// A record's 16 bytes of per-output scales -> 16 int32 (Q6_K's signed; Q4_K's and Q5_K's unsigned).
 template <Kind K>
 inline __m512i bytes16(const uint8_t* at) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(at));
@@ -97,9 +100,9 @@ void tile(const Problem& p, int64_t row, int64_t group) {
     __m512 mw = dw;
     if constexpr (has_min(K))
       mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 16)));
-    if constexpr (K == Kind::Q4_K) {  // d * sc_j and dmin * m_j: exact
-      dw = _mm512_mul_ps(dw, _mm512_cvtepi32_ps(bytes16<K>(record + 256)));
-      mw = _mm512_mul_ps(mw, _mm512_cvtepi32_ps(bytes16<K>(record + 272)));
+    if constexpr (sub_scales(K)) {  // d * sc_j and dmin * m_j: exact
+      dw = _mm512_mul_ps(dw, _mm512_cvtepi32_ps(bytes16<K>(record + bytes - 32)));
+      mw = _mm512_mul_ps(mw, _mm512_cvtepi32_ps(bytes16<K>(record + bytes - 16)));
     }
     __m512i first = _mm512_setzero_si512(), second = first;
     if constexpr (K == Kind::Q6_K) {
@@ -135,7 +138,7 @@ void tile(const Problem& p, int64_t row, int64_t group) {
       }
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(p.dx[at])), acc[r]);
       if constexpr (K == Kind::Q4_1) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(p.ds[at]), acc[r]);
-      if constexpr (K == Kind::Q4_K) acc[r] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(p.ds[at]), acc[r]);
+      if constexpr (sub_scales(K)) acc[r] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(p.ds[at]), acc[r]);
     }
   }
   const int64_t col = group * 16;
@@ -187,6 +190,7 @@ void mtplm::quant::vnni_groups(const Problem& p, int64_t begin, int64_t end) {
     case Kind::Q4_1: return records<Kind::Q4_1>(p, begin, end);
     case Kind::Q5_0: return records<Kind::Q5_0>(p, begin, end);
     case Kind::Q4_K: return records<Kind::Q4_K>(p, begin, end);
+    case Kind::Q5_K: return records<Kind::Q5_K>(p, begin, end);
     case Kind::Q6_K: return records<Kind::Q6_K>(p, begin, end);
   }
 }
