@@ -57,10 +57,13 @@ class LiveServer:
         max_batch: int = 4,
         budget_gb: float = 0.0,
         max_body_bytes: int = 1 << 20,
+        draft_model: str | None = None,
     ) -> None:
         # no load cap: the tests batch multi-token passes (mtplm serve's default caps them from 2 sequences
         # on)
-        self.repository = build_repository([], repository_dir, "fp32", max_batch, budget_gb, None, "off")
+        self.repository = build_repository(
+            [], repository_dir, "fp32", max_batch, budget_gb, None, "off", draft_model=draft_model
+        )
         self.settings = Settings(
             api_key=api_key,
             max_body_bytes=max_body_bytes,

@@ -18,13 +18,14 @@ def add_backend_argument(parser) -> None:
     )
 
 
-def add_draft_model_argument(parser) -> None:
+def add_draft_model_argument(parser, help: str | None = None) -> None:
     """--draft-model: the draft model of the draft source `draft` (verified:draft; decode/drafts/draft.py)."""
     parser.add_argument(
         "--draft-model",
         default=None,
         metavar="NAME_OR_PATH",
-        help="a smaller model of the target's tokenizer that drafts for it in a mode that names the draft "
+        help=help
+        or "a smaller model of the target's tokenizer that drafts for it in a mode that names the draft "
         "source `draft` (e.g. verified:draft): an ordinary model drafts one token a pass, a converted one "
         "fills its <mtp> slots in one pass; the target verifies, so the output stays its own",
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from mtplm.config import DecodeConfig, parse_mode
 from mtplm.decode.drafts import drafter as drafters
 from mtplm.decode.drafts.draft import DraftProposer
 from mtplm.decode.drafts.proposers import Context
+from mtplm.decode.run.engine import Engine, Job
 from mtplm.decode.run.loop import generate
 from mtplm.errors import UserError
 from mtplm.model import MTPModel
@@ -105,15 +107,49 @@ def test_after_a_rejection_the_drafters_kv_is_a_fresh_drafters_over_the_same_tex
             torch.testing.assert_close(layer[mine.slot, :, :cached], layer[fresh.slot, :, :cached])
 
 
-def test_a_sequence_without_a_free_slot_drafts_nothing_and_decodes_plainly():
+def test_a_slot_taken_over_is_claimed_again_and_its_text_fed_anew():
+    """One slot, held by a sequence that is not collected yet (a finished one, in a server): a new sequence
+    takes it over and decodes the target's plain tokens; the first, drafting again, claims it back, feeds
+    its text anew and drafts what a fresh sequence over the same text drafts."""
     target = base(0)
-    drafters.attach(target, drafter_of("sequential", 0), backend="eager", slots=1)
-    holder = DraftProposer(DecodeConfig())
-    assert holder.propose(Context([1, 2]), 3).tokens
+    drafters.attach(target, drafter_of("sequential", 1), backend="eager", slots=1)
+    holder, text = DraftProposer(DecodeConfig()), [1, 2, 3, 4, 5]
+    assert holder.propose(Context(text), 3).tokens and holder.slot == 0
     cfg = dataclasses.replace(parse_mode("verified:draft"), max_new_tokens=12)
     plain = generate(target, [1, 2], DecodeConfig(mode="ntp", max_new_tokens=12)).tokens
     got = generate(target, [1, 2], cfg)
-    assert got.tokens == plain and not got.drafts
+    assert got.tokens == plain and got.drafts
+    again = holder.propose(Context([*text, 6]), 3).tokens
+    assert again == DraftProposer(DecodeConfig()).propose(Context([*text, 6]), 3).tokens
+
+
+@pytest.mark.parametrize("slots", [3, 2])
+def test_sequences_batched_in_the_engine_each_draft_from_their_own_kv(slots):
+    """Three sequences decoded together (verified:draft): each gets the target's plain greedy tokens, with a
+    slot per sequence or with fewer (then they take slots over from each other)."""
+    target = base(0)
+    drafters.attach(target, drafter_of("sequential", 0), backend="eager", slots=slots)
+    engine = Engine(target, max_batch=3)
+    cfg = dataclasses.replace(parse_mode("verified:draft"), max_new_tokens=20)
+    steps: dict[int, list] = {i: [] for i in range(3)}
+    done = [threading.Event() for _ in range(3)]
+
+    def collect(i: int):
+        def emit(step, error) -> None:  # on the engine's thread
+            steps[i].append(step if error is None else error)
+            if error is not None or step.last:
+                done[i].set()
+
+        return emit
+
+    for i, ids in enumerate(prompts()):
+        engine.submit(Job(ids, cfg, collect(i)))
+    assert all(event.wait(timeout=120) for event in done)
+    engine.close()
+    for i, ids in enumerate(prompts()):
+        plain = generate(target, ids, DecodeConfig(mode="ntp", max_new_tokens=20)).tokens
+        assert [t for step in steps[i] for t in step.tokens] == plain, f"prompt {ids[:4]}"
+    assert any(step.tokens[1:] for i in steps for step in steps[i])  # drafts were kept: several a pass
 
 
 def test_a_drafter_of_another_tokenizer_or_none_is_one_clear_line():

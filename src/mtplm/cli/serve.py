@@ -7,7 +7,7 @@ from pathlib import Path
 from mtplm.cli.defaults import DEFAULT_CHECKPOINT
 from mtplm.config import DEFAULT_LOAD_POLICY, DEFAULT_MODE, Limits
 from mtplm.errors import UserError
-from mtplm.options import add_backend_argument, add_decode_dtype_argument
+from mtplm.options import add_backend_argument, add_decode_dtype_argument, add_draft_model_argument
 
 
 def add_serve(sub) -> None:
@@ -70,6 +70,13 @@ def _add_decoding_arguments(serve) -> None:
         help=f"decoding mode for requests that name none (default: {DEFAULT_MODE}, drafts copied "
         "from the text and verified: lossless, for any model, the fastest measured; see "
         "README); a request's `mode` field overrides it",
+    )
+    add_draft_model_argument(
+        serve,
+        "a smaller model of the served model's tokenizer that drafts for it in requests whose mode names "
+        "the draft source `draft` (verified:draft, verified:quadratic+draft; also as --default-mode): "
+        "loaded and compiled at start, one model served; the output stays the served model's own "
+        "(docs/serving.md)",
     )
     serve.add_argument(
         "--k-by-batch",
@@ -141,6 +148,7 @@ def _serve(args) -> None:
         args.default_mode,
         args.k_by_batch,
         args.backend,
+        args.draft_model,
     )
     settings = Settings(
         api_key=args.api_key or os.environ.get("MTPLM_API_KEY") or None,

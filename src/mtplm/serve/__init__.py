@@ -44,8 +44,10 @@ def build_repository(
     default_mode: str | None,
     k_by_batch: str | None = DEFAULT_LOAD_POLICY,
     backend: str = "auto",
+    draft_model: str | None = None,
 ) -> Repository:
-    """The models to offer: a repository directory, and/or `--model` specs (id = the spec's last part)."""
+    """The models to offer: a repository directory, and/or `--model` specs (id = the spec's last part); with
+    `draft_model`, the one model's drafter (check_drafting)."""
     entries = read_manifest(repository, dtype) if repository else []
     for spec in models:
         name, sep, path = spec.partition("=")
@@ -65,6 +67,7 @@ def build_repository(
         from mtplm.registry import BACKENDS
 
         BACKENDS.check(backend)  # a bad name fails at start, not on the first request
+    check_drafting(entries, default_mode, draft_model)
     return Repository(
         entries,
         int(budget_gb * 2**30),
@@ -72,7 +75,31 @@ def build_repository(
         default_mode,
         k_by_batch=parse_k_by_batch(k_by_batch),
         backend=backend,
+        draft_model=draft_model,
     )
+
+
+def check_drafting(entries: list[Entry], default_mode: str | None, draft_model: str | None) -> None:
+    """At start: a draft model drafts for one model, and is found; a default mode that drafts with one
+    has one."""
+    from mtplm.config import parse_mode
+    from mtplm.decode.drafts.drafter import drafts_with_model
+
+    if draft_model is None:
+        for mode in [default_mode, *(e.mode for e in entries)]:
+            if mode is not None and drafts_with_model(parse_mode(mode)):
+                raise UserError(
+                    f"the default mode {mode} drafts with a draft model, and none is named: add "
+                    "--draft-model NAME_OR_PATH (a smaller model of the served model's tokenizer), or "
+                    "choose another mode"
+                )
+        return
+    if len(entries) != 1:
+        raise UserError(
+            f"--draft-model drafts for one served model, and this server offers {len(entries)} "
+            f"({', '.join(e.id for e in entries)}): serve one --model, or run one server per model"
+        )
+    check_entry(Entry("--draft-model", draft_model), "--draft-model")
 
 
 def parse_k_by_batch(spec: str | None) -> dict[int, int] | str | None:

@@ -9,6 +9,7 @@ import dataclasses
 import uuid
 
 from mtplm.config import PLAIN_MODE, DecodeConfig, Limits, Penalties, SettingError, mode_grammar, parse_mode
+from mtplm.decode.drafts.drafter import drafts_with_model
 from mtplm.decode.protocol import DecodeModel
 from mtplm.decode.strategies import is_lossless
 from mtplm.errors import UserError
@@ -152,6 +153,18 @@ def _mode(mode: str | None, spec: DecodeModel, default_mode: str) -> DecodeConfi
             "invalid_mode",
         )
     return cfg
+
+
+def drafter(cfg: DecodeConfig, mode: str, served: bool) -> None:
+    """A mode that drafts with a draft model needs the server's (`served`: mtplm serve --draft-model)."""
+    if drafts_with_model(cfg) and not served:
+        raise APIError(
+            400,
+            f"mode {mode!r} drafts with a draft model, and this server has none: send another mode, or "
+            "start the server with --draft-model NAME_OR_PATH (a smaller model of this model's tokenizer)",
+            "mode",
+            "invalid_mode",
+        )
 
 
 def max_tokens(req: _Sampling, prompt_len: int, limits: Limits, context: int, default: int) -> int:

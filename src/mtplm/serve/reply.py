@@ -43,6 +43,7 @@ async def respond(
     one DecodeConfig is built here (checks.decode_config) and carried, per choice, to the engine's loop."""
     vocab = loaded.model.hf.get_input_embeddings().weight.shape[0]
     cfg = checks.decode_config(req, loaded.engine.spec, loaded.default_mode, max_new_tokens, vocab)
+    checks.drafter(cfg, req.mode or loaded.default_mode, loaded.draft is not None)
     ignored = view.ignored if view is not None else req.ignored_fields()
     if ignored:
         log.info("ignored request fields (no effect on local decoding): %s", ", ".join(ignored))

@@ -13,6 +13,10 @@ A repository is a directory with a `models.toml` manifest:
 A directory without a manifest offers every checkpoint folder in it, named after the folder. Models
 load on their first request; when loading one would exceed the memory budget, the least recently used
 idle models are unloaded first. A model that is busy is never unloaded under a request.
+
+A server with a draft model (--draft-model: `verified:draft` and `verified:quadratic+draft`) offers one
+model; the drafter loads with it, on the engine's thread, with a slot per sequence the engine may decode
+(decode/drafts/drafter.py), and compiles before anything is served.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from pathlib import Path
 from mtplm.assets.quantized import UnsupportedWeights
 from mtplm.compat import tomllib
 from mtplm.config import DEFAULT_MODE, DecodeConfig, parse_mode
+from mtplm.decode.drafts.drafter import DraftModel, attach
+from mtplm.decode.drafts.drafter import warm as warm_drafter
 from mtplm.decode.fast.gguf import decode_dtype
 from mtplm.decode.passes.backends import Backend, make_backend
 from mtplm.decode.run.engine import Engine, PassStats
@@ -61,12 +67,16 @@ class Loaded:
     engine: Engine
     default_mode: str
     weight_bytes: int
+    draft: DraftModel | None = None  # the drafter of the draft source `draft` (--draft-model)
     last_used: float = field(default_factory=time.monotonic)
 
     @property
     def nbytes(self) -> int:
-        """Weights plus the engine's KV store, which grows with the longest context it has served."""
-        return self.weight_bytes + self.engine.backend.nbytes()
+        """Weights plus the engine's KV store, which grows with the longest context it has served (and the
+        drafter's, as both)."""
+        own = self.weight_bytes + self.engine.backend.nbytes()
+        draft = self.draft
+        return own + (draft.model.nbytes() + draft.backend.nbytes() if draft is not None else 0)
 
     @property
     def busy(self) -> bool:
@@ -122,10 +132,11 @@ def read_manifest(directory: Path, dtype: str = "bf16") -> list[Entry]:
     return entries
 
 
-def check_entry(entry: Entry) -> None:
+def check_entry(entry: Entry, label: str = "") -> None:
     """UserError unless the entry's path names something a model can load from (before any is loaded): a
     shipped checkpoint, a checkpoint directory whose base is found too, a registry model, an HF model
-    directory or a .gguf file. A model that passes and still fails to load is reported when it does."""
+    directory or a .gguf file. A model that passes and still fails to load is reported when it does. The
+    message names it as `label` (default: model 'ID')."""
     from mtplm.assets.models import MODELS
 
     spec = entry.path
@@ -141,8 +152,8 @@ def check_entry(entry: Entry) -> None:
             return
         where = f"{spec!r} (the base model of {entry.path!r})" if spec != entry.path else repr(spec)
         raise UserError(
-            f"model {entry.id!r}: {where} is not a checkpoint, shipped checkpoint name, registry "
-            f"model ({', '.join(MODELS)}), Hugging Face model directory or .gguf file"
+            f"{label or f'model {entry.id!r}'}: {where} is not a checkpoint, shipped checkpoint name, "
+            f"registry model ({', '.join(MODELS)}), Hugging Face model directory or .gguf file"
         )
 
 
@@ -158,8 +169,10 @@ class Repository:
         on_pass: Callable[[str, PassStats], None] | None = None,
         k_by_batch: dict[int, int] | str | None = None,
         backend: str = "auto",
+        draft_model: str | None = None,
     ) -> None:
         self.entries = {e.id: e for e in entries}
+        self.draft_model = draft_model  # a name or path load_model takes: drafts for the one model served
         self.budget, self.max_batch, self.default_mode = budget_bytes, max_batch, default_mode
         self.k_by_batch, self.backend = k_by_batch, backend  # backend: a BACKENDS name, or auto
         self.on_pass = on_pass
@@ -199,7 +212,16 @@ class Repository:
         async with lock:  # concurrent first requests load the model once
             loaded = self.loaded.get(model_id)
             if loaded is None:
-                loaded = await asyncio.to_thread(self._load, self.entries[model_id])
+                try:
+                    loaded = await asyncio.to_thread(self._load, self.entries[model_id])
+                except UserError as exc:  # its draft model (warm() makes this exit 2 at start)
+                    raise APIError(
+                        500,
+                        f"model {model_id!r} failed to load: {exc}",
+                        "model",
+                        "model_load_failed",
+                        "server_error",
+                    ) from None
             loaded.last_used = time.monotonic()
             return loaded
 
@@ -219,8 +241,12 @@ class Repository:
         mode = entry.mode or self.default_mode or DEFAULT_MODE
         on_pass = self.on_pass
         callback = (lambda stats: on_pass(entry.id, stats)) if on_pass is not None else None
+        drafts: list[DraftModel] = []  # the drafter _build attached, if any
         engine = Engine.on_own_thread(  # the model loads, warms and decodes on the engine's one thread
-            lambda: self._build(entry), max_batch=self.max_batch, on_pass=callback, k_by_batch=self.k_by_batch
+            lambda: self._build(entry, drafts),
+            max_batch=self.max_batch,
+            on_pass=callback,
+            k_by_batch=self.k_by_batch,
         )
         model = engine.model
         dependence = engine.spec.row_dependence
@@ -229,15 +255,16 @@ class Repository:
                 "mtplm: %s decodes requests that name no mode plainly (ntp): %s", entry.id, dependence
             )
         nbytes = model.nbytes()  # with the weights a compiled backend packed in their place
-        loaded = Loaded(entry, model, engine, mode, nbytes)
+        loaded = Loaded(entry, model, engine, mode, nbytes, drafts[0] if drafts else None)
         with self._guard:
             self.loaded[entry.id] = loaded
             self.failed.pop(entry.id, None)
         return loaded
 
-    def _build(self, entry: Entry) -> tuple[MTPModel, Backend]:
+    def _build(self, entry: Entry, drafts: list[DraftModel]) -> tuple[MTPModel, Backend]:
         """On the engine's thread: the model, and its backend with its graphs compiling in the background
-        (warm(); fast/background.py)."""
+        (warm(); fast/background.py); with --draft-model, the drafter attached (into `drafts`) and every
+        graph of both compiled first."""
         try:
             model = load_model(entry.path, decode_dtype(entry.dtype, self.backend))
         except UnsupportedWeights as exc:  # its GGUF holds what mtplm cannot run: the request's to fix
@@ -253,6 +280,8 @@ class Repository:
                 500, f"model {entry.id!r} failed to load: {exc}", "model", "model_load_failed", "server_error"
             ) from None
         backend = make_backend(self.backend, model, self.max_batch)
+        if self.draft_model is not None:
+            drafts.append(self._attach(entry, model))
         if self.context is not None:  # every mode a request may ask: plain rows and <mtp> rows, copied drafts
             warm_up(
                 backend,
@@ -264,9 +293,33 @@ class Repository:
                 what=entry.id,
                 # on a CPU, answering at once, uncompiled where a graph is not ready yet (CUDA graphs are
                 # recorded per thread: a GPU compiles before it answers)
-                background=all(p.device.type in ("cpu", "meta") for p in model.hf.parameters()),
+                # (not beside a drafter: its compiled passes would enter dynamo while the graphs compile on
+                # the other thread, which the background compile's lock keeps out of it for the model's own)
+                background=not drafts
+                and all(p.device.type in ("cpu", "meta") for p in model.hf.parameters()),
             )
         return model, backend
+
+    def _attach(self, entry: Entry, model: MTPModel) -> DraftModel:
+        """The draft model, on the server's kind of pass with a slot per sequence, compiled for every prompt
+        the server takes (its passes feed one sequence each); UserError for one that does not load or
+        does not share the model's tokenizer (at start: exit 2)."""
+        spec = self.draft_model
+        began = time.perf_counter()
+        try:
+            draft = attach(model, spec, self.backend, self.max_batch)
+            if self.context is not None:
+                warm_drafter(draft, (1, self.context), 0)
+        except (UserError, OSError, ValueError) as exc:
+            self.failed[entry.id] = str(exc)
+            raise UserError(
+                str(exc) if isinstance(exc, UserError) else f"--draft-model {spec}: {exc}"
+            ) from None
+        kind = "parallel" if draft.parallel else "sequential"
+        log.info(
+            f"mtplm: draft model {spec} ({kind}) ready for {entry.id} in {time.perf_counter() - began:.1f} s"
+        )
+        return draft
 
     def compiling(self) -> dict[str, str]:
         """Model id -> "done of total" graphs, for each loaded model still compiling in the background."""

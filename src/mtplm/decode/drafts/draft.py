@@ -18,7 +18,7 @@ import weakref
 
 from mtplm.config import DecodeConfig
 from mtplm.decode.budget import DraftBudget
-from mtplm.decode.drafts.drafter import attached
+from mtplm.decode.drafts.drafter import Lease, attached
 from mtplm.decode.drafts.proposers import Context, Drafts
 from mtplm.decode.protocol import RowCost
 from mtplm.registry import PROPOSERS
@@ -28,13 +28,12 @@ KIND = "draft"  # its one kind of offer (the budget learns how often its drafts 
 
 @PROPOSERS.register(KIND, "a smaller model of the same tokenizer (--draft-model) drafts for the target")
 class DraftProposer:
-    """One sequence's drafts from the attached draft model, in a slot of its own (released with it)."""
+    """One sequence's drafts from the attached draft model, in a slot of its own: claimed at its first
+    draft, released with it (drafter.py: a slot taken over is claimed again, its text fed anew)."""
 
     def __init__(self, cfg: DecodeConfig) -> None:
         self.drafter = attached()
-        self.slot = self.drafter.claim()
-        if self.slot is not None:
-            weakref.finalize(self, self.drafter.release, self.slot)
+        self.lease: Lease | None = None  # its slot of the drafter's backend, once it drafts
         self.cached: list[int] = []  # the tokens whose KV the slot holds, in order
         self.budget: DraftBudget | None = None  # priced: how many a pass drafts (price() sets it)
         self.offered = 0  # drafts of the pass in flight
@@ -48,12 +47,25 @@ class DraftProposer:
         most = self.drafter.most(room)
         if self.budget is not None:
             most = self.budget.count(KIND, 1, most)
-        if self.slot is None or most < 1 or not context.text:
+        if most < 1 or not context.text:
             self.offered = 0
             return Drafts()
-        tokens = self.drafter.draft(self.slot, self.cached, context.text, most)
+        tokens = self.drafter.draft(self._slot(), self.cached, context.text, most)
         self.offered = len(tokens)
         return Drafts(tuple(tokens), KIND)
+
+    @property
+    def slot(self) -> int | None:
+        return self.lease.slot if self.lease is not None else None
+
+    def _slot(self) -> int:
+        """Its slot, claimed where it holds none (its first draft, or after a takeover: nothing cached)."""
+        drafter = self.drafter
+        if self.lease is None or not drafter.holds(self.lease):
+            self.lease = drafter.claim()
+            self.cached.clear()
+            weakref.finalize(self, drafter.release, self.lease)
+        return self.lease.slot
 
     def observe(self, kept: int) -> None:
         if self.budget is not None:

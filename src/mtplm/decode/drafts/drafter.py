@@ -8,20 +8,26 @@ Two ways to draft n tokens, chosen by the drafter itself:
 - sequential: any causal LM drafts one token per one-row pass, n passes (the new committed tokens ride
   in the first).
 
-Each sequence holds one slot of the drafter's backend and the tokens whose KV sits there (`cached`). A
-draft call keeps the longest prefix of those that the committed text still starts with (what the target
-kept) and feeds the rest, so a rejected draft is rolled back by a shorter length, as the target's own
-passes are (backends.py); `<mtp>` slots are never cached. One drafter serves a process (attach: the CLI's
-and the bench's --draft-model, or the Python caller's), with as many slots as sequences may draft at once;
-a sequence that finds none free drafts nothing (plain passes, the same tokens).
+Each sequence holds one slot of the drafter's backend (a Lease) and the tokens whose KV sits there
+(`cached`). A draft call keeps the longest prefix of those that the committed text still starts with (what
+the target kept) and feeds the rest, so a rejected draft is rolled back by a shorter length, as the
+target's own passes are (backends.py); `<mtp>` slots are never cached. One drafter serves a process
+(attach: the CLI's, the bench's and the server's --draft-model, or the Python caller's), with as many
+slots as sequences may draft at once (the server: its --max-batch). A sequence claims its slot at its first
+draft, on the thread that decodes it, and gives it back when it is collected; where none is free (finished
+sequences not collected yet) it takes over the one drafted in least recently, and the sequence that held it
+finds its lease gone at its next draft, claims again and feeds its text anew: the same drafts, later. So
+no sequence ever drafts from KV another one wrote.
 
 Shapes: n drafts, V vocabulary.
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -29,6 +35,14 @@ from mtplm.decode.protocol import Feed, Plan
 from mtplm.decode.sampling import greedy
 from mtplm.errors import UserError
 from mtplm.modelio import MASK_TOKEN
+
+
+class Lease(NamedTuple):
+    """One sequence's hold on a slot of the drafter's backend; `ticket` tells it from the slot's later
+    holders."""
+
+    slot: int
+    ticket: int
 
 
 class DraftModel:
@@ -45,18 +59,33 @@ class DraftModel:
         self.banned = {target.meta.mask_id} if target.meta is not None else set()  # the target's <mtp>
         # a drafter's one-row pass against the target's, as the weights each reads (decode reads them all)
         self.ratio = pass_weights(model) / pass_weights(target)
-        self.free = list(range(backend.slots))
+        self.holders: list[int | None] = [None] * backend.slots  # slot -> the ticket holding it
+        self.drafted = [0] * backend.slots  # slot -> when it was last drafted in (a count of draft calls)
+        self._tickets, self._clock = itertools.count(1), itertools.count(1)
+        self._lock = threading.Lock()  # releases come from the garbage collector, on any thread
 
     @property
     def parallel(self) -> bool:
         return self.mask_id is not None
 
-    def claim(self) -> int | None:
-        """A free slot for one sequence's KV (None: every slot is in use)."""
-        return self.free.pop(0) if self.free else None
+    def claim(self) -> Lease:
+        """A slot for one sequence's KV: a free one, else the one drafted in least recently (module
+        docstring)."""
+        with self._lock:
+            free = [slot for slot, holder in enumerate(self.holders) if holder is None]
+            slot = free[0] if free else min(range(len(self.holders)), key=self.drafted.__getitem__)
+            lease = Lease(slot, next(self._tickets))
+            self.holders[slot] = lease.ticket
+            return lease
 
-    def release(self, slot: int) -> None:
-        self.free.append(slot)
+    def holds(self, lease: Lease) -> bool:
+        """Whether `lease` still holds its slot (no other sequence took it over)."""
+        return self.holders[lease.slot] == lease.ticket
+
+    def release(self, lease: Lease) -> None:
+        with self._lock:
+            if self.holds(lease):
+                self.holders[lease.slot] = None
 
     def cost(self, drafts: int, target_cost: Any) -> float:
         """What drafting `drafts` tokens costs, in one-row target passes: `ratio` per drafter pass (one per
@@ -74,6 +103,7 @@ class DraftModel:
     def draft(self, slot: int, cached: list[int], text: Sequence[int], n: int) -> list[int]:
         """Up to n greedy drafts after `text`, from the KV of `cached` (the tokens in `slot`, updated here):
         fewer where one is an id the target cannot take."""
+        self.drafted[slot] = next(self._clock)
         keep = min(common_prefix(cached, text), len(text) - 1)  # the last token is fed for its row
         del cached[keep:]
         pending = list(text[keep:])
