@@ -143,6 +143,7 @@ def _build_and_load() -> None:
     torch.library.register_fake("mtplm_fewrow::linear", linear_shape)
     torch.library.register_fake("mtplm_fewrow::pack", _pack_shape)
     torch.library.register_fake("mtplm_fewrow::lora_linear", _lora_linear_shape)
+    torch.library.register_fake("mtplm_fewrow::lora_delta", _lora_delta_shape)
     if has_int4():
         torch.library.register_fake("mtplm_fewrow::int4_linear", _int4_linear_shape)
     torch.library.register_fake("mtplm_fewrow::attend", _attend_shape)
@@ -174,6 +175,16 @@ def _lora_linear_shape(
     down_packed: torch.Tensor,
     gate: torch.Tensor,
     bias: torch.Tensor | None,
+    parts: list[int] | None = None,
+) -> torch.Tensor:
+    return inputs.new_empty(inputs.shape[0], packed.shape[0])
+
+
+def _lora_delta_shape(
+    inputs: torch.Tensor,
+    packed: torch.Tensor,
+    down_packed: torch.Tensor,
+    gate: torch.Tensor,
     parts: list[int] | None = None,
 ) -> torch.Tensor:
     return inputs.new_empty(inputs.shape[0], packed.shape[0])
@@ -278,6 +289,20 @@ def lora_linear(
     the product, as forward._project_widened's graph rounds them. Any number of rows: inputs @ A^T in AMX
     tiles for up to 32 rows on a CPU with AMX, else AVX-512 dot products."""
     return torch.ops.mtplm_fewrow.lora_linear(inputs, packed, down_packed, gate, bias, parts or [])
+
+
+def lora_delta(
+    inputs: torch.Tensor,
+    packed: torch.Tensor,
+    down_packed: torch.Tensor,
+    gate: torch.Tensor,
+    parts: list[int] | None = None,
+) -> torch.Tensor:
+    """bf16(gate * inputs @ A_p^T) @ B_p^T -> [N, M], the gated adapters' delta alone, one call, for a product
+    they cannot widen (a GGUF's blocks): packed = pack(B_c), B_c = widened_weight(W[:, :0], [B_p])'s (each
+    output reads its own part's r columns, not a block-diagonal's zeros); the other arguments as
+    lora_linear's. Bitwise lora_linear over a W of zeros; every gate 0 gives zeros."""
+    return torch.ops.mtplm_fewrow.lora_delta(inputs, packed, down_packed, gate, parts or [])
 
 
 def widened_weight(weight: torch.Tensor, ups: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:

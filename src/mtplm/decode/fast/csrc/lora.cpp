@@ -1,6 +1,7 @@
 // Gated adapters fused into their projection (forward._project_widened), one call:
 //   y = x W^T + bf16(gate * x A_p^T) B_p^T (+ bias)   for the outputs of each fused part p (q, k, v; gate, up)
-// for any number of rows, bf16 in and out, float32 sums.
+// for any number of rows, bf16 in and out, float32 sums; and (lora_delta) the gated low-rank delta alone, for
+// a projection the adapters cannot widen (a GGUF's quantized blocks: forward.project adds it to the product).
 //
 // The weight is pack([W | 0 | B_c]) ([M, 1, Kp + rp]: Kp = K and rp = r rounded up to 32, fewrow.widened_weight),
 // where B_c [M, r] stacks the parts' B by output rows: each output row carries its own part's r adapter columns
@@ -86,7 +87,8 @@ void low_block(Call& call, int64_t j) {
   }
 }
 
-// Output blocks [begin, end) of y, part by part: x, then the part's tail columns.
+// Output blocks [begin, end) of y, part by part: x (none for lora_delta's weight of B_c alone), then the
+// part's tail columns.
 void products(const Call& call, const uint16_t* w, int64_t kw, const uint16_t* bias, uint16_t* y,
               int64_t begin, int64_t end) {
   int64_t first = 0;
@@ -95,7 +97,7 @@ void products(const Call& call, const uint16_t* w, int64_t kw, const uint16_t* b
     if (lo >= hi) continue;
     Problem p{call.inputs(), w + first * kw * kBlock, bias, y, call.n, call.m, kw, call.kp};
     p.first = first;
-    p.tail = call.tail.data() + part * call.rp, p.ktail = call.kp, p.ts = call.parts() * call.rp;
+    p.tail = call.tail.data() + part * call.rp, p.ktail = kw - call.rp, p.ts = call.parts() * call.rp;
     mtplm::fewrow::products(p, lo, hi);
   }
 }
@@ -132,34 +134,32 @@ void check(const at::Tensor& inputs, const at::Tensor& packed, const at::Tensor&
 
 // The call's shapes and buffers: x (the inputs, zero-padded to kp), tail and low zeroed.
 Call prepare(const at::Tensor& inputs, const at::Tensor& packed, const at::Tensor& a, const float* gate,
-             c10::IntArrayRef parts) {
+             c10::IntArrayRef parts, bool delta) {
   const int64_t n = inputs.size(0), k = inputs.size(1), kp = round_up(k, 32), m = packed.size(0);
   std::vector<int64_t> ends = part_ends(parts, m);
   const int64_t count = static_cast<int64_t>(ends.size()), total = a.size(0), rank = total / count;
   TORCH_CHECK(rank * count == total, "fewrow lora_linear: ", total, " adapter rows over ", count, " parts");
   const int64_t rp = round_up(rank, 32);
-  TORCH_CHECK(packed.size(2) == kp + rp, "fewrow lora_linear: ", k, " + ", rank,
-              " features, the packed weight ", packed.size(2), " (widened_weight's layout)");
+  TORCH_CHECK(packed.size(2) == (delta ? 0 : kp) + rp, "fewrow lora: ", delta ? 0 : k, " + ", rank,
+              " features, the packed weight ", packed.size(2), delta ? " (pack(B_c))" : " (widened_weight's layout)");
   at::Tensor x = inputs.contiguous();
   if (k != kp) x = at::constant_pad_nd(x, {0, kp - k});
   return Call{n, k, kp, m, rank, rp, total, std::move(ends), x, reinterpret_cast<const uint16_t*>(a.data_ptr()),
               gate, std::vector<uint16_t>(n * count * rp, 0), std::vector<float>(n * round_up(total, kBlock), 0.f)};
 }
 
-// inputs [N, K], packed = pack(widened_weight(W, [B_p])), down_packed = pack(A) of the adapters' A [R, K]
-// (R = parts x r), gate [N] float32, parts: the out features of each part (none: one part).
-at::Tensor lora_linear(const at::Tensor& inputs, const at::Tensor& packed, const at::Tensor& down_packed,
-                       const at::Tensor& gate, const c10::optional<at::Tensor>& bias, c10::IntArrayRef parts) {
-  const at::Tensor b = bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor();
-  const at::Tensor& a = down_packed;
+// The product over packed's columns, x's (none where `delta`) then the gated low-rank tail's; see the ops.
+at::Tensor gated(const at::Tensor& inputs, const at::Tensor& packed, const at::Tensor& a, const at::Tensor& gate,
+                 const at::Tensor& b, c10::IntArrayRef parts, bool delta) {
   check(inputs, packed, a, gate, b);
   const at::Tensor g = gate.contiguous();
-  Call call = prepare(inputs, packed, a, g.data_ptr<float>(), parts);
+  Call call = prepare(inputs, packed, a, g.data_ptr<float>(), parts, delta);
   bool open = false;
   for (int64_t row = 0; row < call.n; ++row) open = open || call.gate[row] != 0.f;
   const int64_t low_blocks = open ? call.low_stride() / kBlock : 0;  // closed: the tail stays zero
   at::Tensor y = at::empty({call.n, call.m}, inputs.options());
   if (call.n == 0 || call.m == 0) return y;
+  if (delta && !open) return y.zero_();
   const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const auto* bias_bits = b.defined() ? reinterpret_cast<const uint16_t*>(b.data_ptr()) : nullptr;
   auto* out = reinterpret_cast<uint16_t*>(y.data_ptr());
@@ -177,12 +177,33 @@ at::Tensor lora_linear(const at::Tensor& inputs, const at::Tensor& packed, const
   return y;
 }
 
+// inputs [N, K], packed = pack(widened_weight(W, [B_p])), down_packed = pack(A) of the adapters' A [R, K]
+// (R = parts x r), gate [N] float32, parts: the out features of each part (none: one part).
+at::Tensor lora_linear(const at::Tensor& inputs, const at::Tensor& packed, const at::Tensor& down_packed,
+                       const at::Tensor& gate, const c10::optional<at::Tensor>& bias, c10::IntArrayRef parts) {
+  const at::Tensor b = bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor();
+  return gated(inputs, packed, down_packed, gate, b, parts, false);
+}
+
+// The low-rank delta alone, bf16(bf16(gate * x A_p^T) B_p^T), beside a product the adapters cannot join (a
+// GGUF's quantized blocks): packed = pack(B_c) [M, 1, rp], B_c the parts' B stacked by rows (widened_weight
+// of a W with no columns), so an output reads its own part's r columns only; the sums are lora_linear's
+// over a W of zeros, bitwise. No <mtp> row (every gate 0): zeros.
+at::Tensor lora_delta(const at::Tensor& inputs, const at::Tensor& packed, const at::Tensor& down_packed,
+                      const at::Tensor& gate, c10::IntArrayRef parts) {
+  return gated(inputs, packed, down_packed, gate, at::Tensor(), parts, true);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mtplm_fewrow, m) {
   m.def(
       "lora_linear(Tensor inputs, Tensor packed, Tensor down_packed, Tensor gate, Tensor? bias, int[] parts=[]) "
       "-> Tensor");
+  m.def("lora_delta(Tensor inputs, Tensor packed, Tensor down_packed, Tensor gate, int[] parts=[]) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(mtplm_fewrow, CPU, m) { m.impl("lora_linear", lora_linear); }
+TORCH_LIBRARY_IMPL(mtplm_fewrow, CPU, m) {
+  m.impl("lora_linear", lora_linear);
+  m.impl("lora_delta", lora_delta);
+}
