@@ -212,3 +212,21 @@ def test_priced_mask_drafts_give_plain_decoding_and_feed_none_where_mtp_rows_nev
         assert runs[name].tokens == plain.tokens, name
     assert runs["dear masks"].tokens_per_forward == 1.0 and not runs["dear masks"].drafts
     assert sum(d for d, _ in runs["free"].drafts) > 0 and sum(d for d, _ in runs["unpriced"].drafts) > 0
+
+
+def test_priced_confadapt_feeds_slots_on_the_prompt_pass_only_where_mtp_rows_cost_what_real_rows_cost():
+    """Slots on a prompt's pass run the adapters over every prompt row: a curve whose <mtp> rows cost more
+    than real rows keeps that pass plain (later passes still feed what pays); a flat curve feeds them."""
+    from mtplm.decode.protocol import Outcome
+
+    curves = {
+        "free": (lambda n, masked=False: 1.0, True),
+        "dearer masks": (lambda n, masked=False: 1.0 + (0.3 * (n - 1) if masked else 0.02 * (n - 1)), False),
+    }
+    for name, (curve, prompt_slots) in curves.items():
+        strategy = make_strategy(dataclasses.replace(parse_mode("confadapt"), k_max=4), Thresholds(tau=0.5))
+        strategy.price(curve)
+        first = strategy.plan([1, 2, 3, 4], 30, None)
+        assert (first.slots > 0) == prompt_slots, name
+        later = strategy.plan([1, 2, 3, 4, 5], 29, Outcome(0, (5,)))
+        assert later.slots > 0, name  # at the prior's 1/2, one slot pays on either curve
