@@ -56,8 +56,13 @@ def products(backend) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
     """family -> [(input [1, K], packed weight)] in the pass's order, the LM head last."""
     families: dict[str, list] = defaultdict(list)
     for block in backend.weights.blocks:
-        for name in ("qkv", "o", "gate_up", "down"):
-            packed = getattr(block, f"{name}_w")
+        for name, projection in {
+            "qkv": block.qkv,
+            "o": block.o,
+            "gate_up": block.gate_up,
+            "down": block.down,
+        }.items():
+            packed = projection.products[0].weight
             families[name].append((torch.randn(1, packed.shape[2]).to(torch.bfloat16), packed))
     head = backend._head
     families["LM head"].append((torch.randn(1, head.shape[2]).to(torch.bfloat16), head))

@@ -209,12 +209,17 @@ def test_a_fused_projection_keeps_its_adapters_in_one_layout():
     model = five_layers(torch.bfloat16)
     packed = StaticBackend(model, 1, capacity=64, compile=False).weights.blocks[0]
     int8 = StaticBackend(model, 1, capacity=64, compile=False, quantize=True).weights.blocks[0]
-    for name in ("qkv", "o", "gate_up", "down"):
-        assert hasattr(packed, f"{name}_wb_w") and hasattr(packed, f"{name}_ap"), name
-        assert not hasattr(packed, f"{name}_a") and not hasattr(packed, f"{name}_b"), name
-        assert (
-            hasattr(int8, f"{name}_ap") and hasattr(int8, f"{name}_bp") and not hasattr(int8, f"{name}_wb_w")
-        )
-    parts = packed.adapter_parts
-    assert len(parts["qkv"]) == 3 and sum(parts["qkv"]) == packed.out_features["qkv"]  # q, k, v
-    assert len(parts["gate_up"]) == 2 and parts["o"] == [packed.out_features["o"]]
+    pairs = [
+        (packed.qkv, int8.qkv),
+        (packed.o, int8.o),
+        (packed.gate_up, int8.gate_up),
+        (packed.down, int8.down),
+    ]
+    for name, (widened, low_rank) in zip(("qkv", "o", "gate_up", "down"), pairs, strict=True):
+        adapter, apart = widened.adapter, low_rank.adapter
+        assert adapter.widened is not None and adapter.down_packed is not None and adapter.parts, name
+        assert adapter.down is None and adapter.up is None and adapter.up_packed is None, name
+        assert apart.widened is None and apart.down_packed is not None and apart.up_packed is not None, name
+    qkv, o, gate_up = packed.qkv, packed.o, packed.gate_up
+    assert len(qkv.adapter.parts) == 3 and sum(qkv.adapter.parts) == qkv.products[0].out_features  # q, k, v
+    assert len(gate_up.adapter.parts) == 2 and o.adapter.parts == [o.products[0].out_features]

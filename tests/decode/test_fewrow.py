@@ -63,7 +63,9 @@ def test_the_compiled_pass_over_the_kernel_is_the_uncompiled_pass(isa):
     model.adapters_to(torch.bfloat16)
     fast = StaticBackend(model, 1, capacity=32, compile=True)
     eager = StaticBackend(model, 1, capacity=32, compile=False)
-    assert fast.weights.prepacked and fast.weights.blocks[0].qkv_w.dim() == 3  # the kernel's layout
+    assert (
+        fast.weights.prepacked and fast.weights.blocks[0].qkv.products[0].weight.dim() == 3
+    )  # the kernel's layout
     length = 0
     with torch.inference_mode():
         for i, (tokens, slots) in enumerate([([3, 4, 5, 6], 0), ([7], 0), ([8], 3), ([9, 10], 0)]):

@@ -55,7 +55,7 @@ def test_the_backend_takes_the_models_weights_and_passes_alike(gated):
     attention = shared.hf.model.layers[0].self_attn
     q_proj = attention.q_proj.base if gated else attention.q_proj
     assert isinstance(q_proj, fewrow.PackedLinear)
-    packed = one.weights.blocks[0].qkv_w
+    packed = one.weights.blocks[0].qkv.products[0].weight
     assert q_proj.packed.untyped_storage().data_ptr() == packed.untyped_storage().data_ptr()
     assert not any(isinstance(m, fewrow.PackedLinear) for m in exact.hf.modules())
     after = shared.hf.state_dict()

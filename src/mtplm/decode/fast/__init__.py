@@ -1,6 +1,7 @@
 """The fast decode path: a compiled, static-shape forward pass for Llama-family models.
 
 weights.py   what the pass reads from the HF model (fused projections, fused gated-LoRA adapters)
+layers.py    one decoder layer's weights, typed: its norms and projections (products and adapters)
 forward.py   the pass itself, pure functions over those weights and a static KV store
 prefill.py   wide prompt passes (fused attention, the store read in place)
 graphs.py    which functions compile, with which inductor options, and where the compile cache lives

@@ -29,6 +29,8 @@ import torch.nn.functional as F
 
 from mtplm.decode.fast import fewrow, gguf, kernels
 from mtplm.decode.fast.architectures import Shape
+from mtplm.decode.fast.layers import Adapter, LayerWeights, Linear, Product, Projection
+from mtplm.decode.fast.quant import QuantLinear
 from mtplm.decode.fast.weights import FastWeights
 
 # Attention's two float32 products: BLAS picks its kernel by the product's row count, and on some CPUs (MKL
@@ -140,7 +142,7 @@ def prepare(
 
 
 def layer(
-    block,
+    block: LayerWeights,
     shape: Shape,
     hidden: torch.Tensor,
     rope: tuple[torch.Tensor, torch.Tensor],
@@ -156,7 +158,7 @@ def layer(
     SiLU-gated MLP; hidden [b, Q, D] in and out."""
     b, q, _ = hidden.shape
     heads, kv_heads, d = shape.heads, shape.kv_heads, shape.head_dim
-    qkv = project(block, "qkv", rms_norm(hidden, block.attn_norm, shape.eps), gate)  # [b, Q, (H + 2 KVH) d]
+    qkv = project(block.qkv, rms_norm(hidden, block.attn_norm, shape.eps), gate)  # [b, Q, (H + 2 KVH) d]
     query, key, value = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
     query = rotate(query.view(b, q, heads, d), *rope)  # [b, Q, H, d]
     key = rotate(key.view(b, q, kv_heads, d), *rope)  # [b, Q, KVH, d]
@@ -164,65 +166,69 @@ def layer(
     key_store[slots.unsqueeze(1), :, write] = key  # each sequence's rows at its own offset of its slot
     value_store[slots.unsqueeze(1), :, write] = value.view(b, q, kv_heads, d)
     attended = (attention or attend)(query, key_store, value_store, slots, kv_len, mask, shape.scaling)
-    hidden = hidden + project(block, "o", attended, gate)
-    gate_up = project(block, "gate_up", rms_norm(hidden, block.mlp_norm, shape.eps), gate)  # [b, Q, 2 I]
+    hidden = hidden + project(block.o, attended, gate)
+    gate_up = project(block.gate_up, rms_norm(hidden, block.mlp_norm, shape.eps), gate)  # [b, Q, 2 I]
     gated, up = gate_up.chunk(2, dim=-1)
-    return hidden + project(block, "down", F.silu(gated) * up, gate)
+    return hidden + project(block.down, F.silu(gated) * up, gate)
 
 
-def project(block, name: str, inputs: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+def project(projection: Projection, inputs: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
     """A (fused) projection plus its gated low-rank delta: [b, Q, in] -> [b, Q, out]."""
-    parts = block.parts[name]
-    if gate is not None and hasattr(block, f"{name}_wb_w"):
-        return _project_widened(block, name, inputs, gate)
-    if parts == 1:
-        out = linear(block, name, inputs)
-    else:  # unfused HF tensors, read in place
-        out = torch.cat([linear(block, f"{name}{i}", inputs) for i in range(parts)], dim=-1)
-    if gate is None:
+    adapter = projection.adapter
+    if gate is not None and adapter is not None and adapter.widened is not None:
+        return _project_widened(adapter, adapter.widened, inputs, gate)
+    if len(projection.products) == 1:
+        out = linear(projection.products[0], inputs)
+    else:  # unfused HF tensors read in place, or a GGUF's parts of differing block types
+        out = torch.cat([linear(product, inputs) for product in projection.products], dim=-1)
+    if gate is None or adapter is None:
         return out
     # quantized or unfused weights only (the rest take _project_widened)
-    if hasattr(block, f"{name}_bp"):  # two few-row products: bf16(gate * bf16(x A^T)) B^T
-        low = kernels.packed_linear(inputs, getattr(block, f"{name}_ap"), None)  # [b, Q, n r]
+    if adapter.up_packed is not None:  # two few-row products: bf16(gate * bf16(x A^T)) B^T
+        assert adapter.down_packed is not None
+        low = kernels.packed_linear(inputs, adapter.down_packed, None)  # [b, Q, n r]
         low = (low.float() * gate).to(low.dtype)
-        return out + kernels.packed_linear(low, getattr(block, f"{name}_bp"), None).to(out.dtype)
-    up = getattr(block, f"{name}_b")  # [out, n r]
-    delta = _low_rank_up(_low_rank(inputs, getattr(block, f"{name}_a"), gate), up)  # [b, Q, out]
+        return out + kernels.packed_linear(low, adapter.up_packed, None).to(out.dtype)
+    assert adapter.down is not None and adapter.up is not None  # [n r, in], [out, n r]
+    delta = _low_rank_up(_low_rank(inputs, adapter.down, gate), adapter.up)  # [b, Q, out]
     return out + delta.to(out.dtype)
 
 
-def linear(block, key: str, inputs: torch.Tensor) -> torch.Tensor:
-    """inputs @ W^T + bias for the block's weight `key` as stored: a GGUF's blocks, int4, int8, prepacked
-    bf16 or plain."""
-    if block.quantized == "gguf":  # a quant.QuantLinear over the GGUF's blocks (fast/gguf.py)
-        return block.quant[key](inputs)
-    weight, bias = getattr(block, f"{key}_w"), getattr(block, f"{key}_bias")
-    if block.quantized == "int4":
-        return kernels.int4_linear(
-            inputs, weight, getattr(block, f"{key}_scale"), block.out_features[key], bias
-        )
-    if block.quantized:
-        return kernels.int8_linear(inputs, weight, getattr(block, f"{key}_scale"), bias)
-    if block.prepacked:
+def linear(product: Product, inputs: torch.Tensor) -> torch.Tensor:
+    """inputs @ W^T + bias for one product as stored: a GGUF's blocks, int4, int8, prepacked bf16 or
+    plain."""
+    if isinstance(product, QuantLinear):  # over the GGUF's blocks (fast/gguf.py)
+        return product(inputs)
+    weight, bias, scale = product.weight, product.bias, product.scale
+    if product.kind == "int4":
+        assert scale is not None  # [in / group, out, 2]
+        return kernels.int4_linear(inputs, weight, scale, product.out_features, bias)
+    if product.kind == "int8":
+        assert scale is not None  # [out]
+        return kernels.int8_linear(inputs, weight, scale, bias)
+    if product.kind == "packed":
         return kernels.packed_linear(inputs, weight, bias)
     return F.linear(inputs, weight, bias)
 
 
-def _project_widened(block, name: str, inputs: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+def _project_widened(
+    adapter: Adapter, widened: Linear, inputs: torch.Tensor, gate: torch.Tensor
+) -> torch.Tensor:
     """A fused projection whose weight carries the adapters' B columns too (weights.py): the gated low-rank
     activations join the GEMM's input, so one GEMM gives W x + B (gate * A x). Rows without <mtp> feed zeros
     there and get W x exactly. Measured against [W; A] with B as a fused reduction: see
     docs/backends-kernels.md. Over mtplm's few-row kernel, one call of its lora_linear computes A x, the gate
     and the product, each output over its own part's adapter columns only: no reduction or concatenation in
     the graph."""
-    widened, parts = getattr(block, f"{name}_wb_w"), block.adapter_parts.get(name)
-    if parts is not None:  # widened for fewrow.lora_linear (weights.py)
-        bias, down_packed = getattr(block, f"{name}_wb_bias"), getattr(block, f"{name}_ap")
+    if adapter.parts is not None:  # widened for fewrow.lora_linear (weights.py)
         flat = inputs.reshape(-1, inputs.shape[-1])  # [N, in]
-        out = fewrow.lora_linear(flat, widened, down_packed, gate.reshape(-1), bias, parts)
-        return out.view(*inputs.shape[:-1], widened.shape[0])
-    low = _low_rank(inputs, getattr(block, f"{name}_a"), gate)  # [b, Q, n r]
-    return linear(block, f"{name}_wb", torch.cat([inputs, low.to(inputs.dtype)], dim=-1))
+        weight, bias, down_packed = widened.weight, widened.bias, adapter.down_packed
+        assert down_packed is not None
+        out = fewrow.lora_linear(flat, weight, down_packed, gate.reshape(-1), bias, adapter.parts)
+        return out.view(*inputs.shape[:-1], weight.shape[0])
+    assert adapter.down is not None  # [n r, in]
+    low = _low_rank(inputs, adapter.down, gate)  # [b, Q, n r]
+    return linear(widened, torch.cat([inputs, low.to(inputs.dtype)], dim=-1))
 
 
 def _low_rank(inputs: torch.Tensor, down: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

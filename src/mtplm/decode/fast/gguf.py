@@ -35,22 +35,21 @@ from mtplm.decode.fast import fewrow, kernels, quant
 log = logging.getLogger(__name__)
 
 
-def add_group(block: Any, name: str, linears: list[GGUFLinear], bases: list[nn.Linear], fuse: bool) -> None:
-    """Block `block`'s weights of group `name`, quant.QuantLinear modules in block.quant by forward.linear's
-    key: one fused where `fuse` and the parts share their block type, else one per part (block.parts[name]
-    says how many). Biases (float32) ride in the product."""
+def products(linears: list[GGUFLinear], bases: list[nn.Linear], fuse: bool) -> list[quant.QuantLinear]:
+    """A projection group's products over its parts' GGUF blocks (layers.Projection's): one fused where
+    `fuse` and the parts share their block type, else one per part. Biases (float32) ride in the product."""
     kinds = {linear.kind for linear in linears}
-    fused = fuse and len(kinds) == 1 and len({linear.in_features for linear in linears}) == 1
-    block.parts[name] = 1 if fused else len(linears)
-    if fused:
+    if fuse and len(kinds) == 1 and len({linear.in_features for linear in linears}) == 1:
         raw = torch.cat([linear.raw() for linear in linears]) if len(linears) > 1 else linears[0].raw()
         out = sum(linear.out_features for linear in linears)
         weight = quant.pack(linears[0].kind, raw, out, linears[0].in_features)
-        block.quant[name] = quant.QuantLinear(weight, _bias(bases))
-        return
-    for i, (linear, base) in enumerate(zip(linears, bases, strict=True)):
-        weight = quant.pack(linear.kind, linear.raw(), linear.out_features, linear.in_features)
-        block.quant[f"{name}{i}"] = quant.QuantLinear(weight, _bias([base]))
+        return [quant.QuantLinear(weight, _bias(bases))]
+    return [
+        quant.QuantLinear(
+            quant.pack(linear.kind, linear.raw(), linear.out_features, linear.in_features), _bias([base])
+        )
+        for linear, base in zip(linears, bases, strict=True)
+    ]
 
 
 def _bias(bases: list[nn.Linear]) -> torch.Tensor | None:

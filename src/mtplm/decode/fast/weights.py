@@ -2,7 +2,8 @@
 
 The fast pass never runs HF modules; it reads their tensors, where its family's entry of the architecture
 table says a decoder layer keeps them (fast/architectures.py: Llama, Qwen2, Mistral). Anything else is a
-UserError: the eager HF path (ragged.py) stays the reference and the fallback.
+UserError: the eager HF path (ragged.py) stays the reference and the fallback. Each decoder layer becomes a
+typed LayerWeights (fast/layers.py), built once here (_Storage), which the pass reads by its fields.
 
 Two regroupings, both optional (`fuse`): the q, k, v projections become one [(H + 2 KVH) d, D] matrix and
 gate/up one [2 I, D] matrix, so a pass reads each layer's weights in 4 GEMMs instead of 7. The fused
@@ -21,6 +22,8 @@ Shapes: D hidden, H query heads, KVH key/value heads, d head dim, I MLP width, r
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -28,6 +31,7 @@ from torch import nn
 
 from mtplm.decode.fast import fewrow, gguf, kernels
 from mtplm.decode.fast.architectures import Architecture, architecture, check_supported
+from mtplm.decode.fast.layers import Adapter, LayerWeights, Linear, Projection
 from mtplm.errors import UserError
 from mtplm.lora import GatedLoRALinear
 from mtplm.model import MTPModel
@@ -43,6 +47,7 @@ class FastWeights(nn.Module):
     inv_freq: torch.Tensor
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
+    blocks: Sequence[LayerWeights]  # an nn.ModuleList: their buffers are FastWeights'
 
     def __init__(
         self,
@@ -94,131 +99,119 @@ class FastWeights(nn.Module):
         linears = (
             source.layers if (source := gguf.source(model)) is not None else [None] * len(decoder.layers)
         )
-        family = architecture(model)
-        self.blocks = nn.ModuleList(
-            _Block(layer, family, fuse, self.prepacked, kind, share, linears[i])
-            for i, layer in enumerate(decoder.layers)
+        family, storage = architecture(model), _Storage(fuse, self.prepacked, kind, share)
+        self.blocks = cast(
+            Any,
+            nn.ModuleList(storage.layer(layer, family, linears[i]) for i, layer in enumerate(decoder.layers)),
         )
 
 
-class _Block(nn.Module):
-    """One decoder layer's tensors: norms, projections (fused or HF's own), biases, adapters."""
+@dataclass(frozen=True)
+class _Storage:
+    """How FastWeights stores a layer's products: fused groups (`fuse`), prepacked for the few-row kernels
+    (`prepack`), quantized (`quantize`: "int8", "int4", "gguf" or None), the packed weights replacing Hugging
+    Face's own (`share`)."""
 
-    def __init__(
-        self,
-        layer: Any,
-        family: Architecture,
-        fuse: bool,
-        prepack: bool,
-        quantize: str | None = None,
-        share: bool = False,
-        source: dict | None = None,  # the GGUF's linears of this layer (quantize "gguf")
-    ) -> None:
-        super().__init__()
-        self.prepacked, self.quantized = prepack, quantize
-        self.quant = nn.ModuleDict()  # quant.QuantLinear by forward.linear's key (quantize "gguf")
-        self.out_features: dict[str, int] = {}  # int4 weights are padded to 16 rows: the real output width
-        self.adapter_parts: dict[str, list[int]] = {}  # widened weights laid out for fewrow.lora_linear
+    fuse: bool
+    prepack: bool
+    quantize: str | None
+    share: bool
+
+    def layer(self, layer: Any, family: Architecture, source: dict | None) -> LayerWeights:
+        """One decoder layer's LayerWeights; `source`: the GGUF's linears of this layer (quantize "gguf")."""
         before_attention, before_mlp = (getattr(layer, norm).weight for norm in family.norms)
-        self.register_buffer("attn_norm", before_attention, persistent=False)  # [D]
-        self.register_buffer("mlp_norm", before_mlp, persistent=False)  # [D]
-        homes = {name: [_home(layer, path) for path in paths] for name, paths in family.projections.items()}
-        groups = {name: [getattr(parent, attr) for parent, attr in places] for name, places in homes.items()}
-        self.parts = {
-            name: 1 if fuse else len(linears) for name, linears in groups.items()
-        }  # GEMMs per group
-        for name, linears in groups.items():
-            bases = [_base(linear) for linear in linears]
-            adapters = [linear for linear in linears if isinstance(linear, GatedLoRALinear)]
-            if adapters and len(adapters) < len(linears):
-                raise UserError(
-                    f"the compiled backend fuses {name}'s adapters: it needs gated LoRA on all of "
-                    f"them or none; use --backend eager"
-                )
-            downs = [adapter.lora_a.detach() for adapter in adapters]  # each [r, in]
-            ups = [adapter.lora_b.detach() for adapter in adapters]  # each [out, r]
-            if source is not None:  # the GGUF's blocks (fast/gguf.py); the adapters beside them
-                gguf.add_group(self, name, [source[attr] for _, attr in homes[name]], bases, fuse)
-                if adapters:
-                    self._add_low_rank(name, downs, ups)
-            elif self.parts[name] == 1:
-                weight, bias = _cat([b_.weight for b_ in bases]).detach(), _cat_bias(bases)
-                self._add(name, weight, bias, prepack)
-                if adapters:
-                    self._add_adapters(name, weight, bias, downs, ups, prepack)
-                if share and _fewrow_packs(weight, prepack):
-                    _share(getattr(self, f"{name}_w"), homes[name])
-            else:
-                for i, base in enumerate(bases):
-                    self._add(f"{name}{i}", base.weight, base.bias)
-                if adapters:
-                    self._add_low_rank(name, downs, ups)
+        groups = {
+            name: self.projection(name, [_home(layer, path) for path in paths], source)
+            for name, paths in family.projections.items()
+        }
+        return LayerWeights(before_attention, before_mlp, **groups)
 
-    def _add_adapters(
+    def projection(self, name: str, homes: list[tuple[nn.Module, str]], source: dict | None) -> Projection:
+        """One group's products (fused or HF's own, or the GGUF's blocks) and adapters; `homes`: each part's
+        (parent module, attribute)."""
+        linears = [getattr(parent, attr) for parent, attr in homes]
+        bases = [_base(linear) for linear in linears]
+        adapters = [linear for linear in linears if isinstance(linear, GatedLoRALinear)]
+        if adapters and len(adapters) < len(linears):
+            raise UserError(
+                f"the compiled backend fuses {name}'s adapters: it needs gated LoRA on all of "
+                f"them or none; use --backend eager"
+            )
+        downs = [adapter.lora_a.detach() for adapter in adapters]  # each [r, in]
+        ups = [adapter.lora_b.detach() for adapter in adapters]  # each [out, r]
+        if source is not None:  # the GGUF's blocks (fast/gguf.py); the adapters beside them
+            products = gguf.products([source[attr] for _, attr in homes], bases, self.fuse)
+            return Projection(products, self.low_rank(downs, ups) if adapters else None)
+        if not self.fuse and len(linears) > 1:  # unfused HF tensors, read in place
+            parts = [self.product(name, base.weight, base.bias) for base in bases]
+            return Projection(parts, self.low_rank(downs, ups) if adapters else None)
+        weight, bias = _cat([b_.weight for b_ in bases]).detach(), _cat_bias(bases)
+        product = self.product(name, weight, bias, self.prepack)
+        adapter = self.adapters(name, weight, bias, downs, ups) if adapters else None
+        if self.share and _fewrow_packs(weight, self.prepack):
+            _share(product.weight, homes)
+        return Projection([product], adapter)
+
+    def adapters(
         self,
         name: str,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         downs: list[torch.Tensor],
         ups: list[torch.Tensor],
-        prepack: bool,
-    ) -> None:
+    ) -> Adapter:
         """A fused projection's gated adapters, in the one layout its passes with <mtp> rows read: for
         mtplm's few-row kernel, the widened weight whose output rows carry their own part's adapter columns
-        only (fewrow.widened_weight, `{name}_wb`) and A packed (`{name}_ap`); else [W | block_diag(B_p)]
-        (`{name}_wb`) and A (`{name}_a`), the projection's GEMM giving the B product too; int8 and int4
-        weights the low-rank delta beside the product (`{name}_a`, `{name}_b`). Either widened weight is a
-        copy of W (`weight`, the fused one, and its `bias`)."""
-        if self.quantized:
-            self._add_low_rank(name, downs, ups)
-            return
+        only (fewrow.widened_weight) and A packed; else [W | block_diag(B_p)] and A, the projection's GEMM
+        giving the B product too; int8 and int4 weights the low-rank delta beside the product (low_rank).
+        Either widened weight is a copy of W (`weight`, the fused one, and its `bias`)."""
+        if self.quantize:
+            return self.low_rank(downs, ups)
         down = torch.cat(downs)  # [n r, in]
-        if _fewrow_packs(weight, prepack) and down.dtype == torch.bfloat16:
+        if _fewrow_packs(weight, self.prepack) and down.dtype == torch.bfloat16:
             try:
-                widened, self.adapter_parts[name] = fewrow.widened_weight(weight, ups)
+                widened, parts = fewrow.widened_weight(weight, ups)
             except ValueError:
                 widened = None  # parts off 16-row blocks: the block-diagonal layout below
-            if widened is not None:
-                self._add(f"{name}_wb", widened, bias, prepack)  # [out, in (to 32) + r]
-                # lora_linear computes x A^T in AMX tiles from A in the kernel's layout
-                self.register_buffer(f"{name}_ap", fewrow.pack(down), persistent=False)
-                return
+            if widened is not None:  # [out, in (to 32) + r]; lora_linear computes x A^T in AMX tiles from A
+                # in the kernel's layout
+                wide = self.product(name, widened, bias, self.prepack)
+                return Adapter(down_packed=fewrow.pack(down), widened=wide, parts=parts)
         block_diagonal = torch.block_diag(*ups).to(weight.dtype)  # [out, n r]
-        self._add(f"{name}_wb", torch.cat([weight, block_diagonal], dim=1), bias, prepack)  # [out, in + n r]
-        self.register_buffer(f"{name}_a", down, persistent=False)
+        wide = self.product(
+            name, torch.cat([weight, block_diagonal], dim=1), bias, self.prepack
+        )  # [out, in + n r]
+        return Adapter(down=down, widened=wide)
 
-    def _add_low_rank(self, name: str, downs: list[torch.Tensor], ups: list[torch.Tensor]) -> None:
+    @staticmethod
+    def low_rank(downs: list[torch.Tensor], ups: list[torch.Tensor]) -> Adapter:
         """The adapters as forward.project's low-rank delta reads them beside a quantized product: A [n r, in]
         and block_diag(B_p) [out, n r], packed for mtplm's few-row kernel where it loads (bf16 adapters:
-        `{name}_ap`, `{name}_bp`, two small products), else as they are (`{name}_a`, `{name}_b`)."""
+        two small products), else as they are."""
         down, up = torch.cat(downs), torch.block_diag(*ups)
         if _fewrow_packs(down, True) and up.dtype == torch.bfloat16:
-            self.register_buffer(f"{name}_ap", fewrow.pack(down), persistent=False)
-            self.register_buffer(f"{name}_bp", fewrow.pack(up), persistent=False)
-            return
-        self.register_buffer(f"{name}_a", down, persistent=False)
-        self.register_buffer(f"{name}_b", up, persistent=False)
+            return Adapter(down_packed=fewrow.pack(down), up_packed=fewrow.pack(up))
+        return Adapter(down=down, up=up)
 
-    def _add(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool = False) -> None:
-        """Buffers `{name}_w` [out, in] (prepacked, int8 with `{name}_scale` [out], int4 packed with
-        `{name}_scale` [in / group, out, 2], or as given) and `{name}_bias`."""
-        weight = weight.detach()
-        self.out_features[name] = weight.shape[0]
-        if self.quantized == "int4":
+    def product(
+        self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool = False
+    ) -> Linear:
+        """Group `name`'s Linear over `weight` [out, in]: int8 with per-row scales [out], int4 packed with
+        scales [in / group, out, 2], prepacked (kernels.pack), or as given; `bias` beside it."""
+        weight, bias = weight.detach(), None if bias is None else bias.detach()
+        out_features, scale, kind = weight.shape[0], None, "packed" if prepack else "plain"
+        if self.quantize == "int4":
             if weight.shape[1] % kernels.INT4_GROUP:
                 raise UserError(
                     f"int4 weights need in-features a multiple of {kernels.INT4_GROUP}; this model's "
                     f"{name} projection has {weight.shape[1]}: use --backend compiled"
                 )
-            weight, scales = kernels.quantize_int4(weight)
-            self.register_buffer(f"{name}_scale", scales, persistent=False)
-        elif self.quantized:
-            weight, scales = kernels.quantize_int8(weight)
-            self.register_buffer(f"{name}_scale", scales, persistent=False)
+            (weight, scale), kind = kernels.quantize_int4(weight), "int4"
+        elif self.quantize:
+            (weight, scale), kind = kernels.quantize_int8(weight), "int8"
         elif prepack:
             weight = kernels.pack(weight)
-        self.register_buffer(f"{name}_w", weight, persistent=False)  # [out, in]
-        self.register_buffer(f"{name}_bias", None if bias is None else bias.detach(), persistent=False)
+        return Linear(kind, weight, bias, scale, out_features)
 
 
 def packed_head(model: MTPModel, head: torch.Tensor, weights: FastWeights) -> Any:
