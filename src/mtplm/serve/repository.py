@@ -279,9 +279,9 @@ class Repository:
             raise APIError(
                 500, f"model {entry.id!r} failed to load: {exc}", "model", "model_load_failed", "server_error"
             ) from None
+        if self.draft_model is not None:  # first: the drafter's price reads the model's weights, which the
+            drafts.append(self._attach(entry, model))  # model's backend may pack in place of its parameters
         backend = make_backend(self.backend, model, self.max_batch)
-        if self.draft_model is not None:
-            drafts.append(self._attach(entry, model))
         if self.context is not None:  # every mode a request may ask: plain rows and <mtp> rows, copied drafts
             warm_up(
                 backend,
