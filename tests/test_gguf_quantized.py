@@ -18,7 +18,7 @@ from kquants import quantize as quantize_k
 from mtplm.assets import quantized
 from mtplm.assets.models import SOURCE_FILE
 from mtplm.config import DecodeConfig, parse_mode
-from mtplm.decode.fast import StaticBackend, quant
+from mtplm.decode.fast import StaticBackend, fewrow, quant
 from mtplm.decode.passes.backends import EagerBackend
 from mtplm.decode.run.loop import generate
 from mtplm.errors import UserError
@@ -251,9 +251,11 @@ def test_gguf_weights_need_a_gguf(tmp_path):
 
 
 @pytest.mark.parametrize("which", BOTH)
-def test_a_gated_mtp_model_over_a_quantized_base_keeps_its_adapters_in_bf16(which, request):
+def test_a_gated_mtp_model_over_a_quantized_base_keeps_its_adapters_in_bf16(which, request, monkeypatch):
     """<mtp> row and adapters bf16 over the GGUF's blocks: <mtp> rows change with the adapters, plain rows
-    do not, and verified decoding with <mtp> blocks still gives plain's tokens."""
+    do not, and verified decoding with <mtp> blocks still gives plain's tokens. The adapters' delta runs as
+    one fewrow.lora_delta call a projection, and gives what the two products over A and block_diag(B) give
+    (the layout for parts off 16-row blocks), within bf16 rounding."""
     tiny_dir = request.getfixturevalue(which)
     model = load_model(str(tiny_dir), "gguf")
     model.add_mask_token(k_max=4, base_identity={"name": "tiny"})
@@ -273,6 +275,19 @@ def test_a_gated_mtp_model_over_a_quantized_base_keeps_its_adapters_in_bf16(whic
     assert torch.isinf(
         logits[:, model.mask_id]
     ).all()  # the <mtp> row, beyond the GGUF's head: never predicted
+    assert backend.weights.blocks[0].qkv.adapter.parts is not None  # lora_delta's layout
+    masked = _feed([*prompt, model.mask_id, model.mask_id])
+    one_call = backend.run(0, [masked], [0])[0].float()
+    monkeypatch.setattr(fewrow, "widened_weight", _refuse)
+    two = StaticBackend(model, 1, capacity=256, compile=False)
+    assert two.weights.blocks[0].qkv.adapter.parts is None
+    apart = two.run(0, [masked], [0])[0].float()
+    assert torch.equal(one_call[: len(prompt)], apart[: len(prompt)])  # plain rows: no delta either way
+    torch.testing.assert_close(one_call, apart, atol=0.05, rtol=0.05)
+
+
+def _refuse(*args):
+    raise ValueError("parts off 16-row blocks")
 
 
 def _feed(tokens: list[int]):

@@ -184,6 +184,13 @@ def project(projection: Projection, inputs: torch.Tensor, gate: torch.Tensor | N
     if gate is None or adapter is None:
         return out
     # quantized or unfused weights only (the rest take _project_widened)
+    if adapter.up_packed is not None and adapter.parts is not None:  # one call: bf16(gate * x A^T) B^T
+        assert adapter.down_packed is not None
+        flat = inputs.reshape(-1, inputs.shape[-1])
+        delta = fewrow.lora_delta(
+            flat, adapter.up_packed, adapter.down_packed, gate.reshape(-1), adapter.parts
+        )
+        return out + delta.view(*inputs.shape[:-1], -1).to(out.dtype)
     if adapter.up_packed is not None:  # two few-row products: bf16(gate * bf16(x A^T)) B^T
         assert adapter.down_packed is not None
         low = kernels.packed_linear(inputs, adapter.down_packed, None)  # [b, Q, n r]

@@ -58,7 +58,9 @@ class Adapter(nn.Module):
     - widened with `down_packed` and `parts`: fewrow.lora_linear's widened weight, whose output rows carry
       their own part's adapter columns only, and A packed for the kernel;
     - widened with `down`: [W | block_diag(B_p)] [out, in + n r], and A [n r, in];
-    - `down_packed` and `up_packed` (no widened): two few-row products beside a quantized product;
+    - `down_packed`, `up_packed` and `parts` (no widened): fewrow.lora_delta's stacked B beside a quantized
+      product, one call;
+    - `down_packed` and `up_packed` (no widened, no parts): two few-row products beside a quantized product;
     - `down` and `up` (no widened): A [n r, in] and block_diag(B_p) [out, n r] as they are."""
 
     down: torch.Tensor | None
@@ -84,7 +86,7 @@ class Adapter(nn.Module):
         ):
             self.register_buffer(name, tensor, persistent=False)
         self.widened = widened  # a copy of the fused W with the B columns beside it (None: low-rank apart)
-        self.parts = parts  # the parts' output widths, where widened for fewrow.lora_linear
+        self.parts = parts  # the parts' output widths, for fewrow.lora_linear (widened) or lora_delta
 
 
 class Projection(nn.Module):

@@ -185,13 +185,19 @@ class _Storage:
 
     @staticmethod
     def low_rank(downs: list[torch.Tensor], ups: list[torch.Tensor]) -> Adapter:
-        """The adapters as forward.project's low-rank delta reads them beside a quantized product: A [n r, in]
-        and block_diag(B_p) [out, n r], packed for mtplm's few-row kernel where it loads (bf16 adapters:
-        two small products), else as they are."""
+        """The adapters as forward.project's low-rank delta reads them beside a quantized product. Where
+        mtplm's few-row kernel loads (bf16 adapters): A packed, and the parts' B stacked by output rows
+        (each output its own part's r columns) packed for fewrow.lora_delta, one call a projection; parts off
+        16-row blocks, block_diag(B_p) [out, n r] packed, two products. Else A [n r, in] and block_diag(B_p)
+        as they are."""
         down, up = torch.cat(downs), torch.block_diag(*ups)
-        if _fewrow_packs(down, True) and up.dtype == torch.bfloat16:
+        if not (_fewrow_packs(down, True) and up.dtype == torch.bfloat16):
+            return Adapter(down=down, up=up)
+        try:
+            stacked, parts = fewrow.widened_weight(up.new_zeros(up.shape[0], 0), ups)
+        except ValueError:  # parts off 16-row blocks: an output block would read two parts' columns
             return Adapter(down_packed=fewrow.pack(down), up_packed=fewrow.pack(up))
-        return Adapter(down=down, up=up)
+        return Adapter(down_packed=fewrow.pack(down), up_packed=fewrow.pack(stacked), parts=parts)
 
     def product(
         self, name: str, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool = False
