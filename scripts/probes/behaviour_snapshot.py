@@ -31,10 +31,10 @@ def snapshot(prompts: int, max_new_tokens: int) -> dict:
     captured: dict = {}
     original = bench_run._one_prompt
 
-    def keep(model, example, ids, modes, runners, baselines, records, scorer, max_new_tokens):
-        captured["records"], captured["model"] = records, model
+    def keep(own, example, ids, modes, baselines, records, scorer, max_new_tokens):
+        captured["records"], captured["model"] = records, next(iter(own.models.values()))
         captured.setdefault("prompts", []).append(ids)
-        return original(model, example, ids, modes, runners, baselines, records, scorer, max_new_tokens)
+        return original(own, example, ids, modes, baselines, records, scorer, max_new_tokens)
 
     bench_run._one_prompt = keep
     with tempfile.TemporaryDirectory() as out:
