@@ -13,6 +13,7 @@ the torch version and threads, the backend and its kernels (ISA and build), and 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
@@ -62,6 +63,8 @@ def cache_key(backend: object, model) -> str:
     isa = getattr(backend, "kernel_isa", "")
     if isa and isa != "onednn":  # the kernels' own build (their source and flags) too
         isa += " " + fewrow.build_dir().name
+    if hasattr(backend, "weights"):  # the compiled pass's own code (which kernels a pass calls, and how)
+        isa += " pass " + _pass_source()
     weights = getattr(backend, "weights", None)  # the blocks the pass reads and the graphs that run it
     layout = f"{getattr(weights, 'quantized', None) or 'float'} weights, {_graphs(backend)}"
     return (
@@ -69,6 +72,14 @@ def cache_key(backend: object, model) -> str:
         f"{type(backend).__name__} {_pass_kind(backend)} {isa} | {layout} | {shape} {model.hf.dtype} "
         f"{model.hf.device}"
     )
+
+
+@functools.cache
+def _pass_source() -> str:
+    """A hash of the compiled pass's Python sources (decode/fast/*.py): a release that changes which kernels
+    a pass calls prices its passes afresh."""
+    files = sorted(Path(fewrow.__file__).parent.glob("*.py"))
+    return hashlib.sha256(b"".join(path.read_bytes() for path in files)).hexdigest()[:12]
 
 
 def _graphs(backend: object) -> str:
