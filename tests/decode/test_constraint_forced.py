@@ -121,7 +121,7 @@ def test_spelled_forced_bytes_are_fed_and_tokens_stay_constrained_plain():
 def test_the_first_pass_is_the_prompt_and_its_forced_tokens_alone():
     """No draft rides a sequence's first pass, not even the spelling of bytes the grammar forces there
     (forced_plan): the first pass is then the same rows in every lossless mode, so a long prompt's wide pass
-    rounds alike (stop 44: such a draft made verified:lookup part from constrained plain in bf16)."""
+    rounds alike (such a draft once made verified:lookup part from constrained plain in bf16)."""
     model = _model()
     ids = model.tokenizer("SELECT name FROM users WHERE age >= 21;" * 3, add_special_tokens=False)[
         "input_ids"

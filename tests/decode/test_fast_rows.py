@@ -1,4 +1,4 @@
-"""Multi-row and `<mtp>` passes of the compiled backend at the price of a 1-row pass (issue 29 items 2 and 4):
+"""Multi-row and `<mtp>` passes of the compiled backend at the price of a 1-row pass:
 the few-row kernel's fused adapter entry (fewrow.lora_linear) against the widened product it replaces, and
 the grouped-layer graphs (fast/graphs.py) against the uncompiled pass."""
 

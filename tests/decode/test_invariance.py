@@ -139,7 +139,7 @@ def test_verified_knows_the_widest_decode_pass():
 def test_a_wide_prompt_pass_feeds_the_prompt_alone(mode):
     """The first pass of a long prompt carries no drafts and no <mtp> block in any verified strategy: they
     would widen the compiled backend's wide (prompt) pass, whose rounding depends on its rows, and part the
-    prompt's bf16 KV from plain decoding's (verified:tree did, stop 39: 6 of 10 prompts parted, the first at
+    prompt's bf16 KV from plain decoding's (verified:tree once did: 6 of 10 prompts parted, the first at
     its first token). A short prompt's first pass, a decode pass, keeps its block."""
     from mtplm.decode.verified import DECODE_ROWS
 

@@ -1,4 +1,4 @@
-"""What a first user hits (issue 31 part 3): a model that cannot load, lm-eval's many stop strings, explicit
+"""What a first user hits: a model that cannot load, lm-eval's many stop strings, explicit
 nulls, harmless hosted-service fields, refused requests in the metrics, and `serve --help`."""
 
 from __future__ import annotations
