@@ -142,8 +142,8 @@ def _build_and_load() -> None:
         )
     torch.library.register_fake("mtplm_fewrow::linear", linear_shape)
     torch.library.register_fake("mtplm_fewrow::pack", _pack_shape)
-    torch.library.register_fake("mtplm_fewrow::lora_linear", _lora_linear_shape)
-    torch.library.register_fake("mtplm_fewrow::lora_delta", _lora_delta_shape)
+    torch.library.register_fake("mtplm_fewrow::lora_linear", _lora_shape)
+    torch.library.register_fake("mtplm_fewrow::lora_delta", _lora_shape)
     if has_int4():
         torch.library.register_fake("mtplm_fewrow::int4_linear", _int4_linear_shape)
     torch.library.register_fake("mtplm_fewrow::attend", _attend_shape)
@@ -169,24 +169,8 @@ def _int4_linear_shape(
     return inputs.new_empty(inputs.shape[0], codes.shape[0])
 
 
-def _lora_linear_shape(
-    inputs: torch.Tensor,
-    packed: torch.Tensor,
-    down_packed: torch.Tensor,
-    gate: torch.Tensor,
-    bias: torch.Tensor | None,
-    parts: list[int] | None = None,
-) -> torch.Tensor:
-    return inputs.new_empty(inputs.shape[0], packed.shape[0])
-
-
-def _lora_delta_shape(
-    inputs: torch.Tensor,
-    packed: torch.Tensor,
-    down_packed: torch.Tensor,
-    gate: torch.Tensor,
-    parts: list[int] | None = None,
-) -> torch.Tensor:
+def _lora_shape(inputs: torch.Tensor, packed: torch.Tensor, *rest: object) -> torch.Tensor:
+    """The [N, M] result of lora_linear or lora_delta (inputs [N, K], packed [M, 1, Kw]), for tracing."""
     return inputs.new_empty(inputs.shape[0], packed.shape[0])
 
 
