@@ -111,8 +111,8 @@ class ConfAdapt(_Block):
     def price(self, cost: RowCost) -> None:
         """Feed mask slots by what a pass of a token and n-1 <mtp> rows costs here relative to one row
         (budget.py): the adapters run on them. A prompt's pass feeds them only where <mtp> rows cost what real
-        rows cost: slots there run the adapters over every prompt row (a 100-token prompt's pass took 1.28x
-        on a 2-core EPYC over Q4_1 blocks) for the few tokens they may bring."""
+        rows cost: slots there run the adapters over every prompt row (time to first token 118 against plain's
+        92 ms on a 2-core EPYC over SmolLM2's Q4_1 blocks) for the few tokens they may bring."""
         self.draft_budget = DraftBudget(partial(cost, masked=True))
         self.prompt_slots = cost(PROMPT_PRICE_ROWS, masked=True) <= cost(PROMPT_PRICE_ROWS) * PROMPT_SLACK
 

@@ -63,9 +63,9 @@ def cache_key(backend: object, model) -> str:
     isa = getattr(backend, "kernel_isa", "")
     if isa and isa != "onednn":  # the kernels' own build (their source and flags) too
         isa += " " + fewrow.build_dir().name
-    if hasattr(backend, "weights"):  # the compiled pass's own code (which kernels a pass calls, and how)
-        isa += " pass " + _pass_source()
     weights = getattr(backend, "weights", None)  # the blocks the pass reads and the graphs that run it
+    if weights is not None:  # the compiled pass's own code (which kernels a pass calls, and how)
+        isa += " pass " + _pass_source()
     layout = f"{getattr(weights, 'quantized', None) or 'float'} weights, {_graphs(backend)}"
     return (
         f"{cpu_identity()} | torch {torch.__version__}, {torch.get_num_threads()} threads | "
