@@ -5,10 +5,10 @@ A Record holds, for each position r of an answer (the model's own greedy continu
 block the decoder sees there: row r is the block whose slot 0 predicts answer token r (the next-token
 prediction after token r-1), slot j answer token r+j; for each prediction its confidence, whether it
 equals the token it is checked against, and that token's rank among the prediction's candidates. The
-replay steps through the answer as the loop (run/loop.py) does: each pass asks the strategy for a plan, lays
-it out (protocol.Feed), hands the strategy logits rebuilt from the records (RecordLogits: the argmax is
-the answer's token where the records say it agrees, with the recorded top-1 confidence and rank), lets it
-choose and draft, and moves on by what it emitted. Because the answer is the model's greedy output, the
+replay decodes the answer as decoding does (a run/decoding.Decoding that run/loop.run_pass drives, with the
+strategy's own plan / choose / draft) on a backend whose passes return what the records say (Records: each
+row's argmax is the answer's token where the records say it agrees, with the recorded top-1 confidence and
+rank), and the strategy plans on the answer's text. Because the answer is the model's greedy output, the
 next-token path agrees with it wherever the kept drafts did, so a greedy verified strategy is replayed
 exactly; a lossy one (static k, ConfAdapt) is replayed on the greedy text (after a confident wrong token
 the real decoder diverges from it) and every emitted token that is not the answer's counts as wrong.
@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from functools import cached_property
+from dataclasses import astuple, dataclass, field
 
 import torch
 
 from mtplm.config import DecodeConfig
-from mtplm.decode.protocol import Feed, Outcome, PassLogits, Plan, Strategy
-from mtplm.decode.run.deciding import decide
+from mtplm.decode.protocol import DECODE_ROWS, DecodeModel, Feed, RowCost, Strategy
+from mtplm.decode.run.decoding import Decoding
+from mtplm.decode.run.loop import run_pass
 from mtplm.decode.strategies import ConfAdapt
 
 RANKED = 8  # candidates per prediction whose order the rebuilt logits keep (tree drafting's widths)
@@ -93,32 +93,43 @@ def replay(strategy: Callable[[], Strategy], records: Sequence[Record], max_new_
     """A fresh `strategy()` per record, replayed over its first max_new_tokens answer tokens."""
     tally = Tally()
     for record in records:
-        replay_one(strategy(), _Text(record), max_new_tokens, tally)
+        replay_one(strategy(), Records(record), max_new_tokens, tally)
     return tally
 
 
-def replay_one(strategy: Strategy, text: _Text, max_new_tokens: int, tally: Tally) -> None:
-    """The decode cycle over one record (plan, a pass rebuilt from the record, deciding.decide), as
-    loop.Decoding drives it; the tally grows by its passes."""
-    generator = torch.Generator()
-    end = min(text.record.length, max_new_tokens)
-    r, last = 0, None
+def replay_one(strategy: Strategy, text: Records, max_new_tokens: int, tally: Tally) -> None:
+    """The decode cycle over one record as decoding runs it (a Decoding that loop.run_pass drives), its
+    passes run by the record (Records); the strategy plans on the answer's text, whatever was emitted. The
+    tally grows by its passes."""
+    record = text.record
+    sequence = Decoding(
+        RECORDS, text.prompt, strategy, DecodeConfig(max_new_tokens=max_new_tokens, ignore_eos=True)
+    )
+    if (chunk := sequence.prompt_chunk(len(text.prompt) - 1)) is not None:
+        sequence.absorb(chunk, torch.empty(0))  # the prompt is cached: the first pass feeds its last token
+    end, r = min(record.length, max_new_tokens), 0
     while r < end:
-        budget = max_new_tokens - r
-        plan = strategy.plan(text.ids[: text.record.prompt_len + r], budget, last)
-        pending = len(last.new) if last is not None else 1
-        feed = Feed.of(plan, [END] * pending, plan.slots, lambda: MASK)
-        logits = RecordLogits(text, r, plan, feed)
-        outcome, _ = decide(strategy, plan, logits, generator, budget, logits.block_after)
-        emitted = [plan.drafts[i] for i in outcome.path] + list(outcome.new)
+        sequence.seq.text = text.ids[: record.prompt_len + r]
+        emitted = run_pass(text, RECORDS, 0, [sequence], [text])[0].tokens
+        feed = sequence.fed
+        assert feed is not None
         count = min(len(emitted), end - r)
         wrong = sum(token != text.truth(r + i) for i, token in enumerate(emitted[:count]))
         tally.count(len(feed.tokens), count, bool(feed.slots and feed.anchors), wrong)
-        r, last = r + len(emitted), outcome
+        r += len(emitted)
 
 
-class _Text:
-    """A record's text in the replay's vocabulary (FIRST_ID.. for its tokens) and the answer's truth."""
+class Records:
+    """A backend (passes/backends.Backend) whose passes return what one record says, over the record's text
+    in the replay's vocabulary (FIRST_ID.. for its tokens). The pass at answer position r returns, per fed
+    row, its Prediction (top, confidence, truth, rank) as the row's "hidden state", which RECORDS' head
+    rebuilds as logits: for the last committed token the answer's next token at its recorded confidence;
+    after a draft on the answer's path the answer's token after it, after any other OFF_PATH; for a fed
+    block record row r + its anchor's depth, slots 1.. (fillers off the answer's path)."""
+
+    slots, slot, decode_rows = 1, 0, DECODE_ROWS  # one sequence: it is its own KV (backends.KV) too
+    pass_cost: RowCost | None = None  # unpriced: strategies feed every draft offered
+    row_dependence: str | None = None
 
     def __init__(self, record: Record) -> None:
         self.record = record
@@ -131,68 +142,57 @@ class _Text:
             raise ValueError(
                 f"a record of {len(set(self.ids))} distinct tokens exceeds the replay's vocabulary"
             )
+        self.prompt = self.ids[: record.prompt_len] or [END]  # what the Decoding starts from (not empty)
 
     def truth(self, position: int) -> int:
         """Answer token `position` (END past the answer's end)."""
         at = self.record.prompt_len + position
         return self.ids[at] if position < self.record.length and at < len(self.ids) else END
 
-
-class RecordLogits(PassLogits):
-    """PassLogits rebuilt from the records for the pass at answer position r (protocol.PassLogits' rows:
-    the last committed token, each draft, the fed mask blocks)."""
-
-    def __init__(self, text: _Text, r: int, plan: Plan, feed: Feed) -> None:
-        super().__init__(lambda rows: rows, torch.empty(0), feed)
-        self.text, self.r, self.plan = text, r, plan
-
-    def block_after(self, outcome: Outcome) -> torch.Tensor | None:
-        """The block after the outcome's kept path (deciding.decide's `block_after`)."""
-        return self.block(outcome.path[-1] if outcome.path else -1)
-
-    @cached_property
-    def _nodes(self) -> list[tuple[int, bool]]:
-        """(depth, on the answer's path) of each draft: a tree's, or a chain's (node i after node i-1)."""
-        parents = self.plan.parents or tuple(range(-1, len(self.plan.drafts) - 1))
-        nodes: list[tuple[int, bool]] = []
-        for token, parent in zip(self.plan.drafts, parents, strict=True):
+    def run(self, start: int, feeds: Sequence[Feed], lengths: Sequence[int]) -> torch.Tensor:
+        feed, record = feeds[0], self.record
+        r = lengths[0] + feed.pending - len(self.prompt)
+        nodes: list[tuple[int, bool]] = []  # (depth, on the answer's path) of each draft
+        drafts = feed.tokens[feed.pending : feed.pending + feed.drafts]
+        for token, parent in zip(drafts, feed.parents or range(-1, feed.drafts - 1), strict=True):
             depth, on = (0, True) if parent < 0 else nodes[parent]
-            nodes.append((depth + 1, on and token == self.text.truth(self.r + depth)))
-        return nodes
-
-    @cached_property
-    def next_token(self) -> torch.Tensor:
-        """Row 0: the answer's next token (at its recorded confidence); after a draft on the answer's path,
-        the answer's token after it; after any other draft, OFF_PATH."""
-        record, r = self.text.record, self.r
-        rows = [Prediction(self.text.truth(r), float(record.confidence[r, 0]) if r < record.length else 1.0)]
-        rows += [Prediction(self.text.truth(r + depth) if on else OFF_PATH) for depth, on in self._nodes]
-        return _logits(rows)
-
-    def block(self, anchor: int) -> torch.Tensor | None:
-        """The fed block after draft `anchor`: record row r + its depth, slots 1.. (None if not fed)."""
-        if self.feed.block_start(anchor) is None:
-            return None
-        depth, on = (0, True) if anchor < 0 else self._nodes[anchor]
-        return _logits(
-            [
-                self._slot(self.r + depth, j) if on else Prediction(FILLERS[0], 0.0)
-                for j in range(1, 1 + self.feed.slots)
-            ]
-        )
+            nodes.append((depth + 1, on and token == self.truth(r + depth)))
+        rows = [Prediction(self.truth(r), float(record.confidence[r, 0]) if r < record.length else 1.0)]
+        rows += [Prediction(self.truth(r + depth) if on else OFF_PATH) for depth, on in nodes]
+        for anchor in feed.anchors or ():
+            depth, on = (0, True) if anchor < 0 else nodes[anchor]
+            rows += [self._slot(r + depth, j) if on else FILLER for j in range(1, 1 + feed.slots)]
+        out = torch.zeros(1, len(feed.tokens), 4, dtype=torch.float64)
+        out[0, feed.pending - 1 :] = torch.tensor([astuple(row) for row in rows], dtype=torch.float64)
+        return out
 
     def _slot(self, row: int, j: int) -> Prediction:
         """Prediction j of record row `row` (past the answer's end: its END, agreeing, as the records say)."""
-        record, truth = self.text.record, self.text.truth(row + j)
+        record, truth = self.record, self.truth(row + j)
         if row >= record.length:
             return Prediction(truth)
         if j >= record.agree.shape[1]:  # a longer block than the records': never the answer's token
-            return Prediction(FILLERS[0], 0.0)
+            return FILLER
         confidence = float(record.confidence[row, j])
         if bool(record.agree[row, j]):
             return Prediction(truth, confidence)
         rank = int(record.rank[row, j]) if record.rank is not None else RANKED
         return Prediction(FILLERS[0], confidence, truth, rank)
+
+    def kv(self, slot: int) -> Records:
+        return self
+
+    def keep_rows(self, start: int, rows: list[int]) -> None:
+        """(No cache: a pass's rows are the record's, whatever was kept before.)"""
+
+    def move(self, source: int, target: int, length: int) -> None:
+        raise NotImplementedError("a replay runs one sequence")
+
+    def nbytes(self) -> int:
+        return 0
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _head(hidden)
 
 
 @dataclass(frozen=True)
@@ -206,6 +206,7 @@ class Prediction:
     rank: int = RANKED
 
 
+FILLER = Prediction(FILLERS[0], 0.0)  # a row that is never the answer's token
 _OFFSETS = torch.tensor([-(p + 1) * 1e-3 for p in range(RANKED - 1)])  # the ranked candidates, in order
 _REST = -RANKED * 1e-3  # every other token
 _MASS = float(_OFFSETS.exp().sum()) + (VOCAB - RANKED) * math.exp(_REST)  # sum of e^offset, non-top tokens
@@ -232,6 +233,14 @@ def _level(confidence: float) -> float:
     value = math.log(max(1.0 - confidence, 1e-30) / max(confidence, 1e-30) / _MASS)
     return max(-80.0, min(-1e-3, value))
 
+
+def _head(hidden: torch.Tensor) -> torch.Tensor:
+    """Records' rows [R, 4] (each a Prediction) -> their rebuilt logits [R, VOCAB]."""
+    return _logits([Prediction(int(t), c, int(u), int(k)) for t, c, u, k in hidden.tolist()])
+
+
+# what decoding needs of the records' "model": the rebuilt logits, or their argmax (each row's `top`)
+RECORDS = DecodeModel(_head, MASK, None, frozenset(), None, lambda hidden: hidden[:, 0].long())
 
 GRID = tuple(round(0.05 * i, 2) for i in range(1, 19)) + (
     0.92,
