@@ -1,11 +1,13 @@
 """One sequence's decoding between forward passes (`Decoding`): what the next pass feeds, and what its
-rows decide. The single-sequence loop (loop.stream) and the batch engine (engine.py) drive it through the
-same pass driver (loop.run_pass), so a sequence decodes the same tokens alone or batched.
+rows decide. The single-sequence loop (loop.stream), the batch engine (engine.py) and the replay over records
+(replay.py) drive it through the same pass driver (loop.run_pass), so a sequence decodes the same tokens
+alone or batched.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -13,8 +15,18 @@ from mtplm.config import DecodeConfig
 from mtplm.decode.constraints.constraint import ConstrainedLogits, Constraint
 from mtplm.decode.constraints.hook import GrammarHook
 from mtplm.decode.passes.backends import KV
-from mtplm.decode.protocol import DecodeModel, Feed, Outcome, PassLogits, Penalizing, Plan, Strategy
-from mtplm.decode.run.deciding import decide, fit
+from mtplm.decode.protocol import (
+    Bounded,
+    DecodeModel,
+    Drafting,
+    Feed,
+    Outcome,
+    PassLogits,
+    Penalizing,
+    Plan,
+    Priced,
+    Strategy,
+)
 from mtplm.decode.run.heads_hook import HeadDrafts
 from mtplm.decode.run.logprobs import Scores
 from mtplm.decode.run.penalties import penalizer
@@ -189,13 +201,11 @@ class Decoding:
             first = int(greedy(rows.next_token[0]))
             block = hooks.drafter.block(self.seq, plan, hidden, [], first, plan.slots)
             rows = rows.with_block(block)
-
-        def block_after(outcome: Outcome) -> torch.Tensor | None:
-            return self._block_after(outcome, rows, hidden, tokens is not None)
-
-        budget = self.inflight.budget
-        outcome, after = decide(self.strategy, plan, rows, self.generator, budget, block_after)
-        block = after if plan.drafts_next else block
+        outcome = self.strategy.choose(plan, rows, self.generator)
+        if plan.drafts_next:  # it drafts the next pass from the block after the kept path, within the budget
+            block = self._block_after(outcome, rows, hidden, tokens is not None)
+            room = self.inflight.budget - outcome.accepted - len(outcome.new)
+            outcome = cast(Drafting, self.strategy).draft(outcome, block, room, self.generator)
         if hooks.drafter is not None:
             hooks.drafter.commit(self.seq, plan, hidden, outcome)
         return self._commit(plan, outcome, kv, hidden, rows, block)
@@ -283,3 +293,12 @@ class Decoding:
             len(forced) + chosen_forced,
             complete,
         )
+
+
+def fit(strategy: Strategy, model: DecodeModel) -> None:
+    """Tell a new sequence's strategy what this machine and backend allow: what a pass of n rows costs
+    (Priced, once measured) and the backend's limits (Bounded)."""
+    if model.pass_cost is not None and isinstance(strategy, Priced):
+        strategy.price(model.pass_cost)
+    if isinstance(strategy, Bounded):
+        strategy.bound(model.limits)

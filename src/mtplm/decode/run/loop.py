@@ -6,7 +6,7 @@ tokens whose KV is not cached yet, the drafts, the mask blocks, masks.step_layou
 (passes/backends.py: the loop and the batch engine never call the model); `run_pass` runs the LM head once
 over the pass and hands each sequence its rows, and its strategy chooses (protocol.Outcome: drafts kept, new
 tokens after them). A strategy that drafts then gets the block after the kept path (this pass's mask rows,
-or the head drafter's) and returns the next pass's drafts (deciding.decide). The cache keeps the fed
+or the head drafter's) and returns the next pass's drafts (Decoding.advance). The cache keeps the fed
 committed tokens and the kept drafts and drops everything after them (rejected drafts, mask slots).
 Invariant after every step: cache length == prompt + emitted - the step's new tokens (they are fed, and
 cached, next step).
