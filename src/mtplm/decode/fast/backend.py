@@ -233,7 +233,7 @@ class StaticBackend:
     def _compiled(self, inputs: tuple, bucket: tuple[int, int, int, bool]) -> torch.Tensor:
         """A pass of bucket (b, Q, T, adapters) through the graph of (b, Q, adapters), compiled on its
         first call; every guard is checked on the first call of each T (a new T runs the graph only where
-        its guards hold, else compiles), only the graph-telling ones after (graphs.guards)."""
+        its guards hold, else compiles); after it a CPU graph runs without dynamo (graphs.Graph)."""
         graph, step = self._graph_of(bucket), self._step_for(bucket)
         first = graph not in self._ready
         began = time.perf_counter()

@@ -15,7 +15,10 @@ Measured choices (docs/backends-kernels.md, SmolLM2-135M bf16 on a 2-vCPU Xeon w
   - on a CPU, inductor's C++ wrapper (`cpp_wrapper`) calls the kernels with no Python between them, in the
     layer graphs and the whole-pass graph alike: the whole 1-row pass 12.1 -> 10.7 ms (the Python wrapper's
     ~360 kernel and op calls a pass), its cold compile ~36 -> ~83 s (paid once per bucket, then cached);
-  - after a bucket's first call, only the guards that tell its cached graphs apart (`guards`);
+  - after a bucket's first call (every guard checked), no dynamo at all on a CPU: each compiled function is
+    a `Graph`, which calls the graph dynamo found for the same argument signature as a plain function
+    (through dynamo, even with only the graph-telling guards of `guards`, still the fallback, SmolLM2-135M's
+    Q4_1 pass on the AMD EPYC took 11.3 against 9.7 ms at 1 row, 21.9 against 20.1 at 8: docs/backends.md);
   - bf16 rounded where eager rounds (`emulate_precision_casts`): a fused graph otherwise keeps a bf16 op's
     fp32 result unrounded for the ops fused after it, so the whole-pass graph (1 row) and the per-layer
     graphs (k rows) round a row differently, and lossless verified decoding then loses plain decoding's
@@ -38,10 +41,13 @@ atomically.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
+import types
 from collections.abc import Callable
 from contextlib import nullcontext
+from contextvars import ContextVar
 from functools import partial
 from typing import Any
 
@@ -85,7 +91,9 @@ def compile_steps(
     mode = "reduce-overhead" if on_gpu else None
     # (torch.compile takes a mode or options, not both: on a GPU its graphs keep inductor's own rounding)
     options = None if mode else ROUNDED
-    compiled = partial(torch.compile, dynamic=False, fullgraph=True, mode=mode, options=options)
+    # on a CPU, Graphs: a call whose guards are known runs its graph without dynamo (Graph)
+    compile_fn: Callable[..., Callable[..., torch.Tensor]] = torch.compile if on_gpu else Graph
+    compiled = partial(compile_fn, dynamic=False, fullgraph=True, mode=mode, options=options)
     if not regional:
         return _spanned(compiled(whole_pass)), None
     python_wrapper = on_gpu or weights.quantized  # CUDA graphs; quantized: not measured
@@ -152,7 +160,7 @@ def compile_grouped(weights: FastWeights, size: int, cpp_wrapper: bool) -> Calla
     every group of the pass: same shapes, the blocks' tensors are graph inputs), so a pass makes
     layers / size graph calls instead of one per layer. CPU only."""
     options = {**ROUNDED, "cpp_wrapper": True} if cpp_wrapper else ROUNDED
-    step = torch.compile(layers, dynamic=False, fullgraph=True, options=options)  # T: the mask's size
+    step = Graph(layers, dynamic=False, fullgraph=True, options=options)  # T: the mask's size
     groups = -(-weights.shape.layers // max(1, size))
     return partial(grouped_pass, step, groups)
 
@@ -215,6 +223,85 @@ def _copied(step: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     return lambda *args: step(*args).clone()
 
 
+class Graph:
+    """torch.compile(fn, **options), called like fn, whose calls skip dynamo once their guards are known.
+
+    Dynamo's own share of a compiled call (its frame hook, the cache lookup with the guards that tell a
+    function's graphs apart, compile_wrapper's Python) cost 0.6-1.6 ms a call on the AMD EPYC, even with
+    most guards skipped (docs/backends.md). After a call that passed all of dynamo's guards, the cached
+    graph that passes them for those arguments is kept by the arguments' signature (_signature: every
+    tensor's shape and dtype, every other argument's identity, the thread count and grad mode), and a later
+    call with the same signature, in a pass the backend trusts (`call` with checked True: the bucket's
+    first call on this store checked every guard), runs that graph's code as a plain function: dynamo's
+    transformed bytecode, which reads the graph's inputs out of the arguments and calls the compiled graph.
+    Nothing a graph guards on can change without changing the signature within one backend: the weights,
+    the Shape and the store are fixed until the store grows (a new shape), and a pass's own tensors are
+    built to its bucket's shapes. Where no cached graph passes every guard, the call goes through dynamo
+    (`_cheaply_guarded`)."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], **options: Any) -> None:
+        self.fn = fn
+        self.compiled = torch.compile(fn, **options)
+        self.direct: dict[tuple, Callable[..., torch.Tensor] | None] = {}  # signature -> the graph's code
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        if not _TRUSTED.get():  # every guard checked: the graph found (or compiled) is kept
+            hidden = self.compiled(*args)
+            self._keep(args)
+            return hidden
+        run = self.direct.get(_signature(args), _UNKNOWN)
+        if run is _UNKNOWN:
+            hidden = _cheaply_guarded(self.compiled, args)
+            self._keep(args)
+            return hidden
+        return _cheaply_guarded(self.compiled, args) if run is None else run(*args)
+
+    def _keep(self, args: tuple) -> None:
+        """Keep, for args' signature, the code of the cached graph that passes every guard for args (the one
+        dynamo runs for them), or None where none does."""
+        key = _signature(args)
+        if key in self.direct:
+            return
+        self.direct[key] = None
+        scope = inspect.signature(self.fn).bind(*args).arguments
+        for entry in _cache_entries(self.fn.__code__):
+            if entry.guard_manager.check(scope):
+                fn = self.fn
+                self.direct[key] = types.FunctionType(
+                    entry.code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+                )
+                return
+
+
+_TRUSTED: ContextVar[bool] = ContextVar("mtplm_graphs_trusted", default=False)
+_UNKNOWN: Any = object()
+
+
+def _signature(args: tuple) -> tuple:
+    """What tells a Graph's calls apart here: each argument's shape and dtype (a tensor), length and first
+    item's signature (a tuple or list), value (None, bool, int) or identity (any other object), the thread
+    count and grad mode (dynamo guards on both)."""
+    mode = torch.is_inference_mode_enabled(), torch.is_grad_enabled(), torch.get_num_threads()
+    return (*map(_part, args), mode)
+
+
+def _part(arg: Any) -> Any:
+    if isinstance(arg, torch.Tensor):
+        return arg.shape, arg.dtype
+    if isinstance(arg, tuple | list):
+        return len(arg), _part(arg[0]) if arg else None
+    if arg is None or isinstance(arg, bool | int):
+        return arg
+    return id(arg)
+
+
+def _cache_entries(code: types.CodeType) -> list:
+    """Dynamo's cached graphs of `code`, most recently used first."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return _debug_get_cache_entry_list(code)
+
+
 def guards(checked: bool):
     """Dynamo's guards for a compiled call: all of them until a bucket's graph ran once on this store, then
     only those that tell its cached graphs apart (torch.compiler.set_stance skip_guard_eval_unsafe; ~40 us
@@ -230,19 +317,27 @@ _NO_GRAPH_MATCHED = "Recompilation triggered with skip_guard_eval_unsafe stance"
 
 
 def call(step: Callable[..., torch.Tensor], args: tuple, checked: bool) -> torch.Tensor:
-    """step(*args) under guards(checked). Where the cheap guards match none of a function's cached graphs,
+    """step(*args), its Graphs trusting their kept graphs where `checked` (the bucket's first call on this
+    store checked every guard); other compiled calls under guards(checked)."""
+    token = _TRUSTED.set(checked)
+    try:
+        return step(*args)
+    finally:
+        _TRUSTED.reset(token)
+
+
+def _cheaply_guarded(step: Callable[..., torch.Tensor], args: tuple) -> torch.Tensor:
+    """step(*args) under guards(True). Where the cheap guards match none of a function's cached graphs,
     dynamo raises before running it (seen after a background compile, whose graphs dynamo cached from
     another thread: fast/background.py): the call runs again under all its guards, which find the graph
-    (or compile it). A pass stopped part-way through its layers runs again from its start and writes the
-    same KV rows with the same values."""
-    if checked:
-        try:
-            with guards(True):
-                return step(*args)
-        except RuntimeError as exc:
-            if _NO_GRAPH_MATCHED not in str(exc):
-                raise
-            log.debug("mtplm: no cached graph matched the cheap guards; the pass runs under all its guards")
+    (or compile it)."""
+    try:
+        with guards(True):
+            return step(*args)
+    except RuntimeError as exc:
+        if _NO_GRAPH_MATCHED not in str(exc):
+            raise
+        log.debug("mtplm: no cached graph matched the cheap guards; the call runs under all its guards")
     return step(*args)
 
 
