@@ -78,6 +78,23 @@ def test_pack_keeps_the_values_gguf_dequantizes(kind: str):
 
 
 @pytest.mark.parametrize("kind", quant.BLOCK_TYPES)
+def test_packing_a_chunk_of_rows_at_a_time_gives_the_whole_tensors_layout(kind: str):
+    m, k = 53, width(kind, 64)
+    raw = torch.from_numpy(random_bytes(kind, m, k, seed=3))
+    whole = quant.pack(kind, raw, m, k)
+    for chunk in (16, 32):
+        reads = []
+
+        def read(start: int, count: int, reads: list = reads) -> torch.Tensor:
+            reads.append(count)
+            return raw[start : start + count].clone()
+
+        chunked = quant.pack_rows(kind, read, m, k, chunk)
+        assert torch.equal(chunked.codes, whole.codes) and torch.equal(chunked.scales, whole.scales)
+        assert max(reads) == chunk and sum(reads) == m
+
+
+@pytest.mark.parametrize("kind", quant.BLOCK_TYPES)
 def test_the_kernel_gives_the_references_bits(isa: str, kind: str):
     assert quant.load()
     for seed, (m, k) in enumerate(((37, 96), (70, 160), (16, 32))):

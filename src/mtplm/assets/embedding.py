@@ -65,6 +65,18 @@ def _opened(path: str) -> int:
     return os.open(path, os.O_RDONLY)
 
 
+def read_into(path: Path, offset: int, out: np.ndarray) -> np.ndarray:
+    """`out` (contiguous) filled with the file's bytes from `offset` on, read into it in place (os.preadv:
+    no copy, and no page of the file left mapped)."""
+    view, done = memoryview(out.data).cast("B"), 0
+    while done < len(view):
+        got = os.preadv(_opened(str(path)), [view[done:]], offset + done)
+        if got <= 0:
+            raise OSError(f"{path} ends before byte {offset + len(view)}")
+        done += got
+    return out
+
+
 def lookup(source: RowSource, ids: torch.Tensor, row_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """Embeddings [*ids.shape, D] in rows' dtype: the GGUF's rows, where `row_ids` [n] names none of them,
     else `rows` [n, D]'s."""

@@ -4,10 +4,10 @@ Conversion (models.py) dequantizes a GGUF once into a float32 Hugging Face direc
 in its mtplm_source.json. Run quantized (`--dtype gguf`, or `auto` where every block type is supported),
 a model is built from both: config, tokenizer, norms and biases from the converted directory, the
 embedding read from the GGUF row by row (assets/embedding.py), and every linear weight (q, k, v, o, gate,
-up, down and the LM head, tied or not) left as the GGUF's own blocks, read from the memory-mapped file only
-when the fast backend packs them (decode/fast/gguf.py). The Hugging Face model's linear weights are never
-materialized: they sit on the meta device, so its own forward cannot run (the eager backend refuses such a
-model).
+up, down and the LM head, tied or not) left as the GGUF's own blocks, read from the file (its tensor table
+from the header alone: gguf_tensors.py) only when the fast backend packs them (decode/fast/gguf.py). The
+Hugging Face model's linear weights are never materialized: they sit on the meta device, so its own
+forward cannot run (the eager backend refuses such a model).
 
 llama.cpp's converter permutes the rows of attn_q and attn_k for the llama architecture (its RoPE pairs
 adjacent dimensions; Hugging Face's pairs halves); `GGUFLinear.raw` undoes it on whole rows of blocks, as
@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from mtplm.assets.embedding import GGUFEmbedding
+from mtplm.assets.embedding import GGUFEmbedding, read_into
+from mtplm.assets.gguf_tensors import read_header
 from mtplm.assets.models import MODELS, SOURCE_FILE, locate_gguf
 from mtplm.errors import UserError
 
@@ -64,13 +65,21 @@ class GGUFLinear:
     heads: int = 0  # > 0: rows permuted by llama.cpp over this many heads (undone by `raw`)
 
     def raw(self) -> torch.Tensor:
-        """Its bytes, uint8 [out_features, row_bytes], in Hugging Face's row order (a copy)."""
-        shape = (self.out_features, self.row_bytes)
-        rows = torch.from_numpy(np.array(np.memmap(self.path, np.uint8, "r", self.offset, shape)))
-        if self.heads:  # transformers' _reverse_permute_weights on rows: [h, 2, d/2] -> [h, d/2, 2]
-            half = self.out_features // self.heads // 2
-            rows = rows.view(self.heads, half, 2, self.row_bytes).transpose(1, 2)
-        return rows.reshape(self.out_features, self.row_bytes).clone()
+        """Its bytes, uint8 [out_features, row_bytes], in Hugging Face's row order (read from the file)."""
+        return self.rows(0, self.out_features)
+
+    def rows(self, start: int, count: int) -> torch.Tensor:
+        """Rows [start, start + count) of its bytes in Hugging Face's order, uint8 [count, row_bytes], read
+        from the file into one new tensor (a permuted tensor: its whole bytes read, then those rows)."""
+        if not self.heads:
+            out = np.empty((count, self.row_bytes), dtype=np.uint8)
+            return torch.from_numpy(read_into(self.path, self.offset + start * self.row_bytes, out))
+        whole = np.empty((self.out_features, self.row_bytes), dtype=np.uint8)
+        rows = torch.from_numpy(read_into(self.path, self.offset, whole))
+        # transformers' _reverse_permute_weights on rows: [h, 2, d/2] -> [h, d/2, 2]
+        half = self.out_features // self.heads // 2
+        rows = rows.view(self.heads, half, 2, self.row_bytes).transpose(1, 2)
+        return rows.reshape(self.out_features, self.row_bytes)[start : start + count].clone()
 
 
 @dataclass
@@ -118,11 +127,10 @@ def gguf_source(directory: Path) -> Path | None:
 def read_gguf_weights(path: Path, config: Any) -> GGUFWeights:
     """The linear weights of the GGUF at `path` for a model of Hugging Face `config` (UserError where one is
     missing or of another shape)."""
-    from gguf import GGML_QUANT_SIZES, GGUFReader
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    reader = GGUFReader(path)
-    arch = str(reader.fields["general.architecture"].contents())
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    header = read_header(path)
+    arch, tensors = header.architecture, header.tensors
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
 
     def linear(name: str, permute: int = 0) -> GGUFLinear:
@@ -131,13 +139,12 @@ def read_gguf_weights(path: Path, config: Any) -> GGUFWeights:
             raise UnsupportedWeights(
                 f"{path.name} has no tensor {name}; it does not hold this model's weights"
             )
-        in_features, out_features = (int(n) for n in tensor.shape[:2])
-        block, type_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
+        in_features, out_features = tensor.shape[:2]
+        block, type_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[tensor.kind]]
         row_bytes = in_features // block * type_bytes
         return GGUFLinear(
-            name, tensor.tensor_type.name, out_features, in_features, path, int(tensor.data_offset),
-            row_bytes, permute,
-        )  # fmt: skip
+            name, tensor.kind, out_features, in_features, path, tensor.data_offset, row_bytes, permute
+        )
 
     layers = [
         {

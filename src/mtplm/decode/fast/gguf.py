@@ -1,8 +1,9 @@
 """The fast pass over a GGUF's own blocks: each linear weight a quant.QuantWeight packed from its bytes.
 
 A model loaded with `--dtype gguf` (or `auto` where every block type is supported) holds no float copy of
-its linear weights (assets/quantized.py); FastWeights packs them from the memory-mapped GGUF one tensor at
-a time (quant.pack), so the process keeps the packed blocks only, about the file's size. q, k and v (and
+its linear weights (assets/quantized.py); FastWeights packs them from the GGUF one tensor at a time, each
+read 4096 rows at a time (quant.pack_rows), so the process keeps the packed blocks only, about the file's
+size, and never holds a tensor's bytes whole beside them. q, k and v (and
 gate and up) are fused into one product where their block types agree, by stacking their rows of blocks;
 else each runs on its own. Biases, norms and the gated adapters are float tensors as
 with bf16 weights; the adapters' low-rank delta runs beside the quantized product (forward.project).
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,19 +39,35 @@ log = logging.getLogger(__name__)
 
 def products(linears: list[GGUFLinear], bases: list[nn.Linear], fuse: bool) -> list[quant.QuantLinear]:
     """A projection group's products over its parts' GGUF blocks (layers.Projection's): one fused where
-    `fuse` and the parts share their block type, else one per part. Biases (float32) ride in the product."""
+    `fuse` and the parts share their block type, else one per part. Biases (float32) ride in the product.
+    Each is packed from the file a chunk of rows at a time (quant.pack_rows), never read whole."""
     kinds = {linear.kind for linear in linears}
     if fuse and len(kinds) == 1 and len({linear.in_features for linear in linears}) == 1:
-        raw = torch.cat([linear.raw() for linear in linears]) if len(linears) > 1 else linears[0].raw()
         out = sum(linear.out_features for linear in linears)
-        weight = quant.pack(linears[0].kind, raw, out, linears[0].in_features)
+        weight = quant.pack_rows(linears[0].kind, _stacked(linears), out, linears[0].in_features)
         return [quant.QuantLinear(weight, _bias(bases))]
     return [
         quant.QuantLinear(
-            quant.pack(linear.kind, linear.raw(), linear.out_features, linear.in_features), _bias([base])
+            quant.pack_rows(linear.kind, linear.rows, linear.out_features, linear.in_features), _bias([base])
         )
         for linear, base in zip(linears, bases, strict=True)
     ]
+
+
+def _stacked(linears: list[GGUFLinear]) -> Callable[[int, int], torch.Tensor]:
+    """read(start, count): rows [start, start + count) of the parts' bytes stacked in order (one block type
+    and width), each part's read from the file."""
+    begins = [sum(linear.out_features for linear in linears[:i]) for i in range(len(linears))]
+
+    def read(start: int, count: int) -> torch.Tensor:
+        pieces = [
+            linear.rows(low - begin, high - low)
+            for linear, begin in zip(linears, begins, strict=True)
+            if (low := max(start, begin)) < (high := min(start + count, begin + linear.out_features))
+        ]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    return read
 
 
 def _bias(bases: list[nn.Linear]) -> torch.Tensor | None:
@@ -71,7 +89,7 @@ class QuantHead:
     GGUF's, if any, are products in float32 (on meta: -inf, never predicted)."""
 
     def __init__(self, source: GGUFLinear, head: torch.Tensor) -> None:
-        self.weight = quant.pack(source.kind, source.raw(), source.out_features, source.in_features)
+        self.weight = quant.pack_rows(source.kind, source.rows, source.out_features, source.in_features)
         self.extra = head[source.out_features :].detach()  # [V - V_gguf, D]
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ K-quants' records and scales: kquant.py.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -89,13 +90,51 @@ def pack(kind: str, raw: torch.Tensor, out_features: int, in_features: int) -> Q
     output channels) -> the kernel's layout. ValueError for a type not in BLOCK_TYPES or K not a multiple of
     its block (32; the K-quants 256)."""
     weights, block_bytes = _check(kind, in_features)
-    load()
-    m, kb = out_features, in_features // 32
-    need = m * in_features // weights * block_bytes
+    m, k = out_features, in_features
+    need = m * k // weights * block_bytes
     if raw.dtype != torch.uint8 or raw.numel() != need:
-        raise ValueError(f"{kind} [{m}, {in_features}] needs {need} uint8 bytes, got {raw.numel()}")
+        raise ValueError(f"{kind} [{m}, {k}] needs {need} uint8 bytes, got {raw.numel()}")
+    rows = raw.reshape(m, -1)
+    return pack_rows(kind, lambda start, count: rows[start : start + count], m, k)
+
+
+def pack_rows(
+    kind: str,
+    read: Callable[[int, int], torch.Tensor],
+    out_features: int,
+    in_features: int,
+    chunk: int = 4096,
+) -> QuantWeight:
+    """pack() over `read(start, count)`, the file's bytes of outputs [start, start + count) (uint8 [count,
+    row bytes]), `chunk` outputs at a time (a multiple of 16: the layout's records are 16 outputs) into the
+    whole weight's tensors: packing holds the result and one chunk's bytes and temporaries, never a copy of
+    the whole tensor (an LM head of 150k rows reads 4096 at a time)."""
+    weights, block_bytes = _check(kind, in_features)
+    load()
+    m, k, groups = out_features, in_features, -(-out_features // 16)
     if kind in kquant.FILE_BYTES:
-        return _pack_k(kind, raw.reshape(m, -1), m, in_features)
+        record, scale_blocks, width = kquant.RECORD_BYTES[kind], k // kquant.SUPER, kquant.SUPER_SCALES[kind]
+    else:
+        record, scale_blocks, width = _FORMATS[kind][1], k // 32, _FORMATS[kind][2]
+    codes = torch.empty(groups, k // 32, record, dtype=torch.uint8)
+    scales = torch.empty(groups, scale_blocks, 16 * width, dtype=torch.float16)
+    for start in range(0, m, chunk):
+        rows = min(chunk, m - start)
+        raw = read(start, rows)
+        if raw.dtype != torch.uint8 or tuple(raw.shape) != (rows, k // weights * block_bytes):
+            raise ValueError(f"{kind} rows [{start}, {start + rows}) need uint8 [{rows}, "
+                             f"{k // weights * block_bytes}], got {raw.dtype} {list(raw.shape)}")  # fmt: skip
+        pack_part = kquant.pack if kind in kquant.FILE_BYTES else _pack_blocks
+        part_codes, part_scales = pack_part(kind, raw, rows, k)
+        codes[start // 16 : start // 16 + len(part_codes)] = part_codes
+        scales[start // 16 : start // 16 + len(part_scales)] = part_scales
+    return QuantWeight(kind, m, k, codes, scales)
+
+
+def _pack_blocks(kind: str, raw: torch.Tensor, m: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 32-weight block types: the file's bytes [M, K / 32 * bytes] -> (codes, scales) of pack()'s
+    layout for these M outputs (padded to 16)."""
+    block_bytes, kb = _FORMATS[kind][0], k // 32
     mp = -(-m // 16) * 16
     blocks = torch.zeros(mp, kb, block_bytes, dtype=torch.uint8)
     blocks[:m] = raw.reshape(m, kb, block_bytes)
@@ -110,27 +149,10 @@ def pack(kind: str, raw: torch.Tensor, out_features: int, in_features: int) -> Q
         codes = nibbles.reshape(mp // 16, kb, 256)
         if kind == "Q5_0":
             codes = torch.cat([codes, _high_bit_masks(body[..., :4])], dim=-1)
-    return QuantWeight(
-        kind,
-        m,
-        in_features,
+    return (
         codes.reshape(mp // 16, kb, -1).contiguous(),
         scales.reshape(mp // 16, kb, -1).contiguous().view(torch.float16).reshape(mp // 16, kb, -1),
     )
-
-
-def _pack_k(kind: str, raw: torch.Tensor, m: int, k: int, chunk: int = 4096) -> QuantWeight:
-    """kquant.pack over `chunk` outputs at a time (a multiple of 16) into the whole weight's tensors, so that
-    packing a large head holds little more than the result."""
-    g = -(-m // 16)
-    codes = torch.empty(g, k // 32, kquant.RECORD_BYTES[kind], dtype=torch.uint8)
-    scales = torch.empty(g, k // kquant.SUPER, 16 * kquant.SUPER_SCALES[kind], dtype=torch.float16)
-    for start in range(0, m, chunk):
-        rows = min(chunk, m - start)
-        part_codes, part_scales = kquant.pack(kind, raw[start : start + rows], rows, k)
-        codes[start // 16 : start // 16 + len(part_codes)] = part_codes
-        scales[start // 16 : start // 16 + len(part_scales)] = part_scales
-    return QuantWeight(kind, m, k, codes, scales)
 
 
 def _high_bit_masks(qh: torch.Tensor) -> torch.Tensor:
