@@ -125,11 +125,16 @@ def _start(args) -> tuple[subprocess.Popen, str]:
     command += ["--k-by-batch", args.k_by_batch] if args.k_by_batch else []
     command += ["--backend", args.backend]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=None)  # its warm-up lines show
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(6000):  # it compiles every bucket before /health answers
+    return process, wait_ready(process, f"http://127.0.0.1:{port}")
+
+
+def wait_ready(process: subprocess.Popen, url: str) -> str:
+    """`url` once the started server's /health answers (it compiles every bucket first); exits if it never
+    does."""
+    for _ in range(6000):
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url
+                return url
         except httpx.HTTPError:
             time.sleep(0.2)
     process.kill()

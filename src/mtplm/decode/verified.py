@@ -28,7 +28,7 @@ import torch
 from mtplm.config import DecodeConfig
 from mtplm.decode.accept import accept
 from mtplm.decode.budget import DraftBudget
-from mtplm.decode.drafts.proposers import Context, SlotDrafts, TextDrafts, make_proposer
+from mtplm.decode.drafts.proposers import Context, DraftRequest, SlotDrafts, TextDrafts, make_proposer
 from mtplm.decode.protocol import DECODE_ROWS, Feed, Outcome, PassLimits, PassLogits, Plan, RowCost, Traits
 from mtplm.decode.sampling import warp
 from mtplm.masks import block_anchors
@@ -86,7 +86,24 @@ class Verified:
         none on a wide prompt pass (plain_prompt)."""
         return plain_prompt(self._plan(text, budget, last), text, last, self.rows)
 
+    def prefetch(self, text: Sequence[int], budget: int, last: Outcome | None) -> DraftRequest | None:
+        """What the draft source will be asked by the plan of these arguments, where it prefetches
+        (proposers.Prefetching: a draft model)."""
+        if self.copies is None:
+            return None
+        return self.copies.prefetch(*self._chain(text, budget, last), text, budget)
+
     def _plan(self, text: Sequence[int], budget: int, last: Outcome | None) -> Plan:
+        plain, pending, blocks = self._chain(text, budget, last)
+        if self.copies is None:
+            return plain
+        return self.copies.plan(plain, text, budget, pending, blocks)
+
+    def _chain(
+        self, text: Sequence[int], budget: int, last: Outcome | None
+    ) -> tuple[Plan, int, tuple[int, ...]]:
+        """The plan of the mask drafts, the committed tokens fed before them, and the drafts mask blocks
+        follow (the part of a plan a draft source's drafts go beside)."""
         drafts, proposal = (last.drafts, last.proposal) if last is not None else ((), None)
         k = max(1, min(self.window.size(len(text)), budget))
         if self.slot_budget is not None and k > 1:  # 1: a plain pass, neither drafts nor slots
@@ -95,11 +112,9 @@ class Verified:
         chain, slots = tuple(drafts[:fed]), k - 1 if self.masks else 0
         proposal = None if proposal is None else proposal[:fed]
         plain = Plan(k, chain, slots, self.quadratic, proposal=proposal, drafted=fed)
-        if self.copies is None:
-            return plain
         blocks = tuple(block_anchors(fed, self.quadratic, False)) if slots else ()
         pending = len(last.new) if last is not None else 1  # committed tokens fed before the drafts
-        return self.copies.plan(plain, text, budget, pending, blocks)
+        return plain, pending, blocks
 
     def choose(self, plan: Plan, logits: PassLogits, generator: torch.Generator) -> Outcome:
         if plan.parents is not None:

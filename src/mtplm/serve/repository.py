@@ -302,8 +302,8 @@ class Repository:
 
     def _attach(self, entry: Entry, model: MTPModel) -> DraftModel:
         """The draft model, on the server's kind of pass with a slot per sequence, compiled for every prompt
-        the server takes (its passes feed one sequence each); UserError for one that does not load or
-        does not share the model's tokenizer (at start: exit 2)."""
+        the server takes and every batch of its slots; UserError for one that does not load or does not
+        share the model's tokenizer (at start: exit 2)."""
         spec = self.draft_model
         began = time.perf_counter()
         try:

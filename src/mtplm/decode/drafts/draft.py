@@ -10,15 +10,18 @@ scaled by the weights a drafter pass reads against the target's), and it drafts 
 running the drafter. The drafts are the drafter's greedy tokens; with temperature > 0 the target's
 speculative-sampling rule weighs them as drafts no distribution drew (accept.drawn_from), which keeps the
 target's distribution.
+
+In the batch engine every sequence's request is made before any plans (`prefetch`, run/decoding.py), so
+the drafter drafts for all of them in one pass (drafter.py); the plan then takes its request's drafts.
 """
 
 from __future__ import annotations
 
-import weakref
+from typing import NamedTuple
 
 from mtplm.config import DecodeConfig
 from mtplm.decode.budget import DraftBudget
-from mtplm.decode.drafts.drafter import Lease, attached
+from mtplm.decode.drafts.drafter import Request, Seat, attached
 from mtplm.decode.drafts.proposers import Context, Drafts
 from mtplm.decode.protocol import RowCost
 from mtplm.registry import PROPOSERS
@@ -26,46 +29,68 @@ from mtplm.registry import PROPOSERS
 KIND = "draft"  # its one kind of offer (the budget learns how often its drafts are kept)
 
 
+class Asked(NamedTuple):
+    """The request prefetched for the coming plan, and the text it drafts after (None: none to make)."""
+
+    text: tuple[int, ...]
+    request: Request | None
+
+
 @PROPOSERS.register(KIND, "a smaller model of the same tokenizer (--draft-model) drafts for the target")
 class DraftProposer:
-    """One sequence's drafts from the attached draft model, in a slot of its own: claimed at its first
-    draft, released with it (drafter.py: a slot taken over is claimed again, its text fed anew)."""
+    """One sequence's drafts from the attached draft model, in a slot of its own (its Seat: claimed at its
+    first draft, released with it; a slot taken over is claimed again, its text fed anew). The drivers
+    prefetch its request with every other sequence's (drafter.py drafts them together); asked without
+    one, it drafts alone."""
 
     def __init__(self, cfg: DecodeConfig) -> None:
         self.drafter = attached()
-        self.lease: Lease | None = None  # its slot of the drafter's backend, once it drafts
-        self.cached: list[int] = []  # the tokens whose KV the slot holds, in order
+        self.seat = Seat(self.drafter)
         self.budget: DraftBudget | None = None  # priced: how many a pass drafts (price() sets it)
         self.offered = 0  # drafts of the pass in flight
+        self.asked: Asked | None = None  # what prefetch() asked for the coming propose()
 
     def price(self, cost: RowCost) -> None:
         """Draft as many as pay for the target's rows and the drafter's passes (the module docstring)."""
         drafter = self.drafter
         self.budget = DraftBudget(lambda n: cost(n) + drafter.cost(n - 1, cost))
 
+    def prefetch(self, context: Context, room: int) -> Request | None:
+        """The request the coming `propose(context, room)` takes its drafts from (None: it drafts none)."""
+        text = tuple(context.text)
+        self.asked = Asked(text, self._request(text, room))
+        return self.asked.request
+
     def propose(self, context: Context, room: int) -> Drafts:
-        most = self.drafter.most(room)
-        if self.budget is not None:
-            most = self.budget.count(KIND, 1, most)
-        if most < 1 or not context.text:
+        text, asked = tuple(context.text), self.asked
+        self.asked = None
+        request = asked.request if asked is not None and asked.text == text else self._request(text, room)
+        if request is None:
             self.offered = 0
             return Drafts()
-        tokens = self.drafter.draft(self._slot(), self.cached, context.text, most)
+        if request.tokens is None:  # not prefetched: drafted alone
+            self.drafter.fulfil([request])
+        assert request.tokens is not None
+        tokens = request.tokens[: self.drafter.most(room)]
         self.offered = len(tokens)
         return Drafts(tuple(tokens), KIND)
 
+    def _request(self, text: tuple[int, ...], room: int) -> Request | None:
+        most = self.drafter.most(room)
+        if self.budget is not None:
+            most = self.budget.count(KIND, 1, most)
+        if most < 1 or not text:
+            return None
+        return Request(self.seat, text, most)
+
     @property
     def slot(self) -> int | None:
-        return self.lease.slot if self.lease is not None else None
+        return self.seat.slot
 
-    def _slot(self) -> int:
-        """Its slot, claimed where it holds none (its first draft, or after a takeover: nothing cached)."""
-        drafter = self.drafter
-        if self.lease is None or not drafter.holds(self.lease):
-            self.lease = drafter.claim()
-            self.cached.clear()
-            weakref.finalize(self, drafter.release, self.lease)
-        return self.lease.slot
+    @property
+    def cached(self) -> list[int]:
+        """The tokens whose KV its slot holds, in order."""
+        return self.seat.cached
 
     def observe(self, kept: int) -> None:
         if self.budget is not None:

@@ -8,33 +8,49 @@ Two ways to draft n tokens, chosen by the drafter itself:
 - sequential: any causal LM drafts one token per one-row pass, n passes (the new committed tokens ride
   in the first).
 
-Each sequence holds one slot of the drafter's backend (a Lease) and the tokens whose KV sits there
-(`cached`). A draft call keeps the longest prefix of those that the committed text still starts with (what
-the target kept) and feeds the rest, so a rejected draft is rolled back by a shorter length, as the
-target's own passes are (backends.py); `<mtp>` slots are never cached. One drafter serves a process
-(attach: the CLI's, the bench's and the server's --draft-model, or the Python caller's), with as many
-slots as sequences may draft at once (the server: its --max-batch). A sequence claims its slot at its first
-draft, on the thread that decodes it, and gives it back when it is collected; where none is free (finished
-sequences not collected yet) it takes over the one drafted in least recently, and the sequence that held it
-finds its lease gone at its next draft, claims again and feeds its text anew: the same drafts, later. So
-no sequence ever drafts from KV another one wrote.
+Each sequence holds one slot of the drafter's backend (a Lease, through its Seat), and the drafter keeps
+the tokens whose KV sits in each slot (`cached`). A draft keeps the longest prefix of those that the
+committed text still starts with (what the target kept) and feeds the rest, so a rejected draft is rolled
+back by a shorter length, as the target's own passes are (backends.py); `<mtp>` slots are never cached.
+One drafter serves a process (attach: the CLI's, the bench's and the server's --draft-model, or the Python
+caller's), with as many slots as sequences may draft at once (the server: its --max-batch). A sequence
+claims its slot at its first draft, on the thread that decodes it, and gives it back when it is collected;
+where none is free (finished sequences not collected yet) it takes over the one drafted in least recently,
+and the sequence that held it finds its lease gone at its next draft, claims again and feeds its text anew:
+the same drafts, later. So no sequence ever drafts from KV another one wrote.
 
-Shapes: n drafts, V vocabulary.
+Many sequences draft together (`fulfil`: the batch engine asks for every sequence of a pass before
+planning it, run/decoding.prefetch): their rows run in one drafter pass (sequential: one pass a draft),
+which reads the drafter's weights once for all of them, with one LM-head call over every row. A pass covers
+the slots from the lowest to the highest it feeds; a slot between them that drafts nothing runs one padding
+row past the tokens cached there, which nothing reads. The requests of one pass hold distinct slots: where
+a request must take over a slot that another request of the pass drafts in (more sequences than slots),
+the pass runs first. A feed wider than a decode pass (a prompt's first draft) runs alone before, as the
+backend runs wide passes otherwise (ragged.py, fast/backend.py); decode passes of a backend whose rows are
+independent (row_dependence None) give every row what a pass of its own gives it, so the drafts are those
+each sequence drafts alone. A backend whose rows are not drafts each sequence alone.
+
+Shapes: b sequences in a pass, Q fed rows (padded), n drafts, V vocabulary, D hidden.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
+from mtplm.decode.drafts.proposers import DraftRequest
 from mtplm.decode.protocol import Feed, Plan
 from mtplm.decode.sampling import greedy
 from mtplm.errors import UserError
 from mtplm.modelio import MASK_TOKEN
+
+PAD = Feed([0], 1, 0, 0, False, None)  # a slot's row in a pass that drafts nothing in it (never read)
 
 
 class Lease(NamedTuple):
@@ -45,8 +61,51 @@ class Lease(NamedTuple):
     ticket: int
 
 
+class Seat:
+    """One sequence's place at the drafter: its lease, claimed at its first draft (and again after a
+    takeover) and released when the sequence is collected."""
+
+    def __init__(self, drafter: DraftModel) -> None:
+        self.drafter = drafter
+        self.lease: Lease | None = None
+
+    @property
+    def slot(self) -> int | None:
+        return self.lease.slot if self.lease is not None else None
+
+    def holds(self) -> bool:
+        return self.lease is not None and self.drafter.holds(self.lease)
+
+    def take(self) -> int:
+        """Its slot, claimed where it holds none (nothing of it cached then)."""
+        if self.lease is None or not self.drafter.holds(self.lease):
+            self.lease = self.drafter.claim()
+            weakref.finalize(self, self.drafter.release, self.lease)
+        return self.lease.slot
+
+    @property
+    def cached(self) -> list[int]:
+        """The tokens whose KV its slot holds (none where it holds no slot)."""
+        return self.drafter.cached[self.lease.slot] if self.holds() and self.lease is not None else []
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence's ask: up to `n` greedy drafts after `text`, from its seat's slot; `tokens` once
+    fulfilled (fewer where one is an id the target cannot take)."""
+
+    seat: Seat
+    text: tuple[int, ...]
+    n: int
+    tokens: list[int] | None = None
+
+    @property
+    def source(self) -> DraftModel:
+        return self.seat.drafter
+
+
 class DraftModel:
-    """A loaded drafter, the backend that runs its passes, and the slots of that backend not in use."""
+    """A loaded drafter, the backend that runs its passes, and who holds each of that backend's slots."""
 
     def __init__(self, model: Any, backend: Any, target: Any, name: str = "the draft model") -> None:
         from mtplm.decode.passes.backends import describe
@@ -60,7 +119,8 @@ class DraftModel:
         # a drafter's one-row pass against the target's, as the weights each reads (decode reads them all)
         self.ratio = pass_weights(model) / pass_weights(target)
         self.holders: list[int | None] = [None] * backend.slots  # slot -> the ticket holding it
-        self.drafted = [0] * backend.slots  # slot -> when it was last drafted in (a count of draft calls)
+        self.cached: list[list[int]] = [[] for _ in range(backend.slots)]  # slot -> tokens of its KV
+        self.drafted = [0] * backend.slots  # slot -> when it was last drafted in (a count of requests)
         self._tickets, self._clock = itertools.count(1), itertools.count(1)
         self._lock = threading.Lock()  # releases come from the garbage collector, on any thread
 
@@ -76,6 +136,7 @@ class DraftModel:
             slot = free[0] if free else min(range(len(self.holders)), key=self.drafted.__getitem__)
             lease = Lease(slot, next(self._tickets))
             self.holders[slot] = lease.ticket
+            self.cached[slot] = []
             return lease
 
     def holds(self, lease: Lease) -> bool:
@@ -100,51 +161,99 @@ class DraftModel:
         """Drafts one call may return: `room`, within a parallel drafter's k."""
         return min(room, self.k) if self.k is not None else room
 
-    def draft(self, slot: int, cached: list[int], text: Sequence[int], n: int) -> list[int]:
-        """Up to n greedy drafts after `text`, from the KV of `cached` (the tokens in `slot`, updated here):
-        fewer where one is an id the target cannot take."""
-        self.drafted[slot] = next(self._clock)
-        keep = min(common_prefix(cached, text), len(text) - 1)  # the last token is fed for its row
-        del cached[keep:]
-        pending = list(text[keep:])
+    def fulfil(self, requests: Sequence[DraftRequest]) -> None:
+        """Every request's drafts, as few passes as the slots allow (module docstring)."""
+        mine = [request for request in requests if isinstance(request, Request)]
+        assert len(mine) == len(requests) and all(r.source is self for r in mine), "this drafter's requests"
         with torch.inference_mode():
-            tokens = (
-                self._parallel(slot, cached, pending, n)
-                if self.parallel
-                else self._sequential(slot, cached, pending, n)
-            )
-        bad = next((i for i, t in enumerate(tokens) if t >= self.vocab or t in self.banned), len(tokens))
-        return tokens[:bad]
+            for batch in self._batches(mine):
+                pending = [self._pending(request) for request in batch]
+                drafts = (self._parallel if self.parallel else self._sequential)(batch, pending)
+                for request, tokens in zip(batch, drafts, strict=True):
+                    bad = (i for i, t in enumerate(tokens) if t >= self.vocab or t in self.banned)
+                    request.tokens = tokens[: next(bad, len(tokens))]
 
-    def _sequential(self, slot: int, cached: list[int], pending: list[int], n: int) -> list[int]:
-        tokens: list[int] = []
-        while len(tokens) < n:
-            hidden = self._run(slot, Feed(pending, len(pending), 0, 0, False, None), len(cached))
-            cached.extend(pending)
-            tokens.append(int(self._greedy(hidden[len(pending) - 1 : len(pending)])[0]))
-            pending = tokens[-1:]
-        return tokens
+    def _batches(self, requests: list[Request]) -> Iterator[list[Request]]:
+        """The requests in passes of distinct slots, in order: a request that must take over a slot of the
+        pass being gathered (every slot is in it) starts the next, after that one has run; one request a
+        pass where the backend's rows are not independent."""
+        together = self.backend.row_dependence is None
+        batch: list[Request] = []
+        for request in requests:
+            full = not request.seat.holds() and len(batch) == len(self.holders)
+            if batch and (full or not together):
+                yield batch
+                batch = []
+            self.drafted[request.seat.take()] = next(self._clock)
+            batch.append(request)
+        if batch:
+            yield batch
 
-    def _parallel(self, slot: int, cached: list[int], pending: list[int], n: int) -> list[int]:
-        slots = n - 1
-        if len(pending) > 1 and len(pending) + slots > self.backend.decode_rows:  # a prompt: plainly first
-            self._run(slot, Feed(pending[:-1], len(pending) - 1, 0, 0, False, None), len(cached))
-            cached.extend(pending[:-1])
-            pending = pending[-1:]
+    def _pending(self, request: Request) -> list[int]:
+        """The request's tokens to feed: its text after the longest prefix its slot still holds (the last
+        token is always fed, for its row)."""
+        cached = self.cached[request.seat.take()]
+        keep = min(common_prefix(cached, request.text), len(request.text) - 1)
+        del cached[keep:]
+        return list(request.text[keep:])
+
+    def _sequential(self, batch: list[Request], pending: list[list[int]]) -> list[list[int]]:
+        """One draft a pass for every request that wants more: the first feeds its pending tokens."""
+        drafts: list[list[int]] = [[] for _ in batch]
+        feeds = {i: plain(tokens) for i, tokens in enumerate(pending)}
+        while feeds:
+            rows = self._run(batch, feeds)
+            for i, token in zip(feeds, self._greedy([row[-1:] for row in rows.values()]), strict=True):
+                drafts[i].append(int(token[0]))
+            feeds = {i: plain(drafts[i][-1:]) for i, r in enumerate(batch) if len(drafts[i]) < r.n}
+        return drafts
+
+    def _parallel(self, batch: list[Request], pending: list[list[int]]) -> list[list[int]]:
+        """One pass: each request's pending tokens and n-1 <mtp> slots (a prompt's fed plainly first)."""
         mask_id = self.mask_id
         assert mask_id is not None
-        feed = Feed.of(Plan(n, (), slots), pending, slots, lambda: mask_id)
-        hidden = self._run(slot, feed, len(cached))
-        cached.extend(pending)
-        return self._greedy(hidden[len(pending) - 1 : len(feed.tokens)]).tolist()
+        for i, (request, tokens) in enumerate(zip(batch, pending, strict=True)):
+            if len(tokens) > 1 and len(tokens) + request.n - 1 > self.backend.decode_rows:
+                self._run(batch, {i: plain(tokens[:-1])})
+                pending[i] = tokens[-1:]
+        feeds = {
+            i: Feed.of(Plan(r.n, (), r.n - 1), pending[i], r.n - 1, lambda: mask_id)
+            for i, r in enumerate(batch)
+        }
+        rows = self._run(batch, feeds)
+        return [t.tolist() for t in self._greedy([rows[i][len(pending[i]) - 1 :] for i in feeds])]
 
-    def _run(self, slot: int, feed: Feed, past: int) -> torch.Tensor:
-        """The pass's final hidden rows [len(feed.tokens), D] of one sequence in `slot`."""
-        return self.backend.run(slot, [feed], [past])[0, : len(feed.tokens)]
+    def _run(self, batch: list[Request], feeds: dict[int, Feed]) -> dict[int, torch.Tensor]:
+        """Run batch[i]'s feeds[i] -> its final hidden rows [len(feed.tokens), D], and cache its pending
+        tokens: in one pass over the slots they span, a feed wider than a decode pass alone before."""
+        slots = {i: batch[i].seat.take() for i in feeds}
+        wide = [i for i in feeds if len(feeds[i].tokens) > self.backend.decode_rows]
+        narrow = {slots[i]: feeds[i] for i in feeds if i not in wide}
+        hidden = {slot: rows for i in wide for slot, rows in self._pass({slots[i]: feeds[i]}).items()}
+        hidden.update(self._pass(narrow) if narrow else {})
+        return {i: hidden[slots[i]] for i in feeds}
 
-    def _greedy(self, rows: torch.Tensor) -> torch.Tensor:
+    def _pass(self, feeds: dict[int, Feed]) -> dict[int, torch.Tensor]:
+        """One backend pass over the slots from the lowest to the highest of `feeds` (slot -> feed); a slot
+        between them gets a padding row (module docstring)."""
+        low, high = min(feeds), max(feeds) + 1
+        lengths = [len(self.cached[slot]) for slot in range(low, high)]
+        hidden = self.backend.run(low, [feeds.get(slot, PAD) for slot in range(low, high)], lengths)
+        for slot, feed in feeds.items():
+            self.cached[slot].extend(feed.tokens[: feed.pending])
+        return {slot: hidden[slot - low, : len(feed.tokens)] for slot, feed in feeds.items()}  # [Q_i, D]
+
+    def _greedy(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The greedy tokens of each request's rows, one head call for all of them."""
         argmax = self.spec.argmax
-        return argmax(rows) if argmax is not None else greedy(self.spec.head(rows))
+        joined = torch.cat(rows)  # [sum of rows, D]
+        tokens = argmax(joined) if argmax is not None else greedy(self.spec.head(joined))
+        return list(tokens.split([len(r) for r in rows]))
+
+
+def plain(tokens: list[int]) -> Feed:
+    """Committed tokens fed plainly (no drafts, no slots)."""
+    return Feed(tokens, len(tokens), 0, 0, False, None)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -222,13 +331,15 @@ def attach(
 
 def warm(draft: DraftModel, prompt_lengths: tuple[int, int], max_new_tokens: int) -> None:
     """Compile the drafter's buckets for a workload before anything is timed (run/warm.py): the passes of
-    plain decoding, and of <mtp> slots for a parallel drafter."""
+    plain decoding, and of <mtp> slots for a parallel drafter, for as many sequences as it has slots."""
     from mtplm.config import DecodeConfig
     from mtplm.decode.run.warm import Warmable, buckets
 
     if isinstance(draft.backend, Warmable):
         cfg = DecodeConfig(mode="verified" if draft.parallel else "ntp")
-        todo, capacity = buckets(draft.backend, draft.model, [cfg], prompt_lengths, max_new_tokens + 16)
+        todo, capacity = buckets(
+            draft.backend, draft.model, [cfg], prompt_lengths, max_new_tokens + 16, len(draft.holders)
+        )
         draft.backend.warm(todo, capacity)
 
 

@@ -17,6 +17,11 @@ The sources, and who asks them:
 - the grammar's own drafts (constraints/drafts.py: the spelling of forced bytes, a schema's strings), which
   `first_offer` gives a chain plan with nothing to verify (the loop, under a constraint).
 
+A source whose drafts cost passes of its own (a draft model: drafter.py) drafts many sequences at once:
+its proposer also says, before the pass is planned, what the plan will ask (`prefetch(context, room)` ->
+a DraftRequest), the drivers have every sequence's request fulfilled together (run/decoding.prefetch),
+and `propose` then hands back the request's drafts.
+
 A new text draft source is one class with `propose` and `observe` and one `@PROPOSERS.register` line in
 the module that defines it (imported before its name is used): its name then works in every mode string
 that takes `lookup`, in `mtplm generate --mode`, `mtplm bench --modes` and the server's `mode` field.
@@ -28,13 +33,13 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from mtplm.config import DecodeConfig
 from mtplm.decode.budget import DraftBudget
-from mtplm.decode.protocol import Plan, Priced, RowCost
+from mtplm.decode.protocol import Outcome, Plan, Priced, RowCost
 from mtplm.decode.sampling import greedy, sample, warp
 from mtplm.registry import PROPOSERS
 
@@ -65,6 +70,34 @@ class Proposer(Protocol):
     def propose(self, context: Context, room: int) -> Drafts: ...
 
     def observe(self, kept: int) -> None: ...
+
+
+class DraftSource(Protocol):
+    """A source that drafts many sequences' requests at once (a draft model: one pass for all of them)."""
+
+    def fulfil(self, requests: Sequence[DraftRequest]) -> None: ...
+
+
+class DraftRequest(Protocol):
+    """One sequence's ask for the drafts its next plan takes, made before any sequence of the pass plans."""
+
+    @property
+    def source(self) -> DraftSource: ...
+
+
+@runtime_checkable
+class Prefetching(Protocol):
+    """A strategy whose plans take drafts from a DraftSource: given what `plan` will be given, what that plan
+    will ask (None: nothing), so the drivers fulfil every sequence's request in one go before planning."""
+
+    def prefetch(self, text: Sequence[int], budget: int, last: Outcome | None) -> DraftRequest | None: ...
+
+
+@runtime_checkable
+class PrefetchingProposer(Protocol):
+    """A proposer of a DraftSource: `prefetch` makes the request its next `propose(context, room)` takes."""
+
+    def prefetch(self, context: Context, room: int) -> DraftRequest | None: ...
 
 
 def make_proposer(name: str, cfg: DecodeConfig) -> Proposer:
@@ -120,8 +153,7 @@ class TextDrafts:
     ) -> Plan:
         """`chain`, the plan of the mask drafts (with mask blocks after `blocks`), with this source's drafts
         beside it; `pending` committed tokens are fed before the drafts."""
-        rows = pending + len(chain.drafts) + len(blocks) * chain.slots
-        drafts = self.proposer.propose(Context(text), copy_room(self.most, budget, rows, self.rows))
+        drafts = self.proposer.propose(Context(text), self._room(chain, budget, pending, blocks))
         copied = drafts.tokens
         if self.budget is not None:  # alone: as many as pay for their rows here
             copied = copied[: self.budget.count(drafts.kind, pending, len(copied))]
@@ -136,6 +168,18 @@ class TextDrafts:
         nodes = (*chain.drafts, *tokens)
         k = max(chain.k, 1 + len(copied))
         return Plan(k, nodes, chain.slots, chain.quadratic, tree, blocks, drafted=chain.drafted)
+
+    def prefetch(
+        self, chain: Plan, pending: int, blocks: tuple[int, ...], text: Sequence[int], budget: int
+    ) -> DraftRequest | None:
+        """What `plan` (the same arguments) will ask of a proposer that prefetches; None of any other."""
+        if not isinstance(self.proposer, PrefetchingProposer):
+            return None
+        return self.proposer.prefetch(Context(text), self._room(chain, budget, pending, blocks))
+
+    def _room(self, chain: Plan, budget: int, pending: int, blocks: tuple[int, ...]) -> int:
+        rows = pending + len(chain.drafts) + len(blocks) * chain.slots
+        return copy_room(self.most, budget, rows, self.rows)
 
     def observe(self, plan: Plan, kept: Sequence[int]) -> None:
         """The pass of `plan` kept the drafts `kept` (tokens, in order): the budget learns from a chain,

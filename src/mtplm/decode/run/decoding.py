@@ -6,6 +6,7 @@ alone or batched.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -14,6 +15,7 @@ import torch
 from mtplm.config import DecodeConfig
 from mtplm.decode.constraints.constraint import ConstrainedLogits, Constraint
 from mtplm.decode.constraints.hook import GrammarHook
+from mtplm.decode.drafts.proposers import DraftRequest, DraftSource, Prefetching
 from mtplm.decode.passes.backends import KV
 from mtplm.decode.protocol import (
     Bounded,
@@ -156,10 +158,22 @@ class Decoding:
         seq.past += count
         seq.pending = seq.pending[count:]
 
+    def prefetch(self) -> DraftRequest | None:
+        """What the next plan will ask of a draft source that drafts many sequences at once (a draft model:
+        proposers.Prefetching), before any sequence plans; None where it asks none, and under a grammar
+        (its forced tokens change the text the plan drafts after)."""
+        if self.hooks.grammar is not None or not isinstance(self.strategy, Prefetching):
+            return None
+        return self.strategy.prefetch(self.seq.text, self._budget(), self.seq.last)
+
+    def _budget(self) -> int:
+        """Tokens the next pass may emit: what is left, within the load policy's cap."""
+        return min(self.seq.left, self.cap or self.seq.left)
+
     def feed(self) -> Feed:
         """The next pass's rows: the pending tokens, the plan's drafts, and its mask blocks."""
         seq, grammar = self.seq, self.hooks.grammar
-        budget = min(seq.left, self.cap or seq.left)
+        budget = self._budget()
         plan = self.strategy.plan(seq.text, budget, seq.last)
         if grammar is not None:
 
@@ -302,3 +316,13 @@ def fit(strategy: Strategy, model: DecodeModel) -> None:
         strategy.price(model.pass_cost)
     if isinstance(strategy, Bounded):
         strategy.bound(model.limits)
+
+
+def prefetch(sequences: Sequence[Decoding]) -> None:
+    """Before a pass is planned: every draft its sequences' plans will take from a source that drafts many
+    sequences at once (a draft model: one pass for all of them, drafts/drafter.py), fulfilled a source at a
+    time; their plans then take them."""
+    requests = [request for sequence in sequences if (request := sequence.prefetch()) is not None]
+    sources: dict[int, DraftSource] = {id(request.source): request.source for request in requests}
+    for key, source in sources.items():
+        source.fulfil([request for request in requests if id(request.source) == key])

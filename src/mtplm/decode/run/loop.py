@@ -24,7 +24,7 @@ from mtplm.decode.constraints.constraint import Constraint
 from mtplm.decode.passes.backends import KV, Backend, EagerBackend, describe
 from mtplm.decode.passes.backends import stop_ids as stop_ids  # (re-exported: callers take it with generate)
 from mtplm.decode.protocol import DecodeModel, Strategy
-from mtplm.decode.run.decoding import Decoding
+from mtplm.decode.run.decoding import Decoding, prefetch
 from mtplm.decode.run.steps import Generation, Step
 from mtplm.decode.strategies import make_strategy
 from mtplm.model import MTPModel
@@ -37,6 +37,7 @@ def run_pass(
     each plans and feeds its rows, the backend runs them as one pass, and each advances by its rows. The LM
     head runs once over every sequence's tail rows (the last pending token onwards): one read of its weights
     a pass, not one per sequence (or of its int8 copy, where every sequence reads greedy tokens alone)."""
+    prefetch(sequences)  # drafts that cost passes of their own (a draft model's), for all of them at once
     feeds = [sequence.feed() for sequence in sequences]
     hidden = backend.run(start, feeds, [sequence.past for sequence in sequences])  # [b, Q, D]
     tails = [hidden[i, feed.pending - 1 : len(feed.tokens)] for i, feed in enumerate(feeds)]
