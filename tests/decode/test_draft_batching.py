@@ -165,7 +165,9 @@ def test_drafts_batched_are_the_drafts_alone_and_each_slot_keeps_its_own_kv(way,
             for seat in seats:
                 assert seat.cached == alone.cached[seat.slot]
                 held = len(seat.cached)
-                assert torch.equal(layer[seat.slot, :, :held], ref[seat.slot, :, :held])
+                # the eager backend's float32 products round by the rows beside them (AVX2 BLAS): close
+                held_kv, alone_kv = layer[seat.slot, :, :held], ref[seat.slot, :, :held]
+                torch.testing.assert_close(held_kv, alone_kv, rtol=1e-4, atol=1e-5)
 
 
 def test_more_requests_than_slots_take_over_after_the_pass_they_share(monkeypatch):

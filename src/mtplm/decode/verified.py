@@ -271,6 +271,6 @@ def tree_nodes(widths: list[int], levels: int) -> int:
 
 def mask_tree_depth(widths: list[int], most: int, rows: int = DECODE_ROWS) -> int:
     """The deepest mask-slot tree (and block) up to `most` whose pass, 1 + n + (n + 1) * depth rows for n
-    nodes, fits `rows` (the backend's widest decode pass); one level at least."""
+    nodes, fits `rows` (the backend's widest decode pass); one level at least, where `most` allows one."""
     fits = [d for d in range(1, most + 1) if 1 + tree_nodes(widths, d) * (d + 1) + d <= rows]
-    return max(fits, default=1)
+    return max(fits, default=min(1, most))

@@ -10,7 +10,8 @@ from an int8 copy of the LM head, greedy.py), `mtplm_fewrow::quant_linear` (csrc
 GGUF's blocks, quant.py) and, in the AVX-512 build only, `mtplm_fewrow::int4_linear` (csrc/int4.cpp). Every
 kernel sums a row's outputs in one order whatever the rows beside it. `load()` is False where it cannot be
 used (no compiler, a CPU with neither avx512_bf16 nor AVX2 + FMA, a failed build, MTPLM_FEWROW=0), with one
-stderr line naming the fallback (the prepacked oneDNN path, kernels.py, which the lossless modes refuse).
+stderr line naming the fallback (the prepacked oneDNN path, kernels.py, which the lossless modes refuse, or
+PyTorch's plain bf16 linear where oneDNN has no bf16 kernel either).
 `mtplm setup` builds it; otherwise the first use does, and says how long it took.
 
 Shapes: N rows, K in features, M out features, Kp = K rounded up to 32.
@@ -113,8 +114,20 @@ def load() -> bool:
             return True
         except Exception as exc:  # noqa: BLE001 - any build or load failure means the fallback, said once
             reason = f"its build failed ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:160]})"
-    log.warning(f"mtplm: few-row bf16 kernel not used: {reason}; using oneDNN's prepacked kernel")
+    log.warning(f"mtplm: few-row bf16 kernel not used: {reason}; {fallback()}")
     return False
+
+
+def onednn_bf16_supported() -> bool:
+    """oneDNN's bf16 products run here (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; not an AVX2-only CPU)."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def fallback() -> str:
+    """What bf16 linears use where this kernel does not load, in words."""
+    if onednn_bf16_supported():
+        return "using oneDNN's prepacked kernel"
+    return "this CPU has no oneDNN bf16 kernel either: bf16 linears use PyTorch's plain kernel"
 
 
 def _build_and_load() -> None:

@@ -21,12 +21,8 @@ import torch
 from mtplm.decode.fast import fewrow
 
 
-def onednn_bf16_supported() -> bool:
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
 def packed_bf16_supported() -> bool:
-    return onednn_bf16_supported() or fewrow.load()
+    return fewrow.onednn_bf16_supported() or fewrow.load()
 
 
 def pack(weight: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
@@ -37,6 +33,8 @@ def pack(weight: torch.Tensor, kernel: str = "auto") -> torch.Tensor:
         raise RuntimeError("mtplm's few-row kernel is not available here (its reason is on stderr)")
     if kernel == "fewrow" or (kernel == "auto" and weight.dtype == torch.bfloat16 and fewrow.load()):
         return fewrow.pack(weight)
+    if not fewrow.onednn_bf16_supported():
+        raise RuntimeError("oneDNN has no bf16 kernel on this CPU and mtplm's few-row kernel is not loaded")
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
 
 
