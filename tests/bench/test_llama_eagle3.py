@@ -148,7 +148,7 @@ def test_llama_server_with_our_drafter_is_plain_greedy(drafter_gguf):
     tokenizer = AutoTokenizer.from_pretrained(BASE)
     prompts = [chat_prompt_ids(tokenizer, text) for text in TEXTS]
     # f32: llama.cpp's f16 products round a batched verify pass differently from a one-row pass on an
-    # AVX2-only CPU (an AMD Zen 3: plain and drafted greedy parted on 1 of these 12 prompts, at token 46); in
+    # AVX2-only CPU (an AMD Zen 3: plain and drafted greedy parted on 1 of these 12 prompts, at token 45); in
     # f32 they kept to one another there
     gguf = llamacpp.convert(BASE, drafter_gguf.with_name("target-f32.gguf"), "--outtype", "f32")
     with (
