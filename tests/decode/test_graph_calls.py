@@ -52,23 +52,3 @@ def test_known_buckets_skip_dynamo_and_give_the_uncompiled_rows_bitwise():
                 backend.run(0, [Feed([3] * 58, 58, 0, 0, False, None)], [length])
             length += 58
     assert fast.capacity > capacity and len(seen) == 2 * len(kinds)
-
-
-def test_a_call_that_checks_every_guard_keeps_the_graph_it_ran():
-    """A kept graph is keyed by its arguments' ids, and a new object may take a freed one's id: what a fully
-    guarded call ran (here: after the object behind an id changed what the graph guards on) replaces it."""
-    from mtplm.decode.fast import graphs
-
-    class Held:
-        scale = 2
-
-    def step(held: Held, x: torch.Tensor) -> torch.Tensor:
-        return x * held.scale
-
-    torch._dynamo.reset()
-    graph, held, x = graphs.Graph(step, dynamic=False), Held(), torch.ones(3)
-    assert graphs.call(graph, (held, x), checked=False).tolist() == [2.0] * 3
-    assert graphs.call(graph, (held, x), checked=True).tolist() == [2.0] * 3
-    held.scale = 5  # the same id, another constant: as a new backend's weights in a freed one's place
-    assert graphs.call(graph, (held, x), checked=False).tolist() == [5.0] * 3
-    assert graphs.call(graph, (held, x), checked=True).tolist() == [5.0] * 3

@@ -258,10 +258,10 @@ class Graph:
 
     def _keep(self, args: tuple) -> None:
         """Keep, for args' signature, the code of the cached graph that passes every guard for args (the one
-        dynamo runs for them), or None where none does. Kept afresh after every call that checked all the
-        guards: a signature holds objects' ids, and a new backend's weights may sit where a freed one's did
-        (its first call of each bucket checks every guard, so what it keeps is its own)."""
+        dynamo runs for them), or None where none does."""
         key = _signature(args)
+        if key in self.direct:
+            return
         self.direct[key] = None
         scope = inspect.signature(self.fn).bind(*args).arguments
         for entry in _cache_entries(self.fn.__code__):
