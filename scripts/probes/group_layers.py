@@ -16,6 +16,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from graph_calls import feeds_for  # noqa: E402  (a probe beside this one)
+
 
 def measure(group: int, rows: int, dtype: str, context: int, passes: int) -> str:
     import torch
@@ -30,9 +33,7 @@ def measure(group: int, rows: int, dtype: str, context: int, passes: int) -> str
         backend.run(0, [Feed(list(range(100, 100 + context)), context, 0, 0, False, None)], [0])
     parts = [f"{group:2d} layers a graph"]
     for kind in ("plain", "mask"):
-        tokens = [5] + [model.mask_id if kind == "mask" else 5] * (rows - 1)
-        pending, slots = (1, rows - 1) if kind == "mask" else (rows, 0)
-        feeds = [Feed(tokens, pending, 0, slots, False, None)]
+        feeds = feeds_for(model, kind, rows)
         began = time.perf_counter()
         backend.run(0, feeds, [context])
         cold = time.perf_counter() - began

@@ -282,7 +282,8 @@ class Decoding:
         new = (kept + list(outcome.new))[: seq.left]  # the budget first: a stop token past it is not emitted
         stop_at = next((i for i, t in enumerate(new) if t in seq.stop_ids), None)
         stopped = stop_at is not None
-        new = new[: stop_at + 1] if stop_at is not None else new
+        if stop_at is not None:
+            new = new[: stop_at + 1]
         scored = prompt = None
         if hooks.scores is not None:
             emitted = rows.candidates()[1:] if plan.emits_block else block
