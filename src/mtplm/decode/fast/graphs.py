@@ -14,7 +14,10 @@ Measured choices (docs/backends-kernels.md, SmolLM2-135M bf16 on a 2-vCPU Xeon w
     cold compile a bucket against 20-34 s (6 layers: 8-22 s); a graph per layer is slower still;
   - on a CPU, inductor's C++ wrapper (`cpp_wrapper`) calls the kernels with no Python between them, in the
     layer graphs and the whole-pass graph alike: the whole 1-row pass 12.1 -> 10.7 ms (the Python wrapper's
-    ~360 kernel and op calls a pass), its cold compile ~36 -> ~83 s (paid once per bucket, then cached);
+    ~360 kernel and op calls a pass). Its entry function is built apart from the kernels, at -O1
+    (`cpp_wrapper_build_separate`): built as one -O3 file with them, g++ alone took most of a cold compile
+    (AVX2-only AMD EPYC: the bf16 whole pass 147 s against 51 s, a 15-layer graph with <mtp> adapters 153
+    against 66 s), and passes ran alike either way (11.45 / 11.37 ms a 1-row pass, interleaved);
   - after a bucket's first call (every guard checked), no dynamo at all on a CPU: each compiled function is
     a `Graph`, which calls the graph dynamo found for the same argument signature as a plain function
     (through dynamo, even with only the graph-telling guards of `guards`, still the fallback, SmolLM2-135M's
@@ -60,6 +63,8 @@ log = logging.getLogger(__name__)
 
 # every graph rounds bf16 where eager does: a row's logits are then the same bitwise in every bucket
 ROUNDED: dict[str, Any] = {"emulate_precision_casts": True}
+# a graph with inductor's C++ wrapper: its entry function compiled apart from the kernels, at -O1
+CPP_WRAPPER: dict[str, Any] = {**ROUNDED, "cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 # one-sequence buckets of up to this many rows and no <mtp> row compile the whole pass as one graph (plain
 # decoding's bucket): measured 18.6 against 24.2 ms a 1-row pass, but ~83 s a cold compile with its C++
@@ -97,13 +102,13 @@ def compile_steps(
     if not regional:
         return _spanned(compiled(whole_pass)), None
     python_wrapper = on_gpu or weights.quantized  # CUDA graphs; quantized: not measured
-    cpp = {} if python_wrapper else {"options": {**ROUNDED, "cpp_wrapper": True}}
+    cpp = {} if python_wrapper else {"options": CPP_WRAPPER}
     if on_gpu:  # CUDA graphs: one per bucket, each layer's output copied out
         step = compiled(masked_layer)
         regional_pass = partial(decode_pass, step=_keyless(_copied(step)), masking=dynamic_mask)
     else:  # a graph of one layer, shared by every layer, its b and Q symbolic where over 1
         regional_pass = partial(grouped_pass, compiled(layers, **cpp), weights.shape.layers)
-    # the whole pass's C++ wrapper: 1-row pass 12.1 -> 10.7 ms, cold compile ~36 -> ~83 s (a bucket, once)
+    # the whole pass's C++ wrapper: 1-row pass 12.1 -> 10.7 ms (its cold compile: the module docstring)
     whole = _spanned(compiled(whole_pass, **cpp))
     return regional_pass, whole if whole_rows and not on_gpu else None
 
@@ -159,7 +164,7 @@ def compile_grouped(weights: FastWeights, size: int, cpp_wrapper: bool) -> Calla
     """A pass called like decode_pass whose layers run `size` at a time as one graph (`layers`, shared by
     every group of the pass: same shapes, the blocks' tensors are graph inputs), so a pass makes
     layers / size graph calls instead of one per layer. CPU only."""
-    options = {**ROUNDED, "cpp_wrapper": True} if cpp_wrapper else ROUNDED
+    options = CPP_WRAPPER if cpp_wrapper else ROUNDED
     step = Graph(layers, dynamic=False, fullgraph=True, options=options)  # T: the mask's size
     groups = -(-weights.shape.layers // max(1, size))
     return partial(grouped_pass, step, groups)
