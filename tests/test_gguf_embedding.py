@@ -12,6 +12,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 
 from kquants import quantize as quantize_k
+from mtplm.assets import embedding
 from mtplm.assets.embedding import GGUFEmbedding, lookup, read_rows
 from mtplm.assets.quantized import SUPPORTED, GGUFLinear
 from mtplm.decode.fast import StaticBackend, gguf
@@ -50,6 +51,14 @@ def test_rows_read_on_demand_are_the_whole_dequantized_embeddings_bitwise(kind, 
     assert torch.equal(
         got, torch.stack([torch.stack([held[0], whole[5]]), torch.stack([whole[69], held[1]])])
     )
+
+
+def test_rows_kept_from_earlier_passes_and_after_the_cache_starts_over_are_the_files(tmp_path, monkeypatch):
+    monkeypatch.setattr(embedding, "CACHED_ROWS", 4)
+    source, whole = _token_embd(tmp_path, "Q4_1")
+    none, held = torch.empty(0, dtype=torch.long), torch.empty(0, source.in_features, dtype=torch.bfloat16)
+    for ids in ([3, 5], [5, 3, 9, 5], [1, 2, 3, 4, 5, 6], [3], [9, 1]):  # kept, new, more than it holds
+        assert torch.equal(lookup(source, torch.tensor(ids), none, held), whole[ids]), ids
 
 
 @pytest.mark.parametrize("kinds", [{}, {"token_embd": "Q6_K"}], ids=["q8_0", "q6_k"])
