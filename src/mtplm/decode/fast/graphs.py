@@ -67,11 +67,11 @@ ROUNDED: dict[str, Any] = {"emulate_precision_casts": True}
 CPP_WRAPPER: dict[str, Any] = {**ROUNDED, "cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 # one-sequence buckets of up to this many rows and no <mtp> row compile the whole pass as one graph (plain
-# decoding's bucket): measured 18.6 against 24.2 ms a 1-row pass, but ~83 s a cold compile with its C++
-# wrapper against 3-5 s a layer graph (docs/backends-kernels.md). Not over GGUF blocks: there a 1-row pass
-# takes the grouped graphs (2 calls with the C++ wrapper), SmolLM2's Q4_1 on an AVX2-only AMD EPYC 9.41 ms
-# a pass and 38.5 s a cold compile, against the whole pass's 10.66 ms and 53 s with the Python wrapper
-# and 8.75 ms and 74 s with the C++ one (interleaved, rows bitwise alike)
+# decoding's bucket): measured 18.6 against 24.2 ms a 1-row pass, but 51 s a cold compile with its C++
+# wrapper (bf16, AVX2-only EPYC) against 3-5 s a layer graph (docs/backends-kernels.md). Not over GGUF
+# blocks: there a 1-row pass takes the grouped graphs (2 calls with the C++ wrapper), SmolLM2's Q4_1 on an
+# AVX2-only AMD EPYC 9.41 ms a pass and 38.5 s a cold compile, against the whole pass's 10.66 ms and 53 s
+# with the Python wrapper and 8.75 ms and 74 s with the C++ one (interleaved, rows bitwise alike)
 WHOLE_PASS_ROWS = 1
 # other one-sequence buckets of up to this many rows (verified and mask-slot modes: quadratic drafting feeds
 # 16-32) run GROUP_LAYERS layers a graph (compile_grouped): each graph call costs ~0.2-0.4 ms of dynamo and
