@@ -98,7 +98,7 @@ _CACHES: dict[tuple, RowCache] = {}
 
 class RowCache:
     """The rows of one GGUF tensor read so far, in `dtype`: `table` holds them, `slot` [rows] says where (-1:
-    not read). Full, it starts over. A pass's read and dequantize took ~0.25 ms, a 1-row SmolLM2 pass ~9 ms;
+    not read). Full, it starts over. Reading a pass's rows took ~0.25 ms (a 1-row SmolLM2 pass: ~9 ms);
     a row's values do not depend on the rows read beside it, so cached rows are bitwise the file's."""
 
     def __init__(self, source: RowSource, dtype: torch.dtype) -> None:

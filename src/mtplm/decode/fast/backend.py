@@ -112,8 +112,6 @@ class StaticBackend:
         self.group_rows = 0  # other one-sequence buckets of up to this many rows: the grouped graphs
         self.group_batch_rows = 0  # batched plain buckets of up to this many rows a sequence: the same
         if compile:
-            if self.weights.quantized == "gguf":  # one-row passes take the grouped graphs (graphs.py)
-                whole_rows = 0
             self._step, self._whole = graphs.compile_steps(self.weights, regional, whole_rows)
             self.whole_rows = whole_rows if self._whole is not None else 0
             # GGUF blocks trace as one op each (so their layers group too); int8 and int4 keep a graph a layer

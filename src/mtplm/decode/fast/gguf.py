@@ -163,7 +163,7 @@ def embed(weights: Any, ids: torch.Tensor) -> torch.Tensor:
     source = weights.embed_source
     if source is None:
         return F.embedding(ids, weights.embed)
-    if not torch.compiler.is_compiling():  # the op's own dispatch cost ~0.1 ms a pass
+    if not torch.compiler.is_compiling():  # eager: no custom op's dispatch (the op is for graphs)
         return embedding.lookup(source, ids, weights.embed_ids, weights.embed)
     return torch.ops.mtplm_gguf.embedding(
         ids, weights.embed_ids, weights.embed, str(source.path), source.offset, source.row_bytes, source.kind,

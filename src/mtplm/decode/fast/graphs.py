@@ -92,7 +92,7 @@ def compile_steps(
     """(the pass for every bucket, the whole-pass graph for the hot buckets or None), both called like
     decode_pass. `regional`: one graph per bucket for a layer, called once per layer; else the whole pass
     as one graph for every bucket. On a CPU with `whole_rows`, the regional pass comes with a whole-pass
-    graph for one-sequence buckets of up to that many rows."""
+    graph for one-sequence buckets of up to that many rows (not over a GGUF's blocks: WHOLE_PASS_ROWS)."""
     _use_mtplm_compile_cache()
     on_gpu = weights.embed.is_cuda
     # on a GPU, CUDA graphs replay each bucket's kernels without launch overhead (the store is static)
@@ -111,9 +111,10 @@ def compile_steps(
         regional_pass = partial(decode_pass, step=_keyless(_copied(step)), masking=dynamic_mask)
     else:  # a graph of one layer, shared by every layer, its b and Q symbolic where over 1
         regional_pass = partial(grouped_pass, compiled(layers, **cpp), weights.shape.layers)
+    if not whole_rows or on_gpu or weights.quantized == "gguf":  # GGUF: see WHOLE_PASS_ROWS
+        return regional_pass, None
     # the whole pass's C++ wrapper: 1-row pass 12.1 -> 10.7 ms (its cold compile: the module docstring)
-    whole = _spanned(compiled(whole_pass, **cpp))
-    return regional_pass, whole if whole_rows and not on_gpu else None
+    return regional_pass, _spanned(compiled(whole_pass, **cpp))
 
 
 def dynamic_mask(lengths: torch.Tensor, allowed: torch.Tensor, kv_len: int) -> torch.Tensor:
