@@ -43,7 +43,7 @@ def test_the_budget_feeds_the_count_with_the_most_tokens_per_second(steps, keep,
     chosen = best_count(cost, pending, offered, keep)
     rates = [_rate(cost, pending, d, keep) for d in range(offered + 1)]
     assert 0 <= chosen <= offered
-    assert rates[chosen] >= max(rates) * (1 - 1e-9)
+    assert rates[chosen] * (1 + 2e-9) >= max(rates)  # best_count's tie margin is 1e-9, relative
     assert all(rates[d] < rates[chosen] * (1 + 1e-9) for d in range(chosen)) or chosen == 0
 
 
@@ -157,6 +157,34 @@ def test_a_kind_priced_out_is_tried_again_after_passes_without_it():
     counts = [budget.count("copies", 1, 4) for _ in range(200)]
     first = next(i for i, count in enumerate(counts) if count)
     assert counts[0] == 0 and 10 < first < 200  # priced out for a while, then offered again
+
+
+def _fed(budget: DraftBudget, passes: int, kept) -> list[tuple[int, int]]:
+    """(pass, drafts fed) of every pass that fed `slots` drafts; kept(i, fed) says how many it kept."""
+    fed = []
+    for i in range(passes):
+        count = budget.count("slots", 1, 3)
+        if count:
+            fed.append((i, count))
+            budget.observe("slots", count, kept(i, count))
+    return fed
+
+
+def test_probes_of_a_kind_that_never_pays_feed_one_draft_and_come_ever_more_rarely():
+    mtp_rows = PassCost((1, 2, 4, 8), (1, 1.47, 1.75, 2.67)).relative  # <mtp> rows on a 2-core EPYC
+    fed = _fed(DraftBudget(mtp_rows), 3000, lambda i, count: 0)
+    probes = fed[1:]  # the first pass feeds at the prior's price, the rest after being priced out
+    gaps = [b[0] - a[0] for a, b in zip(fed, fed[1:])]
+    assert fed[0][1] > 1 and all(count == 1 for _, count in probes)
+    assert all(later > 1.5 * earlier for earlier, later in zip(gaps, gaps[1:]))
+    assert 3 <= len(probes) <= 8  # a fixed drift would probe every ~55 passes: 50 of them
+    # a probe that keeps its draft ends the back-off: the kind is fed fully again, and once it stops
+    # paying it is probed as often as at first
+    revived = _fed(DraftBudget(mtp_rows), 3000, lambda i, count: count if 800 <= i < 1100 else 0)
+    during = [count for i, count in revived if 800 <= i < 1100]
+    after = [i for i, _ in revived if i >= 1100]
+    assert len(during) > 50 and max(during) == 3
+    assert len(after) >= 2 and after[1] - after[0] < 200
 
 
 def test_priced_confadapt_is_plain_decoding_when_slots_never_pay_and_itself_when_they_are_free():

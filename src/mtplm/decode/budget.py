@@ -15,7 +15,10 @@ token: verification keeps exactly the model's own (greedy) or its distribution (
 p is learned per sequence and per kind of offer (for copied drafts, the length of the n-gram that matched:
 a 3-token match is kept far more often than a 1-token one; for ConfAdapt, its mask slots), from the drafts
 each pass fed and kept, with older passes weighing less (DECAY) so the estimate follows the text from prose
-into code and back; a kind priced out drifts back toward the prior (RELAX) so it is tried again.
+into code and back; a kind priced out drifts back toward the prior (RELAX) so it is tried again. A try after
+being priced out is a probe: it feeds one draft, the cheapest test, and each probe in a row that keeps
+nothing halves the drift (up to BACKOFF halvings), so a kind that never pays on this machine, such as
+ConfAdapt's slots where the model is rarely confident, costs ever fewer dear passes.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ DECAY = 0.9  # each observation scales the counts before it by this (about the l
 # a pass that feeds none of an offered kind pulls its counts toward the prior by this much, so a kind
 # priced out is tried again after a few dozen passes (from p = 0.1 over ten observations: p 0.3 after 60)
 RELAX = 0.03
+BACKOFF = 5  # after this many failed probes in a row, a kind drifts back 2^5 = 32 times slower (~2000 passes)
 
 
 def best_count(cost: Callable[[int], float], pending: int, offered: int, keep: float) -> int:
@@ -45,23 +49,32 @@ def best_count(cost: Callable[[int], float], pending: int, offered: int, keep: f
 
 class Acceptance:
     """Per kind of offer, the decayed counts of drafts kept and drafts tested (a draft after a rejected one
-    is not tested)."""
+    is not tested), and the probes: kinds priced out since they were last fed, and how many probes in a row
+    kept nothing."""
 
     def __init__(self) -> None:
         self.counts: dict[Hashable, tuple[float, float]] = {}
+        self.priced_out: set[Hashable] = set()
+        self.misses: dict[Hashable, int] = {}
 
     def rate(self, kind: Hashable) -> float:
         kept, seen = self.counts.get(kind, (PRIOR_KEPT, PRIOR_SEEN))
         return kept / seen
 
     def relax(self, kind: Hashable) -> None:
+        self.priced_out.add(kind)
+        step = RELAX / 2 ** min(self.misses.get(kind, 0), BACKOFF)
         kept, seen = self.counts.get(kind, (PRIOR_KEPT, PRIOR_SEEN))
-        pulled = (kept + RELAX * (PRIOR_KEPT - kept), seen + RELAX * (PRIOR_SEEN - seen))
-        self.counts[kind] = pulled
+        self.counts[kind] = (kept + step * (PRIOR_KEPT - kept), seen + step * (PRIOR_SEEN - seen))
 
     def observe(self, kind: Hashable, fed: int, kept: int) -> None:
         if fed < 1:
             return
+        if kept:
+            self.misses[kind] = 0
+        elif kind in self.priced_out:  # a probe that kept nothing
+            self.misses[kind] = self.misses.get(kind, 0) + 1
+        self.priced_out.discard(kind)
         was_kept, was_seen = self.counts.get(kind, (PRIOR_KEPT, PRIOR_SEEN))
         tested = kept + (1 if kept < fed else 0)
         self.counts[kind] = (DECAY * was_kept + kept, DECAY * was_seen + tested)
@@ -81,6 +94,8 @@ class DraftBudget:
         count = best_count(self.cost, pending, offered, self.acceptance.rate(kind))
         if count == 0:  # none fed, none observed: drift back toward trying again
             self.acceptance.relax(kind)
+        elif kind in self.acceptance.priced_out:  # a probe: the cheapest test of whether the kind pays again
+            count = 1
         return count
 
     def observe(self, kind: Hashable, fed: int, kept: int) -> None:
