@@ -9,8 +9,8 @@
 // time, into a scratch that stays in L1) and read by every row; a row scores 8 keys at once (8 independent
 // FMA chains), and their 8 lane trees are summed together by shuffles that add exactly the operands the
 // one-key tree adds. One layer of SmolLM2 (9 heads over 3 KV heads, head dim 64, 600 keys, 2 threads, an
-// AVX2-only AMD EPYC), 1 / 4 / 8 rows: about 0.9x / 0.5x / 0.5x the time of the key-by-key form before it,
-// bit for bit the same results (scripts/probes/attend_cost.py).
+// AVX2-only AMD EPYC), 1 / 4 / 8 rows: about 0.6x / 0.5x / 0.45x the time of the key-by-key form before it
+// (medians of 6 alternated runs), with bit for bit the same results (scripts/probes/attend_cost.py).
 
 #include "attend.h"
 
