@@ -174,9 +174,9 @@ def test_probes_of_a_kind_that_never_pays_feed_one_draft_and_come_ever_more_rare
     mtp_rows = PassCost((1, 2, 4, 8), (1, 1.47, 1.75, 2.67)).relative  # <mtp> rows on a 2-core EPYC
     fed = _fed(DraftBudget(mtp_rows), 3000, lambda i, count: 0)
     probes = fed[1:]  # the first pass feeds at the prior's price, the rest after being priced out
-    gaps = [b[0] - a[0] for a, b in zip(fed, fed[1:])]
+    gaps = [b[0] - a[0] for a, b in zip(fed, fed[1:], strict=False)]
     assert fed[0][1] > 1 and all(count == 1 for _, count in probes)
-    assert all(later > 1.5 * earlier for earlier, later in zip(gaps, gaps[1:]))
+    assert all(later > 1.5 * earlier for earlier, later in zip(gaps, gaps[1:], strict=False))
     assert 3 <= len(probes) <= 8  # a fixed drift would probe every ~55 passes: 50 of them
     # a probe that keeps its draft ends the back-off: the kind is fed fully again, and once it stops
     # paying it is probed as often as at first
