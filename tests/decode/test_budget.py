@@ -172,12 +172,14 @@ def _fed(budget: DraftBudget, passes: int, kept) -> list[tuple[int, int]]:
 
 def test_probes_of_a_kind_that_never_pays_feed_one_draft_and_come_ever_more_rarely():
     mtp_rows = PassCost((1, 2, 4, 8), (1, 1.47, 1.75, 2.67)).relative  # <mtp> rows on a 2-core EPYC
-    fed = _fed(DraftBudget(mtp_rows), 3000, lambda i, count: 0)
-    probes = fed[1:]  # the first pass feeds at the prior's price, the rest after being priced out
+    fed = _fed(DraftBudget(mtp_rows, first_probe=True), 3000, lambda i, count: 0)
     gaps = [b[0] - a[0] for a, b in zip(fed, fed[1:], strict=False)]
-    assert fed[0][1] > 1 and all(count == 1 for _, count in probes)
+    assert fed[0][0] == 0 and all(count == 1 for _, count in fed)  # the first offer is a probe too
     assert all(later > 1.5 * earlier for earlier, later in zip(gaps, gaps[1:], strict=False))
-    assert 3 <= len(probes) <= 8  # a fixed drift would probe every ~55 passes: 50 of them
+    assert 3 <= len(fed) <= 8  # a fixed drift would probe every ~55 passes: 50 of them
+    # where more rows cost no more than one, a probe feeds what the budget chose
+    assert DraftBudget(lambda n: 1.0, first_probe=True).count("slots", 1, 3) == 3
+    assert DraftBudget(mtp_rows).count("copies", 1, 3) == 3  # copies: the first offer at the prior's price
     # a probe that keeps its draft ends the back-off: the kind is fed fully again, and once it stops
     # paying it is probed as often as at first
     revived = _fed(DraftBudget(mtp_rows), 3000, lambda i, count: count if 800 <= i < 1100 else 0)

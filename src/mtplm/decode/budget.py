@@ -15,10 +15,11 @@ token: verification keeps exactly the model's own (greedy) or its distribution (
 p is learned per sequence and per kind of offer (for copied drafts, the length of the n-gram that matched:
 a 3-token match is kept far more often than a 1-token one; for ConfAdapt, its mask slots), from the drafts
 each pass fed and kept, with older passes weighing less (DECAY) so the estimate follows the text from prose
-into code and back; a kind priced out drifts back toward the prior (RELAX) so it is tried again. A try after
-being priced out is a probe: it feeds one draft, the cheapest test, and each probe in a row that keeps
-nothing halves the drift (up to BACKOFF halvings), so a kind that never pays on this machine, such as
-ConfAdapt's slots where the model is rarely confident, costs ever fewer dear passes.
+into code and back; a kind priced out drifts back toward the prior (RELAX) so it is tried again. Each try
+after being priced out (and for `<mtp>` slots their first offer too) is a probe: it feeds one draft, the
+cheapest test (more only where more rows cost no more), and each probe in a row that keeps nothing halves
+the drift (up to BACKOFF halvings), so a kind that never pays on this machine, such as ConfAdapt's slots
+where the model is rarely confident, costs ever fewer dear passes.
 """
 
 from __future__ import annotations
@@ -83,19 +84,25 @@ class Acceptance:
 class DraftBudget:
     """One sequence's budget: the machine's row cost and what its offers have been worth so far."""
 
-    def __init__(self, cost: Callable[[int], float]) -> None:
+    def __init__(self, cost: Callable[[int], float], first_probe: bool = False) -> None:
+        """`first_probe`: a kind's first offer is a probe too (for `<mtp>` slots, whose rows are dear
+        without AMX and which a model may rarely make confident: ConfAdapt's, verified's mask drafts)."""
         self.cost = cost
         self.acceptance = Acceptance()
+        self.first_probe = first_probe
 
     def count(self, kind: Hashable, pending: int, offered: int) -> int:
         """How many of `offered` drafts of this kind to feed behind `pending` committed rows."""
         if offered < 1:
             return 0
-        count = best_count(self.cost, pending, offered, self.acceptance.rate(kind))
+        seen = self.acceptance
+        if self.first_probe and kind not in seen.counts:  # never offered yet: a probe too
+            seen.priced_out.add(kind)
+        count = best_count(self.cost, pending, offered, seen.rate(kind))
         if count == 0:  # none fed, none observed: drift back toward trying again
-            self.acceptance.relax(kind)
-        elif kind in self.acceptance.priced_out:  # a probe: the cheapest test of whether the kind pays again
-            count = 1
+            seen.relax(kind)
+        elif kind in seen.priced_out and self.cost(pending + count) > self.cost(pending + 1):
+            count = 1  # a probe: the cheapest test of whether the kind pays (again)
         return count
 
     def observe(self, kind: Hashable, fed: int, kept: int) -> None:

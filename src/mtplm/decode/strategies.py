@@ -113,7 +113,7 @@ class ConfAdapt(_Block):
         (budget.py): the adapters run on them. A prompt's pass feeds them only where <mtp> rows cost what real
         rows cost: slots there run the adapters over every prompt row (time to first token 118 against plain's
         92 ms on a 2-core EPYC over SmolLM2's Q4_1 blocks) for the few tokens they may bring."""
-        self.draft_budget = DraftBudget(partial(cost, masked=True))
+        self.draft_budget = DraftBudget(partial(cost, masked=True), first_probe=True)
         self.prompt_slots = cost(PROMPT_PRICE_ROWS, masked=True) <= cost(PROMPT_PRICE_ROWS) * PROMPT_SLACK
 
     def plan(self, text: Sequence[int], budget: int, last: Outcome | None) -> Plan:

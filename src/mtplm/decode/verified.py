@@ -73,7 +73,7 @@ class Verified:
         if self.copies is not None:
             self.copies.price(cost)
         elif self.masks and not self.quadratic and cost(2, masked=True) != cost(2):
-            self.slot_budget = DraftBudget(lambda n: cost(2 * n - 1, masked=True))
+            self.slot_budget = DraftBudget(lambda n: cost(2 * n - 1, masked=True), first_probe=True)
 
     def bound(self, limits: PassLimits) -> None:
         """Feed no pass wider than the backend's widest decode pass."""
