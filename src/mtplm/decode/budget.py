@@ -62,6 +62,11 @@ class Acceptance:
         kept, seen = self.counts.get(kind, (PRIOR_KEPT, PRIOR_SEEN))
         return kept / seen
 
+    def untried(self, kind: Hashable) -> None:
+        """A kind never offered yet is probed like one priced out (DraftBudget's first_probe)."""
+        if kind not in self.counts:
+            self.priced_out.add(kind)
+
     def relax(self, kind: Hashable) -> None:
         self.priced_out.add(kind)
         step = RELAX / 2 ** min(self.misses.get(kind, 0), BACKOFF)
@@ -96,8 +101,8 @@ class DraftBudget:
         if offered < 1:
             return 0
         seen = self.acceptance
-        if self.first_probe and kind not in seen.counts:  # never offered yet: a probe too
-            seen.priced_out.add(kind)
+        if self.first_probe:
+            seen.untried(kind)
         count = best_count(self.cost, pending, offered, seen.rate(kind))
         if count == 0:  # none fed, none observed: drift back toward trying again
             seen.relax(kind)
