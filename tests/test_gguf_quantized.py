@@ -286,6 +286,33 @@ def test_a_gated_mtp_model_over_a_quantized_base_keeps_its_adapters_in_bf16(whic
     torch.testing.assert_close(one_call, apart, atol=0.05, rtol=0.05)
 
 
+@pytest.mark.parametrize("which", BOTH)
+def test_a_gguf_heads_greedy_tokens_are_its_logits_argmax(which, request):
+    """The greedy path reads the GGUF columns alone: the same tokens as the masked full logits' argmax, with
+    meta rows past the GGUF's (a converted model's added tokens) and a mask column inside or past them."""
+    from mtplm.decode.fast.gguf import QuantHead
+
+    model = load_model(str(request.getfixturevalue(which)), "gguf")
+    source, width = model.gguf.head, model.gguf.head.in_features
+    backend = StaticBackend(model, 1, capacity=64, compile=False)
+    assert backend.greedy_head is not None  # the backend's argmax for greedy decoding
+    generator = torch.Generator().manual_seed(0)
+    for extra in (0, 2):
+        head = QuantHead(source, torch.empty(source.out_features + extra, width, device="meta"))
+        for mask_id in {
+            -1,
+            5,
+            source.out_features + extra - 1,
+            min(source.out_features, source.out_features + extra - 1),
+        }:
+            for rows in (1, 3, 8):
+                hidden = torch.randn(rows, width, generator=generator).bfloat16()
+                logits = head(hidden).float()
+                if mask_id >= 0:
+                    logits[:, mask_id] = float("-inf")
+                assert torch.equal(head.argmax(hidden, mask_id), logits.argmax(-1)), (extra, mask_id, rows)
+
+
 def _refuse(*args):
     raise ValueError("parts off 16-row blocks")
 

@@ -9,7 +9,7 @@ Request: the files whose code runs from the CLI's parsed options to the sequence
 from the HTTP body to the engine's Decoding (the server, in process, with the tiny test model), filtered to
 the frames that hold the request (a DecodeConfig, a body or a Job) among their locals.
 
-    python scripts/probes/token_path.py [--mode verified:lookup] [--backend static] [--tokens 24]
+    python scripts/probes/token_path.py [--mode verified:lookup] [--backend compiled] [--tokens 24]
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ class Recorder:
         if not self.on or event not in ("call", "return"):
             return
         path = frame.f_code.co_filename
-        if "mtplm" not in path or "probes" in path:
+        if not path.startswith(str(PACKAGE)):  # not compiled graphs' code in $MTPLM_HOME, nor this probe
             return
         if self.holding and not any(isinstance(v, self.holding) for v in frame.f_locals.values()):
             return
-        name = path.split("/mtplm/", 1)[-1]
+        name = path[len(str(PACKAGE)) + 1 :]
         self.files.setdefault(name, set()).add(frame.f_code.co_name)
 
     def report(self, title: str) -> None:
@@ -50,12 +50,13 @@ class Recorder:
 def token_path(args) -> None:
     from mtplm.cli.defaults import DEFAULT_CHECKPOINT
     from mtplm.config import parse_mode
+    from mtplm.decode.fast.gguf import decode_dtype
     from mtplm.decode.passes.backends import make_backend
     from mtplm.decode.run.loop import generate
     from mtplm.model import load_model
     from mtplm.text import StreamDecoder, chat_prompt_ids
 
-    model = load_model(DEFAULT_CHECKPOINT, "bf16")
+    model = load_model(DEFAULT_CHECKPOINT, decode_dtype(args.dtype, args.backend))
     backend = make_backend(args.backend, model, slots=1)
     ids = chat_prompt_ids(model.tokenizer, "List the planets of the solar system, one per line.")
     cfg = dataclasses.replace(parse_mode(args.mode), max_new_tokens=args.tokens)
@@ -112,7 +113,8 @@ def request_path() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", default="verified:lookup")
-    parser.add_argument("--backend", default="static")
+    parser.add_argument("--backend", default="compiled", help="as generate --backend (default: %(default)s)")
+    parser.add_argument("--dtype", default="auto", help="as `mtplm generate --dtype` (default: %(default)s)")
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--request-only", action="store_true", help="only the request's path (no model load)")
     args = parser.parse_args()

@@ -89,8 +89,9 @@ class StaticBackend:
         forward.probe_attention()  # before any graph reads what it decides
         lm_head = model.hf.get_output_embeddings().weight.detach()  # [V, D]
         self._head = packed_head(model, lm_head, self.weights)
-        # DecodeModel.argmax: greedy tokens from an int8 copy of the head, exactly its argmax (greedy.py)
-        self.greedy_head = greedy.for_head(lm_head, self._head, self.weights.shape.mask_id)
+        # DecodeModel.argmax: exactly the head's greedy tokens, cheaper than its logits (greedy.py, gguf.py)
+        mask_id = self.weights.shape.mask_id
+        self.greedy_head = greedy.for_head(lm_head, self._head, mask_id) or gguf.greedy(self._head, mask_id)
         return_freed_memory()  # what packing freed (HF's weights, the fused copies' sources)
         self.window = sliding_window(model)
         self.capacity = 0
@@ -388,7 +389,7 @@ class StaticBackend:
         """Bytes it holds beside the model's own tensors: the KV store (scratch slot included) and the weight
         copies it does not share with the model (fused, packed, int8 greedy head)."""
         held = [*self.keys, *self.values, *gguf.held(self.weights, self._head)]
-        held += [self.greedy_head.codes, self.greedy_head.stats] if self.greedy_head is not None else []
+        held += greedy.copies(self.greedy_head)
         return storage_bytes(held, exclude=self.model.tensors())
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -103,8 +104,27 @@ class QuantHead:
             logits = torch.cat([logits, extra], dim=-1)
         return logits.view(*hidden.shape[:-1], logits.shape[-1])
 
+    def argmax(self, hidden: torch.Tensor, mask_id: int) -> torch.Tensor:
+        """Greedy tokens [N] of hidden [..., D]: exactly `greedy` of this head's logits with column `mask_id`
+        (-1: none) at -inf, without building those logits where every row past the GGUF's is -inf (on meta):
+        those never win a row whose GGUF columns are not all -inf, and then the first maximal index is 0 in
+        both. Where the extra rows hold weights, the full logits decide."""
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        if len(self.extra) and not self.extra.is_meta:
+            logits = self(flat)
+        else:
+            logits = quant.linear(flat.float(), self.weight)
+        if 0 <= mask_id < logits.shape[-1]:
+            logits[:, mask_id] = float("-inf")
+        return logits.max(-1).indices
+
     def tensors(self) -> list[torch.Tensor]:
         return [self.weight.codes, self.weight.scales, *([] if self.extra.is_meta else [self.extra])]
+
+
+def greedy(head: Any, mask_id: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """A GGUF head's greedy tokens without its full logits (QuantHead.argmax); None for any other head."""
+    return partial(head.argmax, mask_id=mask_id) if isinstance(head, QuantHead) else None
 
 
 def head_logits(hidden: torch.Tensor, head: Any) -> torch.Tensor:

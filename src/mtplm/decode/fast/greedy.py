@@ -81,3 +81,8 @@ def for_head(weight: torch.Tensor, packed: torch.Tensor | None, mask_id: int) ->
     if fewrow.isa() == "avx512" and "avx512_vnni" not in fewrow.cpu_flags():
         return None
     return GreedyHead(weight, packed, mask_id)
+
+
+def copies(argmax: object) -> list[torch.Tensor]:
+    """The tensors a backend's greedy path holds beside the head (a GreedyHead's int8 copy)."""
+    return [argmax.codes, argmax.stats] if isinstance(argmax, GreedyHead) else []
