@@ -189,6 +189,26 @@ def test_probes_of_a_kind_that_never_pays_feed_one_draft_and_come_ever_more_rare
     assert len(after) >= 2 and after[1] - after[0] < 200
 
 
+def test_slots_learn_across_the_sequences_of_one_setting():
+    """A new sequence starts from what earlier ones of the same setting learned (budget.Seen): it does not
+    probe again slots that never paid, nor restart their back-off, and feeds at once slots that paid."""
+    mtp_rows = PassCost((1, 2, 4, 8), (1, 1.47, 1.75, 2.67)).relative
+
+    def sequence(setting: str) -> DraftBudget:
+        budget = DraftBudget(mtp_rows, first_probe=True)
+        budget.share(seen, setting)
+        return budget
+
+    seen: dict = {}
+    first = _fed(sequence("dear"), 200, lambda i, count: 0)
+    assert first[0] == (0, 1) and len(first) == 2  # a probe at once, one more later
+    assert _fed(sequence("dear"), 100, lambda i, count: 0) == []  # the back-off goes on
+    assert _fed(sequence("other"), 1, lambda i, count: 0) == [(0, 1)]  # another setting learns alone
+    _fed(sequence("paying"), 50, lambda i, count: count)
+    assert _fed(sequence("paying"), 1, lambda i, count: count) == [(0, 3)]  # fed fully at once
+    assert set(seen) == {"dear", "other", "paying"}
+
+
 def test_priced_confadapt_is_plain_decoding_when_slots_never_pay_and_itself_when_they_are_free():
     """ConfAdapt sizes its blocks by the machine's row cost: a curve on which no slot pays gives plain
     greedy decoding's tokens (every pass one row), free rows give unpriced ConfAdapt's own tokens."""
@@ -240,6 +260,9 @@ def test_priced_mask_drafts_give_plain_decoding_and_feed_none_where_mtp_rows_nev
             model, [1, 2, 3, 4], cfg, strategy=make_strategy(cfg, Thresholds()), backend=backend
         )
         assert runs[name].tokens == plain.tokens, name
+        again = generate(model, [1, 2, 3, 4], cfg, strategy=make_strategy(cfg, Thresholds()), backend=backend)
+        assert again.tokens == plain.tokens, name  # a second sequence, from what the first learned
+        assert bool(backend.seen) == (curve is not None), name  # the slots learned on the backend
     assert runs["dear masks"].tokens_per_forward == 1.0 and not runs["dear masks"].drafts
     assert sum(d for d, _ in runs["free"].drafts) > 0 and sum(d for d, _ in runs["unpriced"].drafts) > 0
 

@@ -20,11 +20,19 @@ after being priced out (and for `<mtp>` slots their first offer too) is a probe:
 cheapest test (more only where more rows cost no more), and each probe in a row that keeps nothing halves
 the drift (up to BACKOFF halvings), so a kind that never pays on this machine, such as ConfAdapt's slots
 where the model is rarely confident, costs ever fewer dear passes.
+
+Mask slots are one kind a model makes in every sequence, so their acceptance is learned across sequences:
+the backend keeps one Acceptance per strategy and setting (Seen, DecodeModel.seen), which every sequence
+of that strategy reads and updates, so a new sequence neither probes again slots that have not paid on
+this model and machine, nor restarts the back-off; it feeds them at once where they have paid. Copied
+drafts depend on each text, and stay per sequence.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+
+Seen = dict[Hashable, "Acceptance"]  # per backend: a strategy's setting -> its slots' shared acceptance
 
 PRIOR_KEPT, PRIOR_SEEN = 1.0, 2.0  # a kind of offer never seen yet: p = 1/2, worth two observations
 DECAY = 0.9  # each observation scales the counts before it by this (about the last ten passes count)
@@ -95,6 +103,11 @@ class DraftBudget:
         self.cost = cost
         self.acceptance = Acceptance()
         self.first_probe = first_probe
+
+    def share(self, seen: Seen, setting: Hashable) -> None:
+        """Learn with every sequence of this setting on the backend (its Acceptance in `seen`), from what
+        they have learned so far."""
+        self.acceptance = seen.setdefault(setting, Acceptance())
 
     def count(self, kind: Hashable, pending: int, offered: int) -> int:
         """How many of `offered` drafts of this kind to feed behind `pending` committed rows."""

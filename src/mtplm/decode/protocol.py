@@ -28,6 +28,7 @@ import torch
 
 from mtplm.config import Thresholds
 from mtplm.config.modes import ModeEntry, mode_entry, register_mode
+from mtplm.decode.budget import Seen
 from mtplm.decode.sampling import greedy
 from mtplm.masks import block_anchors, step_layout
 
@@ -332,6 +333,13 @@ class Priced(Protocol):
 
 
 @runtime_checkable
+class Remembering(Protocol):
+    """A priced strategy whose mask slots learn across sequences (budget.py, DecodeModel.seen)."""
+
+    def remember(self, seen: Seen) -> None: ...
+
+
+@runtime_checkable
 class Bounded(Protocol):
     """A strategy that sizes its passes by the backend's limits (the loop tells it before the first pass)."""
 
@@ -366,6 +374,9 @@ class DecodeModel:
     pass_cost: RowCost | None = None
     # what the backend's passes allow: its widest decode pass, whether rows are independent
     limits: PassLimits = field(default_factory=PassLimits)
+    # the backend's: what each strategy's mask slots were worth across sequences (budget.py); None: each
+    # sequence learns alone
+    seen: Seen | None = None
 
     @property
     def row_dependence(self) -> str | None:

@@ -29,6 +29,7 @@ from dataclasses import astuple, dataclass, field
 import torch
 
 from mtplm.config import DecodeConfig
+from mtplm.decode.budget import Seen
 from mtplm.decode.protocol import DECODE_ROWS, DecodeModel, Feed, RowCost, Strategy
 from mtplm.decode.run.decoding import Decoding
 from mtplm.decode.run.loop import run_pass
@@ -133,6 +134,7 @@ class Records:
 
     def __init__(self, record: Record) -> None:
         self.record = record
+        self.seen: Seen = {}  # unread: RECORDS leaves each replayed sequence to learn alone
         if not record.text:  # no text given: every position its own token (nothing repeats for lookup)
             self.ids = list(range(FIRST_ID, FIRST_ID + record.prompt_len + record.length))
         else:

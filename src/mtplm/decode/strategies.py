@@ -19,7 +19,7 @@ from functools import partial
 import torch
 
 from mtplm.config import DecodeConfig, Thresholds
-from mtplm.decode.budget import DraftBudget
+from mtplm.decode.budget import DraftBudget, Seen
 from mtplm.decode.protocol import Outcome, PassLogits, Plan, RowCost, Strategy, Traits, mode_entry
 from mtplm.decode.sampling import greedy, leading_run, sample, warp
 from mtplm.decode.verified import Verified
@@ -115,6 +115,11 @@ class ConfAdapt(_Block):
         92 ms on a 2-core EPYC over SmolLM2's Q4_1 blocks) for the few tokens they may bring."""
         self.draft_budget = DraftBudget(partial(cost, masked=True), first_probe=True)
         self.prompt_slots = cost(PROMPT_PRICE_ROWS, masked=True) <= cost(PROMPT_PRICE_ROWS) * PROMPT_SLACK
+
+    def remember(self, seen: Seen) -> None:
+        """Slots learn with every ConfAdapt sequence of the same thresholds and block size (budget.py)."""
+        if self.draft_budget is not None:
+            self.draft_budget.share(seen, ("confadapt", tuple(self.taus.tolist()), self.k_max))
 
     def plan(self, text: Sequence[int], budget: int, last: Outcome | None) -> Plan:
         if last is None and not self.prompt_slots:

@@ -27,7 +27,7 @@ import torch
 
 from mtplm.config import DecodeConfig
 from mtplm.decode.accept import accept
-from mtplm.decode.budget import DraftBudget
+from mtplm.decode.budget import DraftBudget, Seen
 from mtplm.decode.drafts.proposers import Context, DraftRequest, SlotDrafts, TextDrafts, make_proposer
 from mtplm.decode.protocol import DECODE_ROWS, Feed, Outcome, PassLimits, PassLogits, Plan, RowCost, Traits
 from mtplm.decode.sampling import warp
@@ -74,6 +74,11 @@ class Verified:
             self.copies.price(cost)
         elif self.masks and not self.quadratic and cost(2, masked=True) != cost(2):
             self.slot_budget = DraftBudget(lambda n: cost(2 * n - 1, masked=True), first_probe=True)
+
+    def remember(self, seen: Seen) -> None:
+        """Linear mask drafts learn with every sequence of the same mode string's slots (budget.py)."""
+        if self.slot_budget is not None:
+            self.slot_budget.share(seen, ("verified", self.cfg.k_max, self.cfg.window, self.cfg.drafting))
 
     def bound(self, limits: PassLimits) -> None:
         """Feed no pass wider than the backend's widest decode pass."""

@@ -35,6 +35,7 @@ from functools import partial
 
 import torch
 
+from mtplm.decode.budget import Seen
 from mtplm.decode.fast import fewrow, forward, gguf, graphs, greedy
 from mtplm.decode.fast.architectures import check_supported, sliding_window
 from mtplm.decode.fast.background import BackgroundCompile
@@ -83,6 +84,7 @@ class StaticBackend:
     ) -> None:
         self.model, self.slots, self.compile, self.decode_rows = model, slots, compile, ROW_BUCKETS[-1]
         self.pass_cost: RowCost | None = None  # by rows, relative; pricing.py measures it
+        self.seen: Seen = {}  # what each strategy's mask slots were worth so far (budget.py)
         self.prefill_chunk = prefill_chunk
         self.key_buckets = key_buckets
         self.weights = FastWeights(model, fuse, prepack, quantize, share=not model.hf_exact)

@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from mtplm.config import BACKEND_ENV
+from mtplm.decode.budget import Seen
 from mtplm.decode.passes.chunked import PREFILL_CHUNK, run_chunked
 from mtplm.decode.passes.ragged import RaggedCache, ragged_pass
 from mtplm.decode.protocol import DECODE_ROWS, DecodeModel, Feed, PassLimits, RowCost
@@ -63,6 +64,8 @@ class Backend(Protocol):
     slots: int
     # n -> its pass of n rows' cost relative to one row, on this machine, once measured (pricing.py)
     pass_cost: RowCost | None
+    # what each strategy's mask slots were worth over the sequences it has run (budget.py)
+    seen: Seen
     # its widest decode pass (rows): a wider one rounds otherwise (the compiled backend's largest row bucket);
     # strategies keep their trees and copied drafts within it (protocol.PassLimits, describe)
     decode_rows: int
@@ -112,6 +115,7 @@ class EagerBackend:
         self.model, self.slots = model, slots
         self.cache = RaggedCache(slots)
         self.pass_cost: RowCost | None = None
+        self.seen: Seen = {}
 
     def run(self, start: int, feeds: Sequence[Feed], lengths: Sequence[int]) -> torch.Tensor:
         width = max(len(feed.tokens) for feed in feeds)
@@ -218,6 +222,7 @@ def describe(model: MTPModel, backend: Backend) -> DecodeModel:
         argmax,
         backend.pass_cost,
         PassLimits(backend.decode_rows, backend.row_dependence),
+        backend.seen,
     )
 
 

@@ -27,6 +27,7 @@ from mtplm.decode.protocol import (
     Penalizing,
     Plan,
     Priced,
+    Remembering,
     Strategy,
 )
 from mtplm.decode.run.heads_hook import HeadDrafts
@@ -312,9 +313,12 @@ class Decoding:
 
 def fit(strategy: Strategy, model: DecodeModel) -> None:
     """Tell a new sequence's strategy what this machine and backend allow: what a pass of n rows costs
-    (Priced, once measured) and the backend's limits (Bounded)."""
+    (Priced, once measured), what its mask slots were worth in earlier sequences (Remembering) and the
+    backend's limits (Bounded)."""
     if model.pass_cost is not None and isinstance(strategy, Priced):
         strategy.price(model.pass_cost)
+        if model.seen is not None and isinstance(strategy, Remembering):
+            strategy.remember(model.seen)
     if isinstance(strategy, Bounded):
         strategy.bound(model.limits)
 
