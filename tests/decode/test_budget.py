@@ -119,6 +119,10 @@ def test_priced_lookup_is_plain_decoding_at_any_price(dtype, kind):
             out = generate(model, prompt, cfg, strategy=make_strategy(cfg, None), backend=backend)
             assert out.tokens == plain.tokens, (name, seed)
             fed[name] = sum(drafted for drafted, _ in out.drafts)
+            # the copies' acceptance is the backend's: a second sequence reads what the first learned
+            (setting,) = backend.seen
+            again = generate(model, prompt, cfg, strategy=make_strategy(cfg, None), backend=backend)
+            assert again.tokens == plain.tokens and list(backend.seen) == [setting], (name, seed)
         assert fed["dear"] == 0 and fed["free"] > 0
 
 

@@ -12,7 +12,7 @@ and the pass feeds the d (0 to what was offered) with the most tokens per second
 so a sequence whose drafts do not pay decodes as fast as plain decoding. Which drafts are fed changes no
 token: verification keeps exactly the model's own (greedy) or its distribution (sampling).
 
-p is learned per sequence and per kind of offer (for copied drafts, the length of the n-gram that matched:
+p is learned per kind of offer (for copied drafts, the length of the n-gram that matched:
 a 3-token match is kept far more often than a 1-token one; for ConfAdapt, its mask slots), from the drafts
 each pass fed and kept, with older passes weighing less (DECAY) so the estimate follows the text from prose
 into code and back; a kind priced out drifts back toward the prior (RELAX) so it is tried again. Each try
@@ -21,18 +21,17 @@ cheapest test (more only where more rows cost no more), and each probe in a row 
 the drift (up to BACKOFF halvings), so a kind that never pays on this machine, such as ConfAdapt's slots
 where the model is rarely confident, costs ever fewer dear passes.
 
-Mask slots are one kind a model makes in every sequence, so their acceptance is learned across sequences:
-the backend keeps one Acceptance per strategy and setting (Seen, DecodeModel.seen), which every sequence
-of that strategy reads and updates, so a new sequence neither probes again slots that have not paid on
-this model and machine, nor restarts the back-off; it feeds them at once where they have paid. Copied
-drafts depend on each text, and stay per sequence.
+All of it is learned across sequences: the backend keeps one Acceptance per strategy and setting (Seen,
+DecodeModel.seen), which every sequence of that setting reads and updates. So a new sequence starts from
+what the ones before it learned on this model and machine rather than from even odds: it neither probes
+again slots that have not paid, nor restarts their back-off, and it feeds at once the kinds that have paid.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 
-Seen = dict[Hashable, "Acceptance"]  # per backend: a strategy's setting -> its slots' shared acceptance
+Seen = dict[Hashable, "Acceptance"]  # per backend: a strategy's setting -> what its drafts were worth
 
 PRIOR_KEPT, PRIOR_SEEN = 1.0, 2.0  # a kind of offer never seen yet: p = 1/2, worth two observations
 DECAY = 0.9  # each observation scales the counts before it by this (about the last ten passes count)

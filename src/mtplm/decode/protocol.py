@@ -334,7 +334,7 @@ class Priced(Protocol):
 
 @runtime_checkable
 class Remembering(Protocol):
-    """A priced strategy whose mask slots learn across sequences (budget.py, DecodeModel.seen)."""
+    """A priced strategy whose drafts learn their worth across sequences (budget.py, DecodeModel.seen)."""
 
     def remember(self, seen: Seen) -> None: ...
 
@@ -374,7 +374,7 @@ class DecodeModel:
     pass_cost: RowCost | None = None
     # what the backend's passes allow: its widest decode pass, whether rows are independent
     limits: PassLimits = field(default_factory=PassLimits)
-    # the backend's: what each strategy's mask slots were worth across sequences (budget.py); None: each
+    # the backend's: what each strategy's drafts were worth across sequences (budget.py); None: each
     # sequence learns alone
     seen: Seen | None = None
 

@@ -79,6 +79,8 @@ class Verified:
         """Linear mask drafts learn with every sequence of the same mode string's slots (budget.py)."""
         if self.slot_budget is not None:
             self.slot_budget.share(seen, ("verified", self.cfg.k_max, self.cfg.window, self.cfg.drafting))
+        if self.copies is not None:
+            self.copies.remember(seen, ("copies", self.cfg.draft_source(), self.copies.most))
 
     def bound(self, limits: PassLimits) -> None:
         """Feed no pass wider than the backend's widest decode pass."""

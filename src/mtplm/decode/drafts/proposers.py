@@ -38,7 +38,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from mtplm.config import DecodeConfig
-from mtplm.decode.budget import DraftBudget
+from mtplm.decode.budget import DraftBudget, Seen
 from mtplm.decode.protocol import Outcome, Plan, Priced, RowCost
 from mtplm.decode.sampling import greedy, sample, warp
 from mtplm.registry import PROPOSERS
@@ -147,6 +147,11 @@ class TextDrafts:
             self.budget = None
             return
         self.budget = DraftBudget(cost) if self.alone else None
+
+    def remember(self, seen: Seen, setting: Hashable) -> None:
+        """Priced alone: learn what each kind of offer is worth with the sequences before (budget.py)."""
+        if self.budget is not None:
+            self.budget.share(seen, setting)
 
     def plan(
         self, chain: Plan, text: Sequence[int], budget: int, pending: int, blocks: tuple[int, ...]

@@ -84,7 +84,7 @@ class StaticBackend:
     ) -> None:
         self.model, self.slots, self.compile, self.decode_rows = model, slots, compile, ROW_BUCKETS[-1]
         self.pass_cost: RowCost | None = None  # by rows, relative; pricing.py measures it
-        self.seen: Seen = {}  # what each strategy's mask slots were worth so far (budget.py)
+        self.seen: Seen = {}  # what each strategy's drafts were worth so far (budget.py)
         self.prefill_chunk = prefill_chunk
         self.key_buckets = key_buckets
         self.weights = FastWeights(model, fuse, prepack, quantize, share=not model.hf_exact)

@@ -64,7 +64,7 @@ class Backend(Protocol):
     slots: int
     # n -> its pass of n rows' cost relative to one row, on this machine, once measured (pricing.py)
     pass_cost: RowCost | None
-    # what each strategy's mask slots were worth over the sequences it has run (budget.py)
+    # what each strategy's drafts were worth over the sequences it has run (budget.py)
     seen: Seen
     # its widest decode pass (rows): a wider one rounds otherwise (the compiled backend's largest row bucket);
     # strategies keep their trees and copied drafts within it (protocol.PassLimits, describe)

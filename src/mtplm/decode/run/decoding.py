@@ -313,7 +313,7 @@ class Decoding:
 
 def fit(strategy: Strategy, model: DecodeModel) -> None:
     """Tell a new sequence's strategy what this machine and backend allow: what a pass of n rows costs
-    (Priced, once measured), what its mask slots were worth in earlier sequences (Remembering) and the
+    (Priced, once measured), what its drafts were worth in earlier sequences (Remembering) and the
     backend's limits (Bounded)."""
     if model.pass_cost is not None and isinstance(strategy, Priced):
         strategy.price(model.pass_cost)
