@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mtplm.config import DecodeConfig, Thresholds, parse_mode
-from mtplm.decode.budget import Acceptance, DraftBudget, best_count
+from mtplm.decode.budget import SETTINGS, Acceptance, DraftBudget, best_count
 from mtplm.decode.passes.backends import make_backend
 from mtplm.decode.passes.passcost import PassCost
 from mtplm.decode.passes.pricing import cache_file, cache_key, price
@@ -211,6 +211,9 @@ def test_slots_learn_across_the_sequences_of_one_setting():
     _fed(sequence("paying"), 50, lambda i, count: count)
     assert _fed(sequence("paying"), 1, lambda i, count: count) == [(0, 3)]  # fed fully at once
     assert set(seen) == {"dear", "other", "paying"}
+    for setting in range(SETTINGS - 1):  # a backend remembers SETTINGS settings, forgetting the oldest first
+        sequence(str(setting))
+    assert len(seen) == SETTINGS and "dear" not in seen and "other" not in seen and "paying" in seen
 
 
 def test_priced_confadapt_is_plain_decoding_when_slots_never_pay_and_itself_when_they_are_free():

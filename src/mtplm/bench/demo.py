@@ -89,6 +89,7 @@ def _warm(model, backend, modes: dict, prompts: list[list[int]], max_new_tokens:
     )  # every bucket the rows below meet, compiled before any is timed
     for cfg in modes.values():  # warm-up: first-call costs outside the compiled buckets
         generate(model, warm, dataclasses.replace(cfg, max_new_tokens=48), backend=backend)
+    backend.seen.clear()  # the drafts' worth is learned on the prompts shown, not on the warm-up's
 
 
 def _print_totals(totals: dict[str, list], identical: dict[str, int]) -> None:

@@ -39,6 +39,7 @@ DECAY = 0.9  # each observation scales the counts before it by this (about the l
 # priced out is tried again after a few dozen passes (from p = 0.1 over ten observations: p 0.3 after 60)
 RELAX = 0.03
 BACKOFF = 5  # after this many failed probes in a row, a kind drifts back 2^5 = 32 times slower (~2000 passes)
+SETTINGS = 64  # settings a backend remembers (Seen); a new one past them forgets the oldest
 
 
 def best_count(cost: Callable[[int], float], pending: int, offered: int, keep: float) -> int:
@@ -106,6 +107,8 @@ class DraftBudget:
     def share(self, seen: Seen, setting: Hashable) -> None:
         """Learn with every sequence of this setting on the backend (its Acceptance in `seen`), from what
         they have learned so far."""
+        if setting not in seen and len(seen) >= SETTINGS:
+            del seen[next(iter(seen))]
         self.acceptance = seen.setdefault(setting, Acceptance())
 
     def count(self, kind: Hashable, pending: int, offered: int) -> int:

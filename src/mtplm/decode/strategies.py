@@ -119,7 +119,8 @@ class ConfAdapt(_Block):
     def remember(self, seen: Seen) -> None:
         """Slots learn with every ConfAdapt sequence of the same thresholds and block size (budget.py)."""
         if self.draft_budget is not None:
-            self.draft_budget.share(seen, ("confadapt", tuple(self.taus.tolist()), self.k_max))
+            setting = ("confadapt", tuple(self.taus.tolist()), self.k_max, self.cfg.temperature)
+            self.draft_budget.share(seen, setting)
 
     def plan(self, text: Sequence[int], budget: int, last: Outcome | None) -> Plan:
         if last is None and not self.prompt_slots:

@@ -78,9 +78,11 @@ class Verified:
     def remember(self, seen: Seen) -> None:
         """Linear mask drafts learn with every sequence of the same mode string's slots (budget.py)."""
         if self.slot_budget is not None:
-            self.slot_budget.share(seen, ("verified", self.cfg.k_max, self.cfg.window, self.cfg.drafting))
+            setting = ("verified", self.cfg.k_max, self.cfg.window, self.cfg.drafting, self.cfg.temperature)
+            self.slot_budget.share(seen, setting)
         if self.copies is not None:
-            self.copies.remember(seen, ("copies", self.cfg.draft_source(), self.copies.most))
+            source = self.cfg.draft_source()
+            self.copies.remember(seen, ("copies", source, self.copies.most, self.cfg.temperature))
 
     def bound(self, limits: PassLimits) -> None:
         """Feed no pass wider than the backend's widest decode pass."""
