@@ -295,8 +295,10 @@ def test_a_gguf_heads_greedy_tokens_are_its_logits_argmax(which, request):
     model = load_model(str(request.getfixturevalue(which)), "gguf")
     source, width = model.gguf.head, model.gguf.head.in_features
     backend = StaticBackend(model, 1, capacity=64, compile=False)
-    assert backend.greedy_head is not None  # the backend's argmax for greedy decoding
     generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(4, width, generator=generator).bfloat16()
+    assert backend.greedy_head is not None  # the backend's greedy path is this head's argmax
+    assert torch.equal(backend.greedy_head(hidden), backend.head(hidden).argmax(-1))
     for extra in (0, 2):
         head = QuantHead(source, torch.empty(source.out_features + extra, width, device="meta"))
         for mask_id in {

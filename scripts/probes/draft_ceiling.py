@@ -27,8 +27,8 @@ Offer = tuple[list[int], int]  # (drafts, kind)
 class Latest:
     """The tokens after the latest earlier occurrence of the text's last n tokens, longest n first."""
 
-    def __init__(self, longest: int, store: Latest | None = None, least_shared: int = 2) -> None:
-        self.longest, self.store, self.least_shared = longest, store, least_shared
+    def __init__(self, longest: int, store: Latest | None = None) -> None:
+        self.longest, self.store = longest, store
         self.text: list[int] = []
         self.starts: dict[tuple[int, ...], int] = {}
 
@@ -47,10 +47,10 @@ class Latest:
         return [], 0
 
     def shared(self, most: int) -> Offer:
-        """This text's own match, else a longer one (>= least_shared tokens) in the store: kind 10 + n."""
+        """This text's own match, else a longer one of 2 tokens or more in the store: kind 10 + n."""
         own, n = self.offer(most)
         if self.store is not None:
-            for m in range(min(self.longest, len(self.text)), max(n, self.least_shared - 1), -1):
+            for m in range(min(self.longest, len(self.text)), max(n, 1), -1):
                 start = self.store.starts.get(tuple(self.text[len(self.text) - m :]))
                 if start is not None:
                     return self.store.text[start : start + most], 10 + m

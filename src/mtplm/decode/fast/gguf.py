@@ -34,6 +34,7 @@ from mtplm.assets import embedding
 from mtplm.assets.quantized import GGUFLinear, GGUFWeights
 from mtplm.config import BACKEND_ENV
 from mtplm.decode.fast import fewrow, kernels, quant
+from mtplm.decode.sampling import greedy as argmax_of
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class QuantHead:
             logits = quant.linear(flat.float(), self.weight)
         if 0 <= mask_id < logits.shape[-1]:
             logits[:, mask_id] = float("-inf")
-        return logits.max(-1).indices
+        return argmax_of(logits)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.weight.codes, self.weight.scales, *([] if self.extra.is_meta else [self.extra])]
