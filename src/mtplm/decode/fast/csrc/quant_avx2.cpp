@@ -51,6 +51,10 @@ MTPLM_AVX2 inline __m256i fifth(const uint8_t* mask) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select), _mm256_set1_epi8(16));
 }
 
+// Keeps v in a register as it stands here. Without it the compiler re-associates a row's chain of int16 sums
+// into a tree over the whole block, whose terms, all live at once, spill out of AVX2's 16 registers.
+MTPLM_AVX2 inline void pin(__m256i& v) { asm("" : "+x"(v)); }
+
 // Rows [row, row + R) x one block's half record at `record` (half h): each row's exact int32 dots from
 // their start (-offset x s_x; Q8_0's signed codes need none here).
 template <Kind K, int R>
@@ -66,6 +70,7 @@ MTPLM_AVX2 inline void dots(const Problem& p, int64_t row, int64_t b, const uint
       for (int r = 0; r < R; ++r) {
         const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(broadcast4(q[r] + 4 * t), w));
         s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(pairs, ones));
+        pin(s[r]);
       }
     }
   } else if constexpr (K == Kind::Q6_K) {
@@ -86,6 +91,7 @@ MTPLM_AVX2 inline void dots(const Problem& p, int64_t row, int64_t b, const uint
         for (int r = 0; r < R; ++r) {
           const __m256i x = _mm256_sign_epi8(broadcast4(q[r] + 16 * u + 4 * v), w);
           half[u][r] = _mm256_add_epi16(half[u][r], _mm256_maddubs_epi16(magnitude, x));
+          pin(half[u][r]);
         }
       }
     }
@@ -115,6 +121,7 @@ MTPLM_AVX2 inline void dots(const Problem& p, int64_t row, int64_t b, const uint
         const __m256i both = _mm256_add_epi16(_mm256_maddubs_epi16(low, broadcast4(q[r] + 4 * v)),
                                               _mm256_maddubs_epi16(high, broadcast4(q[r] + 16 + 4 * v)));
         narrow[r] = _mm256_add_epi16(narrow[r], both);
+        pin(narrow[r]);
       }
       if (fifth_bits(K) ? v % 2 == 1 : v == 3) {  // int16 sums flushed before they could overflow
         for (int r = 0; r < R; ++r) {
