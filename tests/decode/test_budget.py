@@ -4,6 +4,7 @@ which drafts it feeds changes no token."""
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import pytest
 import torch
@@ -71,6 +72,17 @@ def test_a_passs_relative_cost_is_the_bucket_it_is_padded_to():
     assert cost(3) == cost(4) == pytest.approx(1.2)
     assert cost(5) == cost(8) == pytest.approx(1.6)
     assert cost(12) == pytest.approx(2.0)  # the last step's slope beyond the curve
+
+
+def test_an_unpadded_passs_relative_cost_lies_between_the_measured_row_counts():
+    """A backend that feeds its rows as they are (a CPU graph with a symbolic row count) pays c(n) itself: 3
+    rows cost less than the 4 a padded pass would run, so an odd number of drafts can pay."""
+    curve = PassCost((1, 2, 4, 8), (0.010, 0.011, 0.014, 0.022))
+    cost = partial(curve.relative, exact=True)
+    assert cost(1) == 1.0 and cost(2) == pytest.approx(1.1) and cost(4) == pytest.approx(1.4)
+    assert cost(3) == pytest.approx(1.25) and curve.relative(3) == pytest.approx(1.4)
+    assert cost(6) == pytest.approx(1.8) and cost(12) == pytest.approx(3.0)
+    assert best_count(cost, 1, 2, 0.6) == 2 and best_count(curve.relative, 1, 2, 0.6) == 1
 
 
 def test_acceptance_learns_per_kind_and_a_draft_after_a_rejection_is_not_tested():

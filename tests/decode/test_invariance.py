@@ -76,7 +76,7 @@ def test_a_rows_result_is_the_same_bitwise_whatever_rows_share_its_pass(gated, h
         backend.run(0, [feed(prompt)], [0])
         for length in (37, 29):  # two cache lengths, the second behind rows the first wrote
             alone = row_zero(backend, [11], length)
-            for rows in range(2, 10):  # buckets 2, 4, 8, 16: padded rows too
+            for rows in range(2, 10):  # fed unpadded on a CPU: odd counts too
                 others = [(11 + 5 * r) % (VOCAB - 2) for r in range(1, rows)]
                 if gated and rows % 2:  # <mtp> rows behind it: the adapters' graphs
                     others[-1] = model.mask_id
@@ -84,6 +84,9 @@ def test_a_rows_result_is_the_same_bitwise_whatever_rows_share_its_pass(gated, h
                 assert torch.equal(shared[0], alone[0]), f"hidden, {rows} rows behind {length}"
                 assert torch.equal(shared[1], alone[1]), f"logits, {rows} rows behind {length}"
     assert any(bucket[1] == 1 for bucket in backend.compiled_buckets) and backend.whole_rows >= 1
+    # 3, 5, 6, 7 and 9 rows ran as they are, through the graphs of 2 rows and more: none compiled for them
+    assert backend.exact_rows(1, 3) and not backend.exact_rows(1, 1)
+    assert {graph[1] for graph in backend.compiled_buckets} == {1, "2-32"}
 
 
 @pytest.mark.parametrize("drafts", [0, 3])

@@ -79,6 +79,15 @@ def architecture(model: MTPModel) -> Architecture:
     return ARCHITECTURES[name]
 
 
+def unsupported(model: MTPModel) -> str | None:
+    """Why the fast pass cannot run `model` (None: it can)."""
+    try:
+        check_supported(model)
+    except UserError as exc:
+        return str(exc)
+    return None
+
+
 def check_supported(model: MTPModel) -> Shape:
     """The Shape of a model the fast pass can run; UserError naming what is not supported otherwise."""
     hf = model.hf

@@ -6,7 +6,8 @@ The store holds keys and values per layer as [S + 1, KVH, C + 1, d]: slots 0 .. 
 a live sequence; position C is never written or read (a pass's first T <= C positions are then always a
 strict slice of the store, which keeps T dynamic in the graphs: fast/graphs.py). A pass is padded to a
 bucket on each of its three sizes; one graph serves every T, and on a CPU every b >= 2 and Q >= 2 of a
-kind of pass (fast/graphs.py; `_graph_of` names them):
+kind of pass (fast/graphs.py; `_graph_of` names them): there Q is fed unpadded, but where a bucket has a
+graph of its own (a GPU's, the whole pass's), as a padded row would cost what a real one does:
 
   b  sequences   1, 2, 4, 8, ...         padded entries: scratch slot, length 0, see themselves only
   Q  fed rows    1, 2, 4, 8, 16, 32      padded rows: written past the sequence's fed rows, never read
@@ -37,7 +38,7 @@ import torch
 
 from mtplm.decode.budget import Seen
 from mtplm.decode.fast import fewrow, forward, gguf, graphs, greedy
-from mtplm.decode.fast.architectures import check_supported, sliding_window
+from mtplm.decode.fast.architectures import sliding_window, unsupported
 from mtplm.decode.fast.background import BackgroundCompile
 from mtplm.decode.fast.graphs import GROUP_BATCH_ROWS, GROUP_LAYERS, GROUP_ROWS, WHOLE_PASS_ROWS
 from mtplm.decode.fast.inputs import PassInputs, grow_store, pass_inputs
@@ -85,8 +86,7 @@ class StaticBackend:
         self.model, self.slots, self.compile, self.decode_rows = model, slots, compile, ROW_BUCKETS[-1]
         self.pass_cost: RowCost | None = None  # by rows, relative; pricing.py measures it
         self.seen: Seen = {}  # what each strategy's drafts were worth so far (budget.py)
-        self.prefill_chunk = prefill_chunk
-        self.key_buckets = key_buckets
+        self.prefill_chunk, self.key_buckets = prefill_chunk, key_buckets
         self.weights = FastWeights(model, fuse, prepack, quantize, share=not model.hf_exact)
         forward.probe_attention()  # before any graph reads what it decides
         lm_head = model.hf.get_output_embeddings().weight.detach()  # [V, D]
@@ -132,7 +132,7 @@ class StaticBackend:
         if width > ROW_BUCKETS[-1]:
             return self._wide(start, feeds, lengths, width)
         adapters, background = self._adapters(feeds), self.background
-        rows = _bucket(width)
+        rows = width if self.exact_rows(len(feeds), width, adapters) else _bucket(width)
         self._fit(max(lengths) + rows)
         bucket = (_bucket(len(feeds)), rows, self._key_length(max(lengths) + rows), adapters)
         hold = background.hold(self._graph_of(bucket)) if background else nullcontext(self.compile)
@@ -266,6 +266,11 @@ class StaticBackend:
                 )
         return hidden
 
+    def exact_rows(self, batch: int, rows: int, adapters: bool = False) -> bool:
+        """Whether a compiled pass feeds `rows` rows unpadded: on a CPU, where its graph's Q is symbolic."""
+        bucket = (_bucket(batch), _bucket(rows), 0, adapters)
+        return rows > 1 and not self.weights.embed.is_cuda and self._step_for(bucket) is not self._whole
+
     def _step_for(self, bucket: tuple[int, int, int, bool]) -> Callable[..., torch.Tensor]:
         """The whole-pass graph for hot one-sequence plain buckets, grouped layers for the other
         one-sequence buckets of up to group_rows rows and batched plain ones of up to group_batch_rows rows a
@@ -370,11 +375,7 @@ class StaticBackend:
     @staticmethod
     def unsupported(model: MTPModel) -> str | None:
         """Why this backend cannot run `model` (None: it can)."""
-        try:
-            check_supported(model)
-        except UserError as exc:
-            return str(exc)
-        return None
+        return unsupported(model)
 
     def move(self, source: int, target: int, length: int) -> None:
         """Copy slot `source`'s first `length` positions into slot `target` (compaction)."""

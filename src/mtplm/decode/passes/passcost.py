@@ -44,11 +44,14 @@ class PassCost:
         slope = (secs[i] - secs[i - 1]) / (rows[i] - rows[i - 1])
         return max(secs[0], secs[i - 1] + slope * (n - rows[i - 1]))
 
-    def relative(self, n: int, masked: bool = False) -> float:
+    def relative(self, n: int, masked: bool = False, exact: bool = False) -> float:
         """A pass of n real rows (`masked`: a token and n-1 <mtp> rows) against a one-row pass, as a compiled
         backend pays it: the curve at the smallest measured row count >= n (a pass is padded to its row
-        bucket, and the curve is measured at the buckets), the last measured step's slope beyond the last.
-        The draft budget reads this (protocol.RowCost)."""
+        bucket, and the curve is measured at the buckets), the last measured step's slope beyond the last;
+        `exact`, where the backend feeds n rows unpadded: the curve at n itself, linear between measured
+        row counts. The draft budget reads this (protocol.RowCost)."""
+        if exact:
+            return self(n, masked) / self(1, masked)
         secs = self.seconds if masked else (self.plain_seconds or self.seconds)
         at = next((i for i, r in enumerate(self.rows) if r >= n), None)
         if at is not None:

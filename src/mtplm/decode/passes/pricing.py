@@ -124,5 +124,8 @@ def price(backend, model, masked_rows: int = 0) -> PassCost:
             f"mtplm: priced a decode pass by rows in {time.perf_counter() - began:.1f} s "
             f"({curve.describe()}; cached for next time)"
         )
-    backend.pass_cost = curve.relative
+    exact = getattr(backend, "exact_rows", None)  # a backend that feeds its rows unpadded pays c(n) itself
+    backend.pass_cost = (
+        functools.partial(curve.relative, exact=True) if exact and exact(1, 3) else curve.relative
+    )
     return curve
