@@ -49,6 +49,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -144,6 +145,26 @@ void groups(const Problem& p, bool vnni, int64_t begin, int64_t end) {
 
 // inputs [N, K] bf16 or float32, codes uint8 [Mp / 16, K / 32, record], scales fp16 [Mp / 16, K / 32, 16 S]
 // (the K-quants: [Mp / 16, K / 256, 16 S]), bias float32 [M] or none -> [N, M] in the inputs' dtype.
+// The rows quantized (quantize_row's outputs, block-major: [Kb][N] each), for the kernels to read.
+struct Rows {
+  int8_t* qx;       // [Kb][N][32]
+  float* dx;        // [Kb][N]
+  int32_t* start;   // [Kb][N]
+  float* ds;        // [Kb][N]
+  int32_t* halves;  // [Kb][N][2]
+};
+
+// Room for `blocks` = Kb x N rows' blocks in a buffer of the calling thread that only grows: a decode pass
+// calls the op ~120 times on a few rows, and five tensors allocated per call cost more than its quantizing.
+Rows scratch(int64_t blocks) {
+  thread_local std::vector<int32_t> buffer;  // 32-bit words: 8 per block of codes, 1 + 1 + 1 + 2 for the rest
+  const size_t words = static_cast<size_t>(blocks) * 13;
+  if (buffer.size() < words) buffer.resize(words);
+  int32_t* at = buffer.data();
+  return Rows{reinterpret_cast<int8_t*>(at), reinterpret_cast<float*>(at + 8 * blocks), at + 9 * blocks,
+              reinterpret_cast<float*>(at + 10 * blocks), at + 11 * blocks};
+}
+
 at::Tensor quant_linear(const at::Tensor& inputs, const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& bias, c10::string_view kind_name, int64_t out_features) {
   const Kind kind = kind_of(std::string(kind_name));
@@ -168,29 +189,23 @@ at::Tensor quant_linear(const at::Tensor& inputs, const at::Tensor& codes, const
   TORCH_CHECK(!b.defined() || (b.numel() == out_features && b.scalar_type() == at::kFloat),
               "quant_linear: a float32 bias [M]");
   const at::Tensor x = inputs.contiguous();
-  at::Tensor qx = at::empty({kb, n, 32}, x.options().dtype(at::kChar));
-  at::Tensor dx = at::empty({kb, n}, x.options().dtype(at::kFloat));
-  at::Tensor start = at::empty({kb, n}, x.options().dtype(at::kInt));
-  const bool min = mtplm::quant::has_min(kind), use_vnni = vnni(), split = kind == Kind::Q6_K && use_vnni;
-  at::Tensor ds = at::empty({min ? kb : 0, n}, x.options().dtype(at::kFloat));
-  at::Tensor halves = at::empty({split ? kb : 0, n, 2}, x.options().dtype(at::kInt));
   at::Tensor y = at::empty({n, out_features}, x.options());
   if (n == 0 || out_features == 0) return y;
+  const bool min = mtplm::quant::has_min(kind), use_vnni = vnni(), split = kind == Kind::Q6_K && use_vnni;
+  const Rows rows = scratch(kb * n);
   const int32_t shift = offset(kind, use_vnni);
   at::parallel_for(0, n, std::max<int64_t>(1, 16384 / k), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      int8_t* q = qx.data_ptr<int8_t>() + r * 32;
-      float* d = dx.data_ptr<float>() + r;
-      int32_t* s = start.data_ptr<int32_t>() + r;
-      float* f = min ? ds.data_ptr<float>() + r : nullptr;
-      int32_t* h = split ? halves.data_ptr<int32_t>() + 2 * r : nullptr;
-      bf16 ? quantize_row(x.data_ptr<c10::BFloat16>() + r * k, kb, n, shift, q, d, s, f, h)
-           : quantize_row(x.data_ptr<float>() + r * k, kb, n, shift, q, d, s, f, h);
+      float* f = min ? rows.ds + r : nullptr;
+      int32_t* h = split ? rows.halves + 2 * r : nullptr;
+      bf16 ? quantize_row(x.data_ptr<c10::BFloat16>() + r * k, kb, n, shift, rows.qx + r * 32, rows.dx + r,
+                          rows.start + r, f, h)
+           : quantize_row(x.data_ptr<float>() + r * k, kb, n, shift, rows.qx + r * 32, rows.dx + r, rows.start + r,
+                          f, h);
     }
   });
   const Problem p{kind, codes.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr()),
-                  qx.data_ptr<int8_t>(), dx.data_ptr<float>(), start.data_ptr<int32_t>(),
-                  min ? ds.data_ptr<float>() : nullptr, split ? halves.data_ptr<int32_t>() : nullptr,
+                  rows.qx, rows.dx, rows.start, min ? rows.ds : nullptr, split ? rows.halves : nullptr,
                   b.defined() ? b.data_ptr<float>() : nullptr, bf16 ? nullptr : y.data_ptr<float>(),
                   bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr()) : nullptr, n, out_features, kb};
   at::parallel_for(0, (out_features + 15) / 16, 1, [&](int64_t begin, int64_t end) { groups(p, use_vnni, begin, end); });
