@@ -113,6 +113,8 @@ def storage_key(tensor) -> tuple[int, int]:
 
 def held(backend, model) -> dict[str, float]:
     """MB of distinct storages the process holds for decoding, by kind."""
+    from mtplm.decode.fast.greedy import copies
+
     kinds: dict[str, dict[int, int]] = {}
     seen: set[int] = set()
 
@@ -135,10 +137,8 @@ def held(backend, model) -> dict[str, float]:
         head = getattr(backend, "_head", None)
         for tensor in head.tensors() if hasattr(head, "tensors") else [head]:
             add("LM head", tensor)
-        greedy = getattr(backend, "greedy_head", None)
-        if greedy is not None:
-            add("greedy head (int8 copy)", greedy.codes)
-            add("greedy head (int8 copy)", greedy.stats)
+        for tensor in copies(getattr(backend, "greedy_head", None)):  # an int8 copy (a GGUF head has none)
+            add("greedy head (int8 copy)", tensor)
         for tensor in [*getattr(backend, "keys", []), *getattr(backend, "values", [])]:
             add("KV store", tensor)
     for tensor in model.tensors():
