@@ -20,6 +20,7 @@ from mtplm.assets.models import SOURCE_FILE
 from mtplm.config import DecodeConfig, parse_mode
 from mtplm.decode.fast import StaticBackend, fewrow, quant
 from mtplm.decode.passes.backends import EagerBackend
+from mtplm.decode.passes.pricing import cache_key
 from mtplm.decode.run.loop import generate
 from mtplm.errors import UserError
 from mtplm.model import load_model
@@ -149,6 +150,15 @@ def test_a_k_quant_mix_runs_quantized_under_auto(which, kind, request):
     assert {linear.kind for linear in model.gguf.linears()} == {kind, "Q6_K"}
     backend = StaticBackend(model, 1, capacity=64, compile=False)
     assert backend.weights.quantized == "gguf"
+
+
+def test_files_of_one_architecture_in_other_blocks_are_priced_apart(k_dir, k5_dir):
+    """A Q4_K_M and a Q5_K_M file of one model cost differently per row: each has its own cached curve."""
+    keys = []
+    for which in (k_dir, k5_dir):
+        model = load_model(str(which), "auto")
+        keys.append(cache_key(StaticBackend(model, 1, capacity=64, compile=False), model))
+    assert keys[0] != keys[1] and "Q4_K x" in keys[0] and "Q5_K x" in keys[1]
 
 
 @pytest.mark.parametrize("which", EVERY)

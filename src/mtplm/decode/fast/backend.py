@@ -267,9 +267,11 @@ class StaticBackend:
         return hidden
 
     def exact_rows(self, batch: int, rows: int, adapters: bool = False) -> bool:
-        """Whether a compiled pass feeds `rows` rows unpadded: on a CPU, where its graph's Q is symbolic."""
-        bucket = (_bucket(batch), _bucket(rows), 0, adapters)
-        return rows > 1 and not self.weights.embed.is_cuda and self._step_for(bucket) is not self._whole
+        """Whether a compiled pass feeds `rows` rows unpadded: on a CPU, where its graph's Q is symbolic and
+        no op pads by it (attention's products over a BLAS that rounds by rows would: forward.py)."""
+        bucket, cpu = (_bucket(batch), _bucket(rows), 0, adapters), not self.weights.embed.is_cuda
+        unpadded = cpu and forward.rows_unpadded(self.weights.shape.head_dim, self.keys[0].dtype)
+        return rows > 1 and unpadded and self._step_for(bucket) is not self._whole
 
     def _step_for(self, bucket: tuple[int, int, int, bool]) -> Callable[..., torch.Tensor]:
         """The whole-pass graph for hot one-sequence plain buckets, grouped layers for the other
@@ -372,10 +374,7 @@ class StaticBackend:
         """Which products its passes run: the few-row kernels' ISA ("amx", "avx512", "avx2"), or "onednn"."""
         return fewrow.isa() if fewrow.load() else "onednn"
 
-    @staticmethod
-    def unsupported(model: MTPModel) -> str | None:
-        """Why this backend cannot run `model` (None: it can)."""
-        return unsupported(model)
+    unsupported = staticmethod(unsupported)  # why this backend cannot run a model (None: it can)
 
     def move(self, source: int, target: int, length: int) -> None:
         """Copy slot `source`'s first `length` positions into slot `target` (compaction)."""

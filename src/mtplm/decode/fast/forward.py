@@ -82,8 +82,19 @@ def probe_attention() -> None:
 
 def _kernel_attends(query: torch.Tensor, key_store: torch.Tensor) -> bool:
     """fewrow.attend takes this pass: bf16 or float32 on a CPU, head dim 64 or 128, the kernel loaded."""
-    usable = query.dtype == key_store.dtype in (torch.bfloat16, torch.float32) and query.device.type == "cpu"
-    return usable and query.shape[-1] in (64, 128) and bool(_attention_kernel)
+    usable = query.dtype == key_store.dtype and query.device.type == "cpu"
+    return usable and kernel_attends(query.shape[-1], query.dtype)
+
+
+def kernel_attends(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether fewrow.attend takes a CPU pass of this head dim over a store of this dtype."""
+    return dtype in (torch.bfloat16, torch.float32) and head_dim in (64, 128) and bool(_attention_kernel)
+
+
+def rows_unpadded(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether no op of a CPU pass pads its query rows (mtplm's attention kernel takes it, or this BLAS needs
+    no padding: attention_rows), so a graph whose row count Q is symbolic never guards on Q's value."""
+    return kernel_attends(head_dim, dtype) or attention_rows() == 1
 
 
 def decode_pass(

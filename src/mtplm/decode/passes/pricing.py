@@ -17,6 +17,7 @@ import functools
 import hashlib
 import logging
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -66,7 +67,7 @@ def cache_key(backend: object, model) -> str:
     weights = getattr(backend, "weights", None)  # the blocks the pass reads and the graphs that run it
     if weights is not None:  # the compiled pass's own code (which kernels a pass calls, and how)
         isa += " pass " + _pass_source()
-    layout = f"{getattr(weights, 'quantized', None) or 'float'} weights, {_graphs(backend)}"
+    layout = f"{getattr(weights, 'quantized', None) or 'float'} weights{_blocks(model)}, {_graphs(backend)}"
     return (
         f"{cpu_identity()} | torch {torch.__version__}, {torch.get_num_threads()} threads | "
         f"{type(backend).__name__} {_pass_kind(backend)} {isa} | {layout} | {shape} {model.hf.dtype} "
@@ -80,6 +81,16 @@ def _pass_source() -> str:
     a pass calls prices its passes afresh."""
     files = sorted(Path(fewrow.__file__).parent.glob("*.py"))
     return hashlib.sha256(b"".join(path.read_bytes() for path in files)).hexdigest()[:12]
+
+
+def _blocks(model) -> str:
+    """A GGUF's block types and how many linears hold each: files of one architecture cost differently per
+    row (a Q4_K_M and a Q5_K_M of one model), so each gets its own curve."""
+    source = getattr(model, "gguf", None)
+    if source is None:
+        return ""
+    kinds = Counter(linear.kind for linear in source.linears())
+    return " (" + ", ".join(f"{kind} x{count}" for kind, count in sorted(kinds.items())) + ")"
 
 
 def _graphs(backend: object) -> str:

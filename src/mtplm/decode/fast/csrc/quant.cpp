@@ -143,8 +143,6 @@ void groups(const Problem& p, bool vnni, int64_t begin, int64_t end) {
   mtplm::quant::avx2_groups(p, begin, end);
 }
 
-// inputs [N, K] bf16 or float32, codes uint8 [Mp / 16, K / 32, record], scales fp16 [Mp / 16, K / 32, 16 S]
-// (the K-quants: [Mp / 16, K / 256, 16 S]), bias float32 [M] or none -> [N, M] in the inputs' dtype.
 // The rows quantized (quantize_row's outputs, block-major: [Kb][N] each), for the kernels to read.
 struct Rows {
   int8_t* qx;       // [Kb][N][32]
@@ -155,7 +153,7 @@ struct Rows {
 };
 
 // Room for `blocks` = Kb x N rows' blocks in a buffer of the calling thread that only grows: a decode pass
-// calls the op ~120 times on a few rows, and five tensors allocated per call cost more than its quantizing.
+// calls the op ~120 times on a few rows, and five tensors a call were most of the pass's allocations.
 Rows scratch(int64_t blocks) {
   thread_local std::vector<int32_t> buffer;  // 32-bit words: 8 per block of codes, 1 + 1 + 1 + 2 for the rest
   const size_t words = static_cast<size_t>(blocks) * 13;
@@ -165,6 +163,8 @@ Rows scratch(int64_t blocks) {
               reinterpret_cast<float*>(at + 10 * blocks), at + 11 * blocks};
 }
 
+// inputs [N, K] bf16 or float32, codes uint8 [Mp / 16, K / 32, record], scales fp16 [Mp / 16, K / 32, 16 S]
+// (the K-quants: [Mp / 16, K / 256, 16 S]), bias float32 [M] or none -> [N, M] in the inputs' dtype.
 at::Tensor quant_linear(const at::Tensor& inputs, const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& bias, c10::string_view kind_name, int64_t out_features) {
   const Kind kind = kind_of(std::string(kind_name));
