@@ -6,8 +6,8 @@ The store holds keys and values per layer as [S + 1, KVH, C + 1, d]: slots 0 .. 
 a live sequence; position C is never written or read (a pass's first T <= C positions are then always a
 strict slice of the store, which keeps T dynamic in the graphs: fast/graphs.py). A pass is padded to a
 bucket on each of its three sizes; one graph serves every T, and on a CPU every b >= 2 and Q >= 2 of a
-kind of pass (fast/graphs.py; `_graph_of` names them): there Q is fed unpadded, but where a bucket has a
-graph of its own (a GPU's, the whole pass's), as a padded row would cost what a real one does:
+kind of pass (fast/graphs.py; `_graph_of` names them): there Q is fed unpadded where no op pads by it and
+no bucket has a graph of its own (exact_rows), as a padded row would cost what a real one does:
 
   b  sequences   1, 2, 4, 8, ...         padded entries: scratch slot, length 0, see themselves only
   Q  fed rows    1, 2, 4, 8, 16, 32      padded rows: written past the sequence's fed rows, never read
