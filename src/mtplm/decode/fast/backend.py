@@ -104,6 +104,7 @@ class StaticBackend:
         self.background: BackgroundCompile | None = None  # graphs compiling on a thread of their own
         self._graphs: dict[tuple, tuple] = {}  # (b, Q, T, adapters) -> its graph's name (_graph_of)
         self._grow(capacity)
+        self._unpadded = forward.rows_unpadded(self.weights.shape.head_dim, self.keys[0].dtype)
         self.compiled_buckets: dict[tuple, float] = {}  # graph name -> compile seconds
         self.compiles = 0  # graphs compiled so far (a store that grew compiles its buckets again)
         self._quiet = False  # warm() reports its compiles as one line
@@ -268,10 +269,10 @@ class StaticBackend:
 
     def exact_rows(self, batch: int, rows: int, adapters: bool = False) -> bool:
         """Whether a compiled pass feeds `rows` rows unpadded: on a CPU, where its graph's Q is symbolic and
-        no op pads by it (attention's products over a BLAS that rounds by rows would: forward.py)."""
-        bucket, cpu = (_bucket(batch), _bucket(rows), 0, adapters), not self.weights.embed.is_cuda
-        unpadded = cpu and forward.rows_unpadded(self.weights.shape.head_dim, self.keys[0].dtype)
-        return rows > 1 and unpadded and self._step_for(bucket) is not self._whole
+        no op pads by it (_unpadded, decided in __init__: forward.rows_unpadded)."""
+        if rows < 2 or not self._unpadded or self.weights.embed.is_cuda:  # a 1-row pass asks nothing more
+            return False
+        return self._step_for((_bucket(batch), _bucket(rows), 0, adapters)) is not self._whole
 
     def _step_for(self, bucket: tuple[int, int, int, bool]) -> Callable[..., torch.Tensor]:
         """The whole-pass graph for hot one-sequence plain buckets, grouped layers for the other
