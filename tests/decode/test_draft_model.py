@@ -19,6 +19,8 @@ from mtplm.config import DecodeConfig, parse_mode
 from mtplm.decode.drafts import drafter as drafters
 from mtplm.decode.drafts.draft import DraftProposer
 from mtplm.decode.drafts.proposers import Context
+from mtplm.decode.passes.backends import make_backend
+from mtplm.decode.passes.pricing import one_row_seconds, price
 from mtplm.decode.run.engine import Engine, Job
 from mtplm.decode.run.loop import generate
 from mtplm.errors import UserError
@@ -64,6 +66,22 @@ def test_greedy_with_a_draft_model_is_the_targets_plain_greedy(way, seed):
         kept += sum(accepted for _, accepted in got.drafts)
     if seed == 0:  # the drafter's next-token row is the target's: drafts were kept
         assert kept > 0
+
+
+def test_a_drafts_cost_is_the_drafters_priced_pass_against_the_targets(tmp_path, monkeypatch):
+    """The drafter's passes are priced against the target's as this machine ran them once both are priced
+    (the drafter when warmed, the target at its warm-up); before, as the weights each pass reads."""
+    monkeypatch.setenv("MTPLM_HOME", str(tmp_path))
+    target = base(0, layers=4)
+    draft = drafters.attach(target, base(1, layers=1), backend="eager")
+    assert draft.ratio == draft.weights_ratio
+    drafters.warm(draft, (3, 8), 8)
+    assert one_row_seconds(draft.model) is not None and draft.ratio == draft.weights_ratio  # target unpriced
+    backend = make_backend("eager", target, slots=1)
+    price(backend, target)
+    measured = one_row_seconds(draft.model) / one_row_seconds(target)
+    assert draft.ratio == pytest.approx(measured) and draft.ratio != draft.weights_ratio
+    assert draft.cost(3, backend.pass_cost) == pytest.approx(3 * measured)
 
 
 def test_sampling_with_a_draft_model_keeps_the_targets_distribution():

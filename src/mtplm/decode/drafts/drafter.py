@@ -116,13 +116,26 @@ class DraftModel:
         self.k = model.meta.k_max if self.mask_id is not None else None  # tokens one parallel pass drafts
         self.vocab = target.hf.get_input_embeddings().weight.shape[0]  # ids the target can be fed
         self.banned = {target.meta.mask_id} if target.meta is not None else set()  # the target's <mtp>
-        # a drafter's one-row pass against the target's, as the weights each reads (decode reads them all)
-        self.ratio = pass_weights(model) / pass_weights(target)
+        # before both are priced: a drafter's one-row pass against the target's as the weights each reads
+        self.weights_ratio = pass_weights(model) / pass_weights(target)
+        self.target = weakref.ref(target)
         self.holders: list[int | None] = [None] * backend.slots  # slot -> the ticket holding it
         self.cached: list[list[int]] = [[] for _ in range(backend.slots)]  # slot -> tokens of its KV
         self.drafted = [0] * backend.slots  # slot -> when it was last drafted in (a count of requests)
         self._tickets, self._clock = itertools.count(1), itertools.count(1)
         self._lock = threading.Lock()  # releases come from the garbage collector, on any thread
+
+    @property
+    def ratio(self) -> float:
+        """A drafter pass of one row against the target's: their one-row passes as this machine priced them
+        (pricing.py: the drafter at `warm`, the target at its warm-up), else the weights each reads. The
+        weights alone can be far off: Qwen2.5-Coder-0.5B's GGUF reads 0.32 of the parameters of its 1.5B
+        sibling's and 0.40 of the bytes, and its pass took 0.59 of the time (2-core AMD EPYC, AVX2)."""
+        from mtplm.decode.passes.pricing import one_row_seconds
+
+        target = self.target()
+        mine, theirs = one_row_seconds(self.model), one_row_seconds(target) if target is not None else None
+        return mine / theirs if mine and theirs else self.weights_ratio
 
     @property
     def parallel(self) -> bool:
@@ -331,8 +344,10 @@ def attach(
 
 def warm(draft: DraftModel, prompt_lengths: tuple[int, int], max_new_tokens: int) -> None:
     """Compile the drafter's buckets for a workload before anything is timed (run/warm.py): the passes of
-    plain decoding, and of <mtp> slots for a parallel drafter, for as many sequences as it has slots."""
+    plain decoding, and of <mtp> slots for a parallel drafter, for as many sequences as it has slots; then
+    price its one-row pass (pricing.py, cached per machine), which its drafts' cost reads."""
     from mtplm.config import DecodeConfig
+    from mtplm.decode.passes.pricing import price
     from mtplm.decode.run.warm import Warmable, buckets
 
     if isinstance(draft.backend, Warmable):
@@ -341,6 +356,7 @@ def warm(draft: DraftModel, prompt_lengths: tuple[int, int], max_new_tokens: int
             draft.backend, draft.model, [cfg], prompt_lengths, max_new_tokens + 16, len(draft.holders)
         )
         draft.backend.warm(todo, capacity)
+    price(draft.backend, draft.model)  # its one-row pass, against the target's (DraftModel.ratio)
 
 
 def detach() -> None:

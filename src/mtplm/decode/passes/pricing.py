@@ -4,8 +4,9 @@ cached under `$MTPLM_HOME/passcost/`, and read by the draft budget (budget.py).
 `price(backend, model)` runs after a warm-up has compiled the row buckets (warm.py): it times one-sequence
 passes of plain rows (a token and copied drafts) behind a short cached context, each with the LM head the
 greedy loop uses (the backend's greedy head where it has one), best of a few interleaved rounds, and keeps
-the curve on the backend (`backend.pass_cost`). The next process on the same machine, model and backend
-reads the file instead (measuring took 0.7-3.4 s for SmolLM2-135M and 6.4 s for Qwen2.5-1.5B here).
+the curve on the backend (`backend.pass_cost`) and the one-row pass's seconds by model (`one_row_seconds`:
+a draft model's passes are priced against its target's). The next process on the same machine, model and
+backend reads the file instead (measuring took 0.7-3.4 s for SmolLM2-135M and 6.4 s for Qwen2.5-1.5B here).
 
 The key names what a pass's cost depends on: the CPU (model name and the ISA flags the kernels choose by),
 the torch version and threads, the backend and its kernels (ISA and build), and the model's shape and dtype.
@@ -17,6 +18,7 @@ import functools
 import hashlib
 import logging
 import time
+import weakref
 from collections import Counter
 from pathlib import Path
 
@@ -32,6 +34,8 @@ log = logging.getLogger(__name__)
 ROWS = (1, 2, 4, 8)  # a pending token and up to 7 copied drafts (beyond: the last step's slope)
 CONTEXT = 200  # cached positions behind each timed pass
 REPEATS = 8  # interleaved rounds after one to warm up; the best of them counts
+# model -> seconds of its one-row pass where it was last priced in this process (one_row_seconds)
+_ONE_ROW: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 ISA_FLAGS = (
     "avx2",
     "fma",
@@ -135,8 +139,15 @@ def price(backend, model, masked_rows: int = 0) -> PassCost:
             f"mtplm: priced a decode pass by rows in {time.perf_counter() - began:.1f} s "
             f"({curve.describe()}; cached for next time)"
         )
+    _ONE_ROW[model] = curve(1, masked=False)
     exact = getattr(backend, "exact_rows", None)  # a backend that feeds its rows unpadded pays c(n) itself
     backend.pass_cost = (
         functools.partial(curve.relative, exact=True) if exact and exact(1, 3) else curve.relative
     )
     return curve
+
+
+def one_row_seconds(model) -> float | None:
+    """Seconds of `model`'s one-row pass (with its greedy head) on this machine, as priced last in this
+    process; None where it was not priced. A draft model's cost against its target's reads it (drafter.py)."""
+    return _ONE_ROW.get(model)
