@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import threading
 
 import pytest
@@ -68,9 +69,10 @@ def test_greedy_with_a_draft_model_is_the_targets_plain_greedy(way, seed):
         assert kept > 0
 
 
-def test_a_drafts_cost_is_the_drafters_priced_pass_against_the_targets(tmp_path, monkeypatch):
+def test_a_drafts_cost_is_the_drafters_priced_pass_against_the_targets(tmp_path, monkeypatch, caplog):
     """The drafter's passes are priced against the target's as this machine ran them once both are priced
-    (the drafter when warmed, the target at its warm-up); before, as the weights each pass reads."""
+    (the drafter when warmed, the target at its warm-up); before, as the weights each pass reads. What one
+    draft must be worth is said once."""
     monkeypatch.setenv("MTPLM_HOME", str(tmp_path))
     target = base(0, layers=4)
     draft = drafters.attach(target, base(1, layers=1), backend="eager")
@@ -82,6 +84,11 @@ def test_a_drafts_cost_is_the_drafters_priced_pass_against_the_targets(tmp_path,
     measured = one_row_seconds(draft.model) / one_row_seconds(target)
     assert draft.ratio == pytest.approx(measured) and draft.ratio != draft.weights_ratio
     assert draft.cost(3, backend.pass_cost) == pytest.approx(3 * measured)
+    with caplog.at_level(logging.INFO):
+        shares = [draft.break_even(backend.pass_cost) for _ in range(2)]
+    assert shares[0] == shares[1] == pytest.approx(backend.pass_cost(2) + measured - 1)
+    said = [record.getMessage() for record in caplog.records if "x the target's" in record.getMessage()]
+    assert len(said) == 1, said  # once per drafter
 
 
 def test_sampling_with_a_draft_model_keeps_the_targets_distribution():

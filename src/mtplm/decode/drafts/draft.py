@@ -53,6 +53,7 @@ class DraftProposer:
     def price(self, cost: RowCost) -> None:
         """Draft as many as pay for the target's rows and the drafter's passes (the module docstring)."""
         drafter = self.drafter
+        drafter.break_even(cost)
         self.budget = DraftBudget(lambda n: cost(n) + drafter.cost(n - 1, cost))
 
     def prefetch(self, context: Context, room: int) -> Request | None:

@@ -36,6 +36,7 @@ Shapes: b sequences in a pass, Q fed rows (padded), n drafts, V vocabulary, D hi
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -49,6 +50,8 @@ from mtplm.decode.protocol import Feed, Plan
 from mtplm.decode.sampling import greedy
 from mtplm.errors import UserError
 from mtplm.modelio import MASK_TOKEN
+
+log = logging.getLogger(__name__)
 
 PAD = Feed([0], 1, 0, 0, False, None)  # a slot's row in a pass that drafts nothing in it (never read)
 
@@ -124,6 +127,7 @@ class DraftModel:
         self.drafted = [0] * backend.slots  # slot -> when it was last drafted in (a count of requests)
         self._tickets, self._clock = itertools.count(1), itertools.count(1)
         self._lock = threading.Lock()  # releases come from the garbage collector, on any thread
+        self._told = False  # whether break_even said what a draft must be worth
 
     @property
     def ratio(self) -> float:
@@ -169,6 +173,23 @@ class DraftModel:
         if self.parallel:
             return self.ratio * target_cost(drafts, masked=True)
         return self.ratio * drafts
+
+    def break_even(self, target_cost: Any) -> float:
+        """How often a pass's one draft must be kept to pay for its row and its drafting here; logged once
+        per drafter, once its pass and the target's were measured, so a user sees what a drafter is worth on
+        this machine before waiting for drafts that do not come."""
+        share = target_cost(2) + self.cost(1, target_cost) - 1.0
+        if not self._told and self.ratio != self.weights_ratio:
+            self._told = True
+            worth = (
+                f"one draft a pass pays where it is kept more than {share:.0%} of the time"
+                if share < 1.0
+                else "one draft a pass never pays here, only longer runs that are nearly all kept"
+            )
+            log.info(
+                f"mtplm: {self.name}'s pass costs {self.ratio:.2f}x the target's on this machine: {worth}"
+            )
+        return share
 
     def most(self, room: int) -> int:
         """Drafts one call may return: `room`, within a parallel drafter's k."""
