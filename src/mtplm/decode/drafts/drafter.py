@@ -131,15 +131,19 @@ class DraftModel:
 
     @property
     def ratio(self) -> float:
-        """A drafter pass of one row against the target's: their one-row passes as this machine priced them
-        (pricing.py: the drafter at `warm`, the target at its warm-up), else the weights each reads. The
-        weights alone can be far off: Qwen2.5-Coder-0.5B's GGUF reads 0.32 of the parameters of its 1.5B
-        sibling's and 0.40 of the bytes, and its pass took 0.59 of the time (2-core AMD EPYC, AVX2)."""
+        """A drafter pass of one row against the target's: as measured once both are priced, else as the
+        weights each reads (which can be far off: docs/decoding.md#a-draft-model)."""
+        measured = self.measured_ratio()
+        return measured if measured is not None else self.weights_ratio
+
+    def measured_ratio(self) -> float | None:
+        """The drafter's one-row pass over the target's as this machine priced them (pricing.py: the drafter
+        at `warm`, the target at its warm-up); None until both are."""
         from mtplm.decode.passes.pricing import one_row_seconds
 
         target = self.target()
         mine, theirs = one_row_seconds(self.model), one_row_seconds(target) if target is not None else None
-        return mine / theirs if mine and theirs else self.weights_ratio
+        return mine / theirs if mine and theirs else None
 
     @property
     def parallel(self) -> bool:
@@ -176,18 +180,13 @@ class DraftModel:
 
     def break_even(self, target_cost: Any) -> float:
         """How often a pass's one draft must be kept to pay for its row and its drafting here; logged once
-        per drafter, once its pass and the target's were measured, so a user sees what a drafter is worth on
-        this machine before waiting for drafts that do not come."""
+        per drafter, once both passes are measured, so a user sees what a drafter is worth on this machine."""
         share = target_cost(2) + self.cost(1, target_cost) - 1.0
-        if not self._told and self.ratio != self.weights_ratio:
+        if not self._told and self.measured_ratio() is not None:
             self._told = True
-            worth = (
-                f"one draft a pass pays where it is kept more than {share:.0%} of the time"
-                if share < 1.0
-                else "one draft a pass never pays here, only longer runs that are nearly all kept"
-            )
+            worth = f"pays where it is kept more than {share:.0%} of the time" if share < 1 else "never pays"
             log.info(
-                f"mtplm: {self.name}'s pass costs {self.ratio:.2f}x the target's on this machine: {worth}"
+                f"mtplm: {self.name}'s pass costs {self.ratio:.2f}x the target's here: one draft {worth}"
             )
         return share
 
