@@ -70,8 +70,8 @@ def run_batched(
         collectors.append(collector)
         engine.submit(Job(ids, cfg, collector))
     try:
-        for collector in collectors:
-            assert collector.done.wait(60)
+        for collector in collectors:  # a compiled backend compiles in its first passes: minutes when slow
+            assert collector.done.wait(300)
     finally:
         engine.close(grace_s=5)
     return collectors
