@@ -160,9 +160,16 @@ MTPLM_AVX2 inline __m256 bytes8(const uint8_t* at) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(eight)));
 }
 
+// Lines of a record to fetch into cache while a tile runs: block b's lines at offsets from, from + step, ..
+// (and its last byte) of `codes` + b x its record bytes; none where `codes` is null.
+struct Fetch {
+  const uint8_t* codes = nullptr;
+  int from = 0, step = 64;
+};
+
 // Rows [row, row + R) x half h (outputs 8h .. 8h + 7) of record `group`: every block in order.
 template <Kind K, int R>
-MTPLM_AVX2 void tile(const Problem& p, int64_t row, int64_t group, int h) {
+MTPLM_AVX2 void tile(const Problem& p, int64_t row, int64_t group, int h, Fetch fetch) {
   constexpr int64_t bytes = record_bytes(K), count = record_scales(K), per = scale_blocks(K);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -171,6 +178,11 @@ MTPLM_AVX2 void tile(const Problem& p, int64_t row, int64_t group, int h) {
   for (int64_t b = 0; b < p.kb; ++b) {
     __m256i s[R];
     const uint8_t* record = codes + b * bytes;
+    if (fetch.codes != nullptr) {
+      const char* next = reinterpret_cast<const char*>(fetch.codes + b * bytes);
+      for (int64_t at = fetch.from; at < bytes; at += fetch.step) _mm_prefetch(next + at, _MM_HINT_T0);
+      _mm_prefetch(next + bytes - 1, _MM_HINT_T0);
+    }
     dots<K, R>(p, row, b, record, h, s);
     const uint16_t* at = scales + b / per * count;
     __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))), mw = dw;
@@ -198,7 +210,7 @@ MTPLM_AVX2 void tile(const Problem& p, int64_t row, int64_t group, int h) {
   }
 }
 
-using TileFn = void (*)(const Problem&, int64_t, int64_t, int);
+using TileFn = void (*)(const Problem&, int64_t, int64_t, int, Fetch);
 
 template <Kind K>
 TileFn tile_fn(int64_t rows) {
@@ -210,15 +222,23 @@ TileFn tile_fn(int64_t rows) {
   }
 }
 
+// Records [begin, end), each half by tiles of rows. One row's products barely outrun the memory, and a record's
+// second half reads its codes from cache, where the memory would idle: so while record g's halves run, the
+// first tile of each fetches record g + 1's codes, half of their lines each (all of them where g has one
+// half). Measured on a 2-vCPU AMD EPYC Zen 3, 1 and 2 rows over Qwen2.5-1.5B's gate + up (Q4_K), down (Q6_K)
+// and head (Q6_K) took 0.80-0.93x the time they took without; the results are the same bits.
 template <Kind K>
 void records(const Problem& p, int64_t begin, int64_t end) {
-  const int64_t tiles = (p.n + kTileRows - 1) / kTileRows;
+  const int64_t tiles = (p.n + kTileRows - 1) / kTileRows, bytes = record_bytes(K);
   for (int64_t group = begin; group < end; ++group) {
     for (int h = 0; h < 2 && group * 16 + 8 * h < p.m; ++h) {
+      const bool both = group * 16 + 8 < p.m;  // the record has a second half
+      Fetch fetch;
+      if (group + 1 < end) fetch = {p.codes + (group + 1) * p.kb * bytes, both ? 64 * h : 0, both ? 128 : 64};
       int64_t row = 0;
       for (int64_t t = 0; t < tiles; ++t) {  // rows split evenly over the tiles
         const int64_t rows = (p.n - row + tiles - t - 1) / (tiles - t);
-        tile_fn<K>(rows)(p, row, group, h);
+        tile_fn<K>(rows)(p, row, group, h, t == 0 ? fetch : Fetch{});
         row += rows;
       }
     }
