@@ -41,9 +41,10 @@ GROUPS = {  # profiler op name -> group; first match wins
 }
 
 
-def best(run, repeats: int) -> float:
-    """Best seconds of `repeats` calls (after one untimed call)."""
-    run()
+def best(run, repeats: int, warm: bool = True) -> float:
+    """Best seconds of `repeats` calls (after one untimed call where `warm`)."""
+    if warm:
+        run()
     times = []
     for _ in range(repeats):
         began = time.perf_counter()

@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import time
+import sys
+from pathlib import Path
 
 import torch
 
@@ -28,15 +29,8 @@ from mtplm.decode.run.warm import warm_up
 from mtplm.llamacpp.server import LlamaServer
 from mtplm.model import load_model
 
-
-def best(run, repeats: int) -> float:
-    """The fewest seconds of `repeats` calls of `run`."""
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - began)
-    return min(times)
+sys.path.insert(0, str(Path(__file__).parent))
+from floor_probe import best  # noqa: E402  (the probes' timing helper)
 
 
 def main() -> None:
@@ -62,8 +56,10 @@ def main() -> None:
     try:
         for n in lengths:
             ids = pool[:n]
-            mtplm_s = best(lambda ids=ids: generate(model, ids, cfg, backend=backend), args.repeats + 1)
-            llama_s = best(lambda ids=ids: server.complete(ids, 1), args.repeats + 1)
+            mtplm_s = best(
+                lambda ids=ids: generate(model, ids, cfg, backend=backend), args.repeats + 1, warm=False
+            )
+            llama_s = best(lambda ids=ids: server.complete(ids, 1), args.repeats + 1, warm=False)
             row = {"prompt_tokens": n, "mtplm_ms": 1000 * mtplm_s, "llama_server_ms": 1000 * llama_s}
             row["ratio"] = mtplm_s / llama_s
             rows.append(row)
