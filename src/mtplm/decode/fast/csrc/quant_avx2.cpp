@@ -225,8 +225,8 @@ TileFn tile_fn(int64_t rows) {
 // Records [begin, end), each half by tiles of rows. One row's products barely outrun the memory, and a record's
 // second half reads its codes from cache, where the memory would idle: so while record g's halves run, the
 // first tile of each fetches record g + 1's codes, half of their lines each (all of them where g has one
-// half). Measured on a 2-vCPU AMD EPYC Zen 3, 1 and 2 rows over Qwen2.5-1.5B's gate + up (Q4_K), down (Q6_K)
-// and head (Q6_K) took 0.80-0.93x the time they took without; the results are the same bits.
+// half). Measured on a 2-vCPU AMD EPYC Zen 3, 1 and 2 rows over Qwen2.5-1.5B's projections (Q4_K, Q6_K) and
+// head (Q6_K) took 0.71-0.93x the time they took without (docs/kernels.md); the results are the same bits.
 template <Kind K>
 void records(const Problem& p, int64_t begin, int64_t end) {
   const int64_t tiles = (p.n + kTileRows - 1) / kTileRows, bytes = record_bytes(K);
