@@ -42,7 +42,8 @@ def main() -> None:
     args = p.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
     model = load_model(args.model, dtype="auto")
-    gguf = source_gguf(base_dir(model)) if base_dir(model) else None
+    base = base_dir(model)
+    gguf = source_gguf(base) if base is not None else None
     if gguf is None:
         raise SystemExit(f"{args.model} records no GGUF file to give llama-server")
     backend = make_backend("auto", model)
